@@ -1,0 +1,123 @@
+"""Paged pool: sequences own lists of fixed-size blocks (block tables) over shared storage."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.block_manager import BlockManager
+from engine.kv.protocol import KVView, OutOfKVCache, PoolViews, allocate_storage, build_view
+
+
+class PagedKVPool(PoolViews):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_slots: int,
+                 max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                 block_size: int = 16, num_blocks: int | None = None,
+                 enable_prefix_caching: bool = True):
+        if num_blocks is None:
+            num_blocks = max_slots * -(-max_seq_len // block_size)
+        self.block_size = block_size
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.storage = allocate_storage(num_layers, num_blocks * block_size, num_kv_heads,
+                                        head_dim, dtype, device)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}  # slot -> block table
+        self._lengths: dict[int, int] = {}
+        self._num_prefix_blocks: dict[int, int] = {}  # slot -> leading blocks shared via the cache
+
+    def _blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def allocate_slot(self, token_ids: list[int]) -> tuple[int, int]:
+        if len(token_ids) > self.max_seq_len:
+            raise OutOfKVCache(f"sequence of {len(token_ids)} tokens exceeds max_seq_len {self.max_seq_len}")
+        if not self._free_slots:
+            raise OutOfKVCache("no free slot")
+        # never take the whole sequence from the cache: the last token must be computed
+        hits = self.blocks.match_prefix(token_ids[:-1]) if token_ids else []
+        slot = self._free_slots.pop()
+        self._tables[slot] = hits
+        self._lengths[slot] = len(hits) * self.block_size
+        self._num_prefix_blocks[slot] = len(hits)
+        return slot, self._lengths[slot]
+
+    def free_slot(self, slot: int) -> None:
+        if slot not in self._tables:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.blocks.release(self._tables.pop(slot))
+        del self._lengths[slot]
+        del self._num_prefix_blocks[slot]
+        self._free_slots.append(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def block_table(self, slot: int) -> list[int]:
+        return list(self._tables[slot])
+
+    def ensure_capacity(self, slot: int, new_len: int) -> bool:
+        if new_len > self.max_seq_len:
+            return False
+        table = self._tables[slot]
+        missing = self._blocks_for(new_len) - len(table)
+        if missing <= 0:
+            return True
+        if missing > self.blocks.num_available():
+            return False
+        table.extend(self.blocks.allocate(missing))
+        return True
+
+    def view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
+        lengths = [self._lengths[s] for s in slots]
+        needed = sum(max(0, self._blocks_for(n + c) - len(self._tables[s]))
+                     for s, n, c in zip(slots, lengths, chunk_lens))
+        if needed > self.blocks.num_available():
+            raise OutOfKVCache(f"need {needed} KV blocks, {self.blocks.num_available()} available")
+        for s, n, c in zip(slots, lengths, chunk_lens):
+            if not self.ensure_capacity(s, n + c):
+                raise OutOfKVCache(f"slot {s}: {n} + {c} tokens exceed max_seq_len {self.max_seq_len}")
+            self._lengths[s] = n + c
+        width = max(len(self._tables[s]) for s in slots)
+        table = torch.tensor([self._tables[s] + [0] * (width - len(self._tables[s])) for s in slots],
+                             device=self.storage.device)  # [B, width]
+        bs = self.block_size
+
+        def rows_at(pos: torch.Tensor) -> torch.Tensor:  # pos [B, X] -> rows [B, X]
+            return table.gather(1, pos // bs) * bs + pos % bs
+
+        return build_view(self.storage, lengths, chunk_lens, rows_at)
+
+    def truncate_to(self, slot: int, new_len: int) -> None:
+        if not 0 <= new_len <= self._lengths[slot]:
+            raise ValueError(f"truncate_to: new_len must be in [0, {self._lengths[slot]}], got {new_len}")
+        keep = self._blocks_for(new_len)
+        if keep < self._num_prefix_blocks[slot]:
+            raise ValueError(f"truncate_to({new_len}) would cut into the {self._num_prefix_blocks[slot]} "
+                             "shared prefix blocks of this slot")
+        table = self._tables[slot]
+        if len(table) > keep:
+            self.blocks.release(table[keep:])
+            del table[keep:]
+        self._lengths[slot] = new_len
+
+    def free_token_capacity(self) -> int | None:
+        return self.blocks.num_available() * self.block_size
+
+    def register_prefix(self, slot: int, token_ids: list[int]) -> None:
+        """Caches the slot's full blocks holding token_ids (must already be computed)."""
+        n_full = min(len(token_ids), self._lengths[slot]) // self.block_size
+        if n_full == 0:
+            return
+        table = self._tables[slot]
+        self.blocks.register(table[:n_full], token_ids[:n_full * self.block_size])
+        self._num_prefix_blocks[slot] = max(self._num_prefix_blocks[slot], n_full)
+
+    def num_used_slots(self) -> int:
+        return len(self._tables)
+
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def num_used_blocks(self) -> int:
+        return self.blocks.num_in_use()

@@ -1,0 +1,126 @@
+"""The contract every KV pool keeps, and the view the model writes and reads through.
+
+Terms: a *slot* is one sequence's place in a pool; its *length* is the number of tokens whose
+K/V the pool holds for it (positions 0..length-1). A *view* covers one forward pass: for each
+slot in the batch it appends `chunk_len` new tokens starting at the slot's current length
+(prefill: from 0; decode: 1 token; chunk / speculative verify: several). Creating a view
+advances the lengths; `truncate_to` moves a length back (speculative rollback).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+class OutOfKVCache(RuntimeError):
+    """The pool cannot hold the requested tokens. Nothing was allocated by the failing call."""
+
+
+class KVView:
+    """Where one forward pass writes new K/V and what it attends to.
+
+    write_rows: [B * T] flat storage row for each new token (padding goes to the scratch row).
+    read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row),
+      or None when `read_slice` gives one contiguous range (B == 1, slotted).
+    """
+
+    def __init__(self, storage: torch.Tensor, write_rows: torch.Tensor,
+                 read_rows: torch.Tensor | None, read_slice: slice | None, key_len: int,
+                 needs_mask: bool):
+        self.storage = storage  # [layers, 2, rows, kv_heads, head_dim]
+        self.write_rows = write_rows
+        self.read_rows = read_rows
+        self.read_slice = read_slice
+        self.key_len = key_len  # L
+        self.needs_mask = needs_mask
+
+    def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """[B, 1, T, L] bool (True = attend): key j is visible to a query at position p iff j <= p."""
+        if not self.needs_mask:
+            return None
+        keys = torch.arange(self.key_len, device=position_ids.device)  # [L]
+        return (keys[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
+
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, T, kv_heads, head_dim] new entries. Returns keys, values [B, L, kv_heads, head_dim]."""
+        kv = self.storage[layer]  # [2, rows, kv_heads, head_dim]
+        B, T = k.shape[:2]
+        kv[0].index_copy_(0, self.write_rows, k.reshape(B * T, *k.shape[2:]))
+        kv[1].index_copy_(0, self.write_rows, v.reshape(B * T, *v.shape[2:]))
+        if self.read_slice is not None:
+            return kv[0, self.read_slice].unsqueeze(0), kv[1, self.read_slice].unsqueeze(0)
+        return kv[0][self.read_rows], kv[1][self.read_rows]
+
+
+@runtime_checkable
+class CachePool(Protocol):
+    """Contract shared by the slotted and the paged pool.
+
+    - `allocate_slot(token_ids)` reserves a slot for a sequence whose known tokens are
+      `token_ids`; returns (slot, cached): the first `cached` tokens already have K/V (prefix
+      cache hit; always < len(token_ids) so the last token is computed). Raises OutOfKVCache.
+    - `free_slot(slot)` releases the slot and its storage (shared prefix blocks stay cached).
+    - `ensure_capacity(slot, new_len)` makes room for the slot to reach `new_len` tokens; False
+      (and nothing allocated) when the pool is out of room. Views call it themselves.
+    - `view(slots, chunk_lens)` appends chunk_lens[i] tokens to slots[i] from its current
+      length. `prefill_view`, `decode_view` and `chunk_view` are the named special cases.
+    - `truncate_to(slot, new_len)` rolls a slot back; storage wholly past new_len is released.
+    - `free_token_capacity()` tokens that could still be stored (None = no shared limit).
+    - `register_prefix(slot, token_ids)` offers the slot's full blocks holding `token_ids`
+      (a prompt prefix) to the prefix cache; a no-op where there is none.
+    """
+
+    def allocate_slot(self, token_ids: list[int]) -> tuple[int, int]: ...
+    def free_slot(self, slot: int) -> None: ...
+    def seq_len(self, slot: int) -> int: ...
+    def ensure_capacity(self, slot: int, new_len: int) -> bool: ...
+    def view(self, slots: list[int], chunk_lens: list[int]) -> KVView: ...
+    def truncate_to(self, slot: int, new_len: int) -> None: ...
+    def free_token_capacity(self) -> int | None: ...
+    def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...
+    def num_used_slots(self) -> int: ...
+
+
+class PoolViews:
+    """The named views of the contract, in terms of `view` (mixed into both pools)."""
+
+    def prefill_view(self, slots: list[int], prompt_lens: list[int]) -> KVView:
+        return self.view(slots, prompt_lens)  # type: ignore[attr-defined]
+
+    def decode_view(self, slots: list[int]) -> KVView:
+        return self.view(slots, [1] * len(slots))  # type: ignore[attr-defined]
+
+    def chunk_view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
+        return self.view(slots, chunk_lens)  # type: ignore[attr-defined]
+
+
+def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
+               rows_at: Callable[[torch.Tensor], torch.Tensor]) -> KVView:
+    """Index tensors for one pass over B sequences.
+
+    lengths[b]: tokens already stored for sequence b; chunk_lens[b]: new tokens it appends.
+    rows_at(positions [B, X]) -> storage rows [B, X] for in-range positions of each sequence.
+    """
+    device = storage.device
+    scratch = storage.shape[2] - 1
+    B, T = len(lengths), max(chunk_lens)
+    key_len = max(n + c for n, c in zip(lengths, chunk_lens))  # L
+    start = torch.tensor(lengths, device=device)  # [B]
+    count = torch.tensor(chunk_lens, device=device)  # [B]
+    steps = torch.arange(T, device=device)  # [T]
+    write_pos = start[:, None] + steps[None, :]  # [B, T]
+    write_ok = steps[None, :] < count[:, None]  # [B, T]
+    keys = torch.arange(key_len, device=device).expand(B, key_len)  # [B, L]
+    read_ok = keys < (start + count)[:, None]  # [B, L]
+    write_rows = torch.where(write_ok, rows_at(torch.where(write_ok, write_pos, 0)), scratch)  # [B, T]
+    read_rows = torch.where(read_ok, rows_at(torch.where(read_ok, keys, 0)), scratch)  # [B, L]
+    uniform = all(c == 1 for c in chunk_lens) and len(set(lengths)) == 1
+    return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not uniform)
+
+
+def allocate_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Flat K/V storage [layers, 2, rows + 1, kv_heads, head_dim]; the last row is scratch."""
+    return torch.zeros(num_layers, 2, rows + 1, num_kv_heads, head_dim, dtype=dtype, device=device)

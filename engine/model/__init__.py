@@ -1,0 +1,1 @@
+"""Model code: our Llama forward, checkpoint loading and the tokenizer wrapper."""

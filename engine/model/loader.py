@@ -1,0 +1,114 @@
+"""Find a checkpoint (local dir, embedded default, or the local HF cache) and load its weights.
+
+Weights are read tensor by tensor from (possibly sharded) safetensors files, cast, and fused
+per layer, so peak memory stays near one copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from engine.model.llama import LayerWeights, Llama, LlamaShape
+
+EMBEDDED_PREFIX = "embedded:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def models_dir() -> Path:
+    """Where the embedded default pair lives (override with SPECSERVE_MODELS_DIR)."""
+    env = os.environ.get("SPECSERVE_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+
+
+def resolve_model_path(name: str) -> Path:
+    """A local directory, 'embedded:<name>' (the shipped pair), or an HF model id in the cache."""
+    if name.startswith(EMBEDDED_PREFIX):
+        path = models_dir() / name[len(EMBEDDED_PREFIX):]
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"the embedded default model {name!r} is not present at {path}; build it with "
+                "`python tools/make_default_pair.py` or pass model=<local dir or HF id>")
+        return path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=name, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError) as exc:
+        raise FileNotFoundError(
+            f"model {name!r} is neither a local directory nor in the local Hugging Face cache "
+            f"({HF_HUB_CACHE}); no network download is attempted") from exc
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {name!r}") from None
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+class _TensorReader:
+    """Reads named tensors from safetensors files, keeping each file open once."""
+
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
+        from safetensors import safe_open
+
+        self.files = files
+        self.dtype, self.device = dtype, device
+        self._handles = {p: safe_open(str(p), framework="pt") for p in set(files.values())}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(f"tensor {name!r} missing from the checkpoint")
+        return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+
+def load_llama(path: Path, dtype: str, device: str, max_positions: int) -> Llama:
+    cfg = json.loads((path / "config.json").read_text())
+    shape = LlamaShape.from_hf_config(cfg)
+    reader = _TensorReader(_weight_files(path), torch_dtype(dtype), device)
+    layers = []
+    for i in range(shape.num_layers):
+        pre = f"model.layers.{i}."
+        qkv = torch.cat([reader.get(pre + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+        layers.append(LayerWeights(
+            attn_norm=reader.get(pre + "input_layernorm.weight"),
+            qkv=qkv,
+            o=reader.get(pre + "self_attn.o_proj.weight"),
+            mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
+            gate_up=gate_up,
+            down=reader.get(pre + "mlp.down_proj.weight"),
+        ))
+    embed = reader.get("model.embed_tokens.weight")
+    tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
+    lm_head = embed if tied else reader.get("lm_head.weight")
+    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions)

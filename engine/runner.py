@@ -1,0 +1,100 @@
+"""ContinuousRunner: runs scheduled batches through the target model (plain decode).
+
+One engine step is at most two forward passes: the prefill chunks (padded to the longest
+chunk) and the decodes (one token each). The runner owns the target KV pool and implements
+the scheduler's `KVAllocator`; the speculative runner extends it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv import CachePool, OutOfKVCache
+from engine.model.llama import Llama
+from engine.request import Request
+from engine.sampling import greedy_or_sample
+from engine.scheduler import ScheduledBatch
+
+
+class ContinuousRunner:
+    def __init__(self, model: Llama, pool: CachePool):
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+
+    # --- KVAllocator -------------------------------------------------------------------
+    def allocate(self, request: Request) -> bool:
+        try:
+            slot, cached = self.pool.allocate_slot(request.all_token_ids)
+        except OutOfKVCache:
+            return False
+        request.slot = slot
+        request.num_computed_tokens = cached
+        request.num_cached_prefix_tokens = cached
+        return True
+
+    def reserve(self, request: Request, num_new_tokens: int) -> bool:
+        return self.pool.ensure_capacity(request.slot, request.num_computed_tokens + num_new_tokens)
+
+    def free(self, request: Request) -> None:
+        if request.slot is not None:
+            self.pool.free_slot(request.slot)
+
+    def decode_tokens(self, request: Request) -> int:
+        return 1
+
+    # --- forward passes ------------------------------------------------------------------
+    def forward_chunks(self, model: Llama, pool: CachePool, slots: list[int],
+                       chunks: list[list[int]], start_positions: list[int],
+                       all_logits: bool = False) -> torch.Tensor:
+        """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
+
+        Returns logits of each chunk's last token [B, vocab], or of every position
+        [B, T, vocab] when all_logits.
+        """
+        B, T = len(chunks), max(len(c) for c in chunks)
+        ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+        pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+        for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
+            ids[b, :len(chunk)] = torch.tensor(chunk)
+            pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+        view = pool.view(slots, [len(c) for c in chunks])
+        last = None if all_logits else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        return model.forward(ids.to(self.device), pos.to(self.device), view, last)
+
+    def step(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
+        """Runs one scheduled batch; returns the new tokens of each request, in order."""
+        out: list[tuple[Request, list[int]]] = []
+        if batch.prefill:
+            out.extend(self._prefill(batch.prefill))
+        if batch.decode:
+            out.extend(self._decode(batch.decode))
+        return out
+
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
+        reqs = [r for r, _ in chunks]
+        token_chunks = [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n] for r, n in chunks]
+        logits = self.forward_chunks(self.model, self.pool, [r.slot for r in reqs], token_chunks,
+                                     [r.num_computed_tokens for r in reqs])  # [B, vocab]
+        done_rows = []
+        for b, (req, n) in enumerate(chunks):
+            req.num_computed_tokens += n
+            self.pool.register_prefix(req.slot, req.prompt_token_ids)
+            if not req.is_prefilling and not req.output_token_ids:
+                done_rows.append(b)  # prompt fully in KV: its last logits give the first token
+        if not done_rows:
+            return []
+        done = [reqs[b] for b in done_rows]
+        tokens = greedy_or_sample(logits[done_rows], [r.params for r in done],
+                                  [r.all_token_ids for r in done], [r.generator for r in done])
+        return [(r, [t]) for r, t in zip(done, tokens)]
+
+    def _decode(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        logits = self.forward_chunks(self.model, self.pool, [r.slot for r in reqs],
+                                     [[r.output_token_ids[-1]] for r in reqs],
+                                     [r.num_computed_tokens for r in reqs])  # [B, vocab]
+        for r in reqs:
+            r.num_computed_tokens += 1
+        tokens = greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
+                                  [r.generator for r in reqs])
+        return [(r, [t]) for r, t in zip(reqs, tokens)]

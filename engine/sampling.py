@@ -1,0 +1,124 @@
+"""Logits -> the adjusted probability distribution a request samples from, and seeded sampling.
+
+`adjusted_probs` is the single definition of "the distribution we sample from": plain
+sampling draws from it, and speculative acceptance compares the target's and the proposer's
+versions of it (p and q). Order: repetition penalty -> greedy (one-hot argmax) or temperature
+-> top-k -> top-p -> min-p -> renormalise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters as tensors, for N rows of logits."""
+
+    greedy: torch.Tensor  # [N] bool
+    temperature: torch.Tensor  # [N] float32 (1.0 on greedy rows, unused there)
+    top_k: torch.Tensor  # [N] int64, <= 0 disables
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    penalty: torch.Tensor  # [N] float32
+    needs_sort: bool  # any row uses top-k or top-p
+    needs_penalty: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device | str) -> SamplingRows:
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            greedy=col([p.greedy for p in params], torch.bool),
+            temperature=col([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.long),
+            top_p=col([p.top_p for p in params], torch.float32),
+            min_p=col([p.min_p for p in params], torch.float32),
+            penalty=col([p.repetition_penalty for p in params], torch.float32),
+            needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy),
+            needs_penalty=any(p.repetition_penalty != 1.0 for p in params),
+        )
+
+    def repeat_rows(self, n: int) -> SamplingRows:
+        """Each row repeated n times in place (row i -> rows i*n .. i*n+n-1)."""
+        rep = {k: v.repeat_interleave(n) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return SamplingRows(**rep, needs_sort=self.needs_sort, needs_penalty=self.needs_penalty)
+
+
+def context_mask(contexts: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[N, vocab] bool: True where the token occurs in the row's context."""
+    mask = torch.zeros(len(contexts), vocab_size, dtype=torch.bool, device=device)
+    width = max((len(c) for c in contexts), default=0)
+    if width == 0:
+        return mask
+    ids = torch.tensor([c + [c[0] if c else 0] * (width - len(c)) for c in contexts], device=device)
+    filled = torch.tensor([len(c) > 0 for c in contexts], device=device)[:, None]  # [N, 1]
+    mask.scatter_(1, ids, filled.expand_as(ids))
+    return mask
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] float32, seen [N, V] bool, penalty [N] -> penalised logits [N, V]."""
+    pen = penalty[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalised, logits)
+
+
+def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor | None) -> torch.Tensor:
+    """logits [N, V] (any float dtype) -> probabilities [N, V] float32 each row sums to 1.
+
+    seen: [N, V] bool context presence for the repetition penalty (None when no row uses it).
+    Greedy rows become one-hot at the argmax of the penalised logits.
+    """
+    logits = logits.float()
+    if rows.needs_penalty and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, rows.penalty)
+    vocab = logits.shape[-1]
+    scaled = logits / rows.temperature[:, None]  # [N, V]
+    if rows.needs_sort:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V] each
+        ranks = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+        k = torch.where(rows.top_k > 0, rows.top_k, vocab)[:, None]  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [N, V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+        sorted_logits = sorted_logits.masked_fill(mass_before >= rows.top_p[:, None], float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    probs = scaled.softmax(dim=-1)  # [N, V]
+    if bool((rows.min_p > 0).any()):
+        floor = rows.min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [N, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if bool(rows.greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(rows.greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs [N, V] -> token ids [N] (int64); row i drawn with generators[i]."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, gen in enumerate(generators):
+        out[i] = torch.multinomial(probs[i], 1, generator=gen).item()
+    return out
+
+
+def greedy_or_sample(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
+                     generators: list[torch.Generator]) -> list[int]:
+    """The plain-decode sampling step for N rows: logits [N, V] -> N token ids."""
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        return logits.argmax(dim=-1).tolist()  # fast path: nothing to adjust
+    rows = SamplingRows.build(params, logits.device)
+    seen = context_mask(contexts, logits.shape[-1], logits.device) if rows.needs_penalty else None
+    probs = adjusted_probs(logits, rows, seen)
+    tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        drawn = sample(probs[random_rows].cpu(), [generators[i] for i in random_rows])
+        tokens[random_rows] = drawn.to(tokens.device)
+    return tokens.tolist()

@@ -1,0 +1,59 @@
+"""Tiny random Llama checkpoints and a tiny tokenizer, built on disk for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nprint(os.path.join('a', 'b'))\n",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 🚀 текст",
+]
+
+
+def make_tokenizer(path: Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_model(path: Path, tokenizer_dir: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+               heads: int = 4, kv_heads: int = 2, intermediate: int = 128, tied: bool = False,
+               rope_scaling: dict | None = None, max_pos: int = 512, dtype=torch.float32,
+               vocab_size: int | None = None):
+    """Saves a random-init LlamaForCausalLM (HF format) with the tokenizer; returns the HF model."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size or len(tok), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+        tie_word_embeddings=tied, max_position_embeddings=max_pos, rope_scaling=rope_scaling,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():  # larger-than-default weights so random models are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.5)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model

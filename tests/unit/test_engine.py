@@ -1,0 +1,199 @@
+"""Engine behaviour: batching invariance, seeds, chunked prefill, preemption, prefix reuse, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = [
+    "def add(a, b):",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x",
+    "for i in range(10):\n",
+    "import os",
+    "The quick brown fox",
+    "x",
+    "print(os.path.join('a', 'b'))\n" * 3,
+    "def f():\n    return 1\n",
+]
+
+
+def make_llm(path, **kw):
+    base = dict(model=str(path), dtype="float32", max_seq_len=160, max_batch_size=8, block_size=4)
+    base.update(kw)
+    return LLM(**base)
+
+
+def greedy(n=20):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_greedy_tokens_do_not_depend_on_the_batch(tiny_model, backend):
+    llm = make_llm(tiny_model[0], kv_cache_backend=backend)
+    alone = [llm.generate(p, greedy())[0].token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    assert batched == alone
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(tiny_model):
+    llm = make_llm(tiny_model[0])
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=16, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    reversed_batch = [o.token_ids for o in llm.generate(PROMPTS[::-1], params[::-1])][::-1]
+    assert batched == alone == reversed_batch
+    other_seed = llm.generate(PROMPTS[0], SamplingParams(temperature=0.9, max_tokens=16, seed=99,
+                                                         ignore_eos=True))[0].token_ids
+    assert other_seed != alone[0]
+
+
+def test_chunked_prefill_and_small_budget_give_the_same_tokens(tiny_model):
+    ref = [o.token_ids for o in make_llm(tiny_model[0]).generate(PROMPTS, greedy())]
+    chunked = make_llm(tiny_model[0], max_num_batched_tokens=7)
+    assert [o.token_ids for o in chunked.generate(PROMPTS, greedy())] == ref
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_preemption_by_recompute_finishes_everything_with_the_same_tokens(tiny_model, backend):
+    ref = [o.token_ids for o in make_llm(tiny_model[0], kv_cache_backend=backend).generate(PROMPTS, greedy(40))]
+    # 12 blocks of 4 tokens cannot hold 8 sequences of ~50 tokens: the scheduler must preempt
+    kw = dict(num_kv_blocks=40) if backend == "paged" else dict(max_batch_size=3)
+    small = make_llm(tiny_model[0], kv_cache_backend=backend, **kw)
+    outs = small.generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in outs] == ref
+    if backend == "paged":
+        assert sum(r.num_preemptions for r in small.engine._requests.values()) == 0  # released
+        assert small.engine.runner.pool.num_used_blocks() == 0
+
+
+def test_preemption_happens_and_is_counted(tiny_model):
+    llm = make_llm(tiny_model[0], num_kv_blocks=40)
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy(40)) for p in PROMPTS]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert sum(eng._requests[i].num_preemptions for i in ids) > 0
+    assert eng.runner.pool.num_used_blocks() == 0
+
+
+def test_prefix_cache_prefills_only_the_uncached_tail(tiny_model):
+    llm = make_llm(tiny_model[0], kv_cache_backend="paged", block_size=4)
+    prompt = PROMPTS[6]
+    first = llm.generate(prompt, greedy(8))[0]
+    second = llm.generate(prompt, greedy(8))[0]
+    n = len(first.prompt_token_ids)
+    assert first.num_cached_prompt_tokens == 0
+    assert second.num_cached_prompt_tokens == ((n - 1) // 4) * 4 > 0
+    assert second.token_ids == first.token_ids
+    nocache = make_llm(tiny_model[0], enable_prefix_caching=False)
+    nocache.generate(prompt, greedy(8))
+    assert nocache.generate(prompt, greedy(8))[0].num_cached_prompt_tokens == 0
+
+
+def test_abort_frees_kv_and_leaves_others_untouched(tiny_model):
+    llm = make_llm(tiny_model[0])
+    ref = llm.generate(PROMPTS[1], greedy(30))[0].token_ids
+    eng = llm.engine
+    keep = eng.add_request(PROMPTS[1], greedy(30))
+    drop = [eng.add_request(p, greedy(30)) for p in PROMPTS[2:6]]
+    eng.step()
+    eng.step()
+    for rid in drop:
+        out = eng.abort(rid)
+        assert out.finished and out.finish_reason == "abort"
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.get_output(keep).token_ids == ref
+    assert eng.runner.pool.num_used_blocks() == 0 and eng.runner.pool.num_used_slots() == 0
+
+
+def test_stop_strings_stop_token_ids_eos_and_length(tiny_model):
+    llm = make_llm(tiny_model[0])
+    base = llm.generate(PROMPTS[0], greedy(30))[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[3:6]  # spans whatever token boundaries lie there
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.find(stop)]
+    assert out.token_ids == base.token_ids[:len(out.token_ids)]
+    tid = base.token_ids[4]
+    first = base.token_ids.index(tid)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[tid]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+
+
+def test_streamed_text_equals_full_decode(tiny_model):
+    llm = make_llm(tiny_model[0])
+    eng = llm.engine
+    rids = [eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    pieces = {r: [] for r in rids}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            pieces[o.request_id].append(o.text)
+    for r in rids:
+        out = eng.get_output(r)
+        assert "".join(pieces[r]) == out.text == eng.tokenizer.decode(out.token_ids)
+        assert all("\ufffd" not in p for p in pieces[r][:-1]) or "\ufffd" in out.text
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -0.1, "temperature"),
+    ("top_p", 0.0, "top_p"),
+    ("top_p", 1.5, "top_p"),
+    ("top_k", -2, "top_k"),
+    ("max_tokens", 0, "max_tokens"),
+    ("min_p", 2.0, "min_p"),
+    ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("stop", [""], "stop"),
+    ("seed", -1, "seed"),
+])
+def test_bad_sampling_params_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_and_config_raise_clear_errors(tiny_model):
+    llm = make_llm(tiny_model[0])
+    eng = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("", greedy())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], greedy())
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([1, 10**6], greedy())
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.add_request("x", SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="unknown EngineConfig"):
+        LLM(model=str(tiny_model[0]), temprature=1.0)
+    with pytest.raises(ValueError, match="kv_cache_backend"):
+        EngineConfig(kv_cache_backend="ring")
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(use_speculative_decoding=True)
+    with pytest.raises(ValueError, match="batching_mode"):
+        EngineConfig(use_speculative_decoding=True, draft_model="x", batching_mode="static")
+    with pytest.raises(ValueError, match="spec_length"):
+        EngineConfig(spec_length=0)
+    with pytest.raises(FileNotFoundError, match="Hugging Face cache"):
+        LLMEngine(EngineConfig(model="no-such-org/no-such-model"))
+    # a bad request does not disturb the ones already queued
+    ok = eng.add_request(PROMPTS[0], greedy(5))
+    with pytest.raises(ValueError):
+        eng.add_request([-1], greedy())
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.get_output(ok).token_ids) == 5
+
+
+def test_repetition_penalty_changes_greedy_output(tiny_model):
+    llm = make_llm(tiny_model[0])
+    plain = llm.generate(PROMPTS[0], greedy(30))[0].token_ids
+    pen = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  repetition_penalty=5.0))[0].token_ids
+    assert pen != plain
+    assert len(set(pen)) > len(set(plain))

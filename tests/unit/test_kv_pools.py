@@ -1,0 +1,139 @@
+"""KV pool bookkeeping: slots, blocks, truncate_to, prefix cache, capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv import OutOfKVCache, PagedKVPool, SlottedKVPool
+
+
+def paged(num_blocks=8, block_size=4, prefix=True, slots=4):
+    return PagedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, max_slots=slots, max_seq_len=32,
+                       dtype=torch.float32, device="cpu", block_size=block_size, num_blocks=num_blocks,
+                       enable_prefix_caching=prefix)
+
+
+def slotted(slots=2):
+    return SlottedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, max_slots=slots, max_seq_len=16,
+                         dtype=torch.float32, device="cpu")
+
+
+def write(pool, slot, n, value):
+    """Appends n tokens whose K equals `value` and returns the keys the view reads back."""
+    view = pool.chunk_view([slot], [n])
+    k = torch.full((1, n, 1, 2), float(value))
+    keys, _ = view.write_and_read(0, k, k)
+    return keys
+
+
+def test_paged_truncate_frees_exactly_blocks_past_the_new_length():
+    pool = paged()
+    slot, cached = pool.allocate_slot(list(range(5)))
+    assert cached == 0
+    write(pool, slot, 10, 1.0)  # 10 tokens -> 3 blocks of 4
+    assert pool.num_used_blocks() == 3
+    pool.truncate_to(slot, 8)  # exactly 2 full blocks remain
+    assert pool.num_used_blocks() == 2 and pool.seq_len(slot) == 8
+    pool.truncate_to(slot, 5)  # partial second block is kept
+    assert pool.num_used_blocks() == 2
+    pool.truncate_to(slot, 4)
+    assert pool.num_used_blocks() == 1
+    with pytest.raises(ValueError, match="new_len"):
+        pool.truncate_to(slot, 7)
+    pool.free_slot(slot)
+    assert pool.num_used_blocks() == 0 and pool.num_used_slots() == 0
+
+
+def test_paged_reads_back_what_was_written_across_blocks():
+    pool = paged()
+    slot, _ = pool.allocate_slot([1, 2, 3])
+    write(pool, slot, 3, 1.0)
+    keys = write(pool, slot, 3, 2.0)  # [1, 6, 1, 2]
+    assert keys[0, :, 0, 0].tolist() == [1, 1, 1, 2, 2, 2]
+
+
+def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
+    pool = paged(num_blocks=8)
+    prompt = list(range(11))  # 2 full blocks + 3 tokens
+    a, cached = pool.allocate_slot(prompt)
+    assert cached == 0
+    write(pool, a, 11, 7.0)
+    pool.register_prefix(a, prompt)
+    b, cached = pool.allocate_slot(prompt + [99])
+    assert cached == 8  # the two full blocks are shared
+    assert pool.block_table(b)[:2] == pool.block_table(a)[:2]
+    keys = write(pool, b, 4, 3.0)
+    assert keys[0, :8, 0, 0].tolist() == [7.0] * 8
+    with pytest.raises(ValueError, match="shared prefix"):
+        pool.truncate_to(b, 4)
+    pool.truncate_to(b, 8)  # the private tail goes, the shared blocks stay
+    assert pool.block_table(b) == pool.block_table(a)[:2]
+    pool.free_slot(a)
+    pool.free_slot(b)
+    assert pool.num_used_blocks() == 0
+    assert pool.blocks.num_cached() == 2  # still cached, evictable
+
+
+def test_prefix_cache_token_check_and_exact_match_recomputes_last_token():
+    pool = paged(num_blocks=8)
+    prompt = list(range(8))  # exactly 2 blocks
+    a, _ = pool.allocate_slot(prompt)
+    write(pool, a, 8, 1.0)
+    pool.register_prefix(a, prompt)
+    pool.free_slot(a)
+    b, cached = pool.allocate_slot(prompt)
+    assert cached == 4  # last block recomputed so the last token has logits
+    pool.free_slot(b)
+    c, cached = pool.allocate_slot([0, 1, 2, 9] + list(range(4, 9)))
+    assert cached == 0  # first block differs -> no reuse of the chain
+    pool.free_slot(c)
+
+
+def test_cached_blocks_are_evicted_lru_when_memory_is_needed():
+    pool = paged(num_blocks=4)
+    p1, p2 = [1] * 4 + [0], [2] * 4 + [0]
+    for p in (p1, p2):
+        s, _ = pool.allocate_slot(p)
+        write(pool, s, 5, 1.0)
+        pool.register_prefix(s, p)
+        pool.free_slot(s)
+    assert pool.blocks.num_cached() == 2 and pool.blocks.num_available() == 4
+    s, _ = pool.allocate_slot([5] * 12)
+    write(pool, s, 12, 1.0)  # needs 3 blocks: 2 free + the oldest cached (p1's)
+    assert pool.blocks.num_cached() == 1
+    pool.free_slot(s)
+    _, cached = pool.allocate_slot(p2)
+    assert cached == 4
+
+
+def test_paged_out_of_blocks_allocates_nothing():
+    pool = paged(num_blocks=2)
+    s, _ = pool.allocate_slot([1])
+    write(pool, s, 6, 1.0)
+    t, _ = pool.allocate_slot([1])
+    with pytest.raises(OutOfKVCache):
+        pool.chunk_view([s, t], [2, 4])  # needs 2 more blocks, none free
+    assert pool.seq_len(s) == 6 and pool.seq_len(t) == 0
+    assert not pool.ensure_capacity(t, 1)
+    assert pool.free_token_capacity() == 0
+
+
+def test_slotted_slots_truncate_and_capacity():
+    pool = slotted(slots=2)
+    a, _ = pool.allocate_slot([1])
+    b, _ = pool.allocate_slot([1])
+    with pytest.raises(OutOfKVCache):
+        pool.allocate_slot([1])
+    write(pool, a, 5, 1.0)
+    keys = write(pool, a, 2, 2.0)
+    assert keys[0, :, 0, 0].tolist() == [1] * 5 + [2] * 2
+    pool.truncate_to(a, 3)
+    keys = write(pool, a, 1, 4.0)
+    assert keys[0, :, 0, 0].tolist() == [1, 1, 1, 4]
+    assert not pool.ensure_capacity(a, 17)
+    pool.free_slot(a)
+    pool.free_slot(b)
+    assert pool.num_used_slots() == 0
+    with pytest.raises(ValueError):
+        pool.free_slot(a)
