@@ -74,7 +74,7 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty path or model id, got {self.model!r}")
         _check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        if not isinstance(self.device, str) or not self.device.split(":")[0] in ("cpu", "cuda"):
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check_int("seed", self.seed, 0)
         _check_choice("batching_mode", self.batching_mode, ("continuous", "static"))

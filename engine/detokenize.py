@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from engine.model.tokenizer import Tokenizer
 
+
 class IncrementalText:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]):
         self._tok = tokenizer

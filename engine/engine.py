@@ -13,7 +13,7 @@ from engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, Samp
 from engine.detokenize import IncrementalText
 from engine.kv import make_pool
 from engine.model.llama import Llama
-from engine.model.loader import load_llama, resolve_model_path, torch_dtype
+from engine.model.loader import load_llama, resolve_model_path
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput
 from engine.runner import ContinuousRunner

@@ -16,6 +16,25 @@ from engine.sampling import greedy_or_sample
 from engine.scheduler import ScheduledBatch
 
 
+def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list[list[int]],
+                   start_positions: list[int], all_logits: bool = False) -> torch.Tensor:
+    """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
+
+    Returns logits of each chunk's last token [B, vocab], or of every position [B, T, vocab]
+    when all_logits (rows shorter than T are padded; their extra positions are garbage).
+    """
+    B, T = len(chunks), max(len(c) for c in chunks)
+    ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+    pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+    for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
+        ids[b, :len(chunk)] = torch.tensor(chunk)
+        pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+    view = pool.view(slots, [len(c) for c in chunks])
+    device = model.device
+    last = None if all_logits else torch.tensor([len(c) - 1 for c in chunks], device=device)
+    return model.forward(ids.to(device), pos.to(device), view, last)
+
+
 class ContinuousRunner:
     def __init__(self, model: Llama, pool: CachePool):
         self.model = model
@@ -44,24 +63,6 @@ class ContinuousRunner:
         return 1
 
     # --- forward passes ------------------------------------------------------------------
-    def forward_chunks(self, model: Llama, pool: CachePool, slots: list[int],
-                       chunks: list[list[int]], start_positions: list[int],
-                       all_logits: bool = False) -> torch.Tensor:
-        """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
-
-        Returns logits of each chunk's last token [B, vocab], or of every position
-        [B, T, vocab] when all_logits.
-        """
-        B, T = len(chunks), max(len(c) for c in chunks)
-        ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
-        pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
-        for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
-            ids[b, :len(chunk)] = torch.tensor(chunk)
-            pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
-        view = pool.view(slots, [len(c) for c in chunks])
-        last = None if all_logits else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        return model.forward(ids.to(self.device), pos.to(self.device), view, last)
-
     def step(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
         """Runs one scheduled batch; returns the new tokens of each request, in order."""
         out: list[tuple[Request, list[int]]] = []
@@ -74,7 +75,7 @@ class ContinuousRunner:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
         reqs = [r for r, _ in chunks]
         token_chunks = [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n] for r, n in chunks]
-        logits = self.forward_chunks(self.model, self.pool, [r.slot for r in reqs], token_chunks,
+        logits = forward_chunks(self.model, self.pool, [r.slot for r in reqs], token_chunks,
                                      [r.num_computed_tokens for r in reqs])  # [B, vocab]
         done_rows = []
         for b, (req, n) in enumerate(chunks):
@@ -90,7 +91,7 @@ class ContinuousRunner:
         return [(r, [t]) for r, t in zip(done, tokens)]
 
     def _decode(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
-        logits = self.forward_chunks(self.model, self.pool, [r.slot for r in reqs],
+        logits = forward_chunks(self.model, self.pool, [r.slot for r in reqs],
                                      [[r.output_token_ids[-1]] for r in reqs],
                                      [r.num_computed_tokens for r in reqs])  # [B, vocab]
         for r in reqs:

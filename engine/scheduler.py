@@ -85,7 +85,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or req.is_prefilling:
                 continue
-            need = min(self.kv.decode_tokens(req), max(budget, 1))
+            need = self.kv.decode_tokens(req)  # decodes are never split: budget may go negative
             while not self.kv.reserve(req, need):
                 victim = self.running[-1]
                 self._preempt(victim, batch)

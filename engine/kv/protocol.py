@@ -9,7 +9,8 @@ advances the lengths; `truncate_to` moves a length back (speculative rollback).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 

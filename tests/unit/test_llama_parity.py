@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import build_pool
 from engine.model.loader import load_llama
-from engine.runner import ContinuousRunner
+from engine.runner import ContinuousRunner, forward_chunks
 from tests.helpers import make_model
 
 CONFIGS = {
@@ -41,9 +41,9 @@ def test_logits_match_transformers(tmp_path, tok_dir, name):
         expected = hf(input_ids=ids).logits  # [3, 150, vocab]
     slots = [runner.pool.allocate_slot([])[0] for _ in range(3)]
     # different prefill split per row: exercises chunked writes and the batched mask
-    first = runner.forward_chunks(ours, runner.pool, slots, [ids[i, :100].tolist() for i in range(3)],
+    first = forward_chunks(ours, runner.pool, slots, [ids[i, :100].tolist() for i in range(3)],
                                   [0, 0, 0], all_logits=True)
-    rest = runner.forward_chunks(ours, runner.pool, slots, [ids[i, 100:].tolist() for i in range(3)],
+    rest = forward_chunks(ours, runner.pool, slots, [ids[i, 100:].tolist() for i in range(3)],
                                  [100, 100, 100], all_logits=True)
     got = torch.cat([first, rest], dim=1)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)

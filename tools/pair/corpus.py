@@ -130,7 +130,7 @@ def build_corpus(work: Path) -> dict:
             for f in items:
                 fh.write(json.dumps({"origin": f.origin, "path": f.path, "text": f.text}) + "\n")
     per_origin: dict[str, dict] = {}
-    for split, items in splits.items():
+    for items in splits.values():
         for f in items:
             entry = per_origin.setdefault(f.origin, {"files": 0, "bytes": 0})
             entry["files"] += 1

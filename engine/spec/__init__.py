@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, exact acceptance, adaptive K, and the speculative runner."""

@@ -1,0 +1,64 @@
+"""Measured forward-pass times, for the adaptive policy.
+
+Times are kept per (batch bucket, tokens per sequence) as exponential moving averages of
+real measurements; the batch bucket is the next power of two. An unmeasured entry is
+interpolated linearly in batch size between measured buckets (and extrapolated from the
+nearest ones). `calibrate` fills the table once at start-up so the first steps are informed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+
+def batch_bucket(batch: int) -> int:
+    return 1 << max(0, (batch - 1).bit_length())
+
+
+class TimingTable:
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self._ema: dict[int, dict[int, float]] = defaultdict(dict)  # tokens_per_seq -> bucket -> s
+
+    def observe(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
+        row = self._ema[tokens_per_seq]
+        b = batch_bucket(batch)
+        old = row.get(b)
+        row[b] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
+        if not self._ema:
+            return None
+        nearest_t = min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t))
+        row = self._ema[nearest_t]
+        buckets = sorted(row)
+        if batch in row:
+            return row[batch]
+        i = bisect.bisect_left(buckets, batch)
+        if i == 0:
+            return row[buckets[0]]
+        if i == len(buckets):
+            if len(buckets) == 1:
+                return row[buckets[-1]] * batch / buckets[-1]
+            b0, b1 = buckets[-2], buckets[-1]
+        else:
+            b0, b1 = buckets[i - 1], buckets[i]
+        t0, t1 = row[b0], row[b1]
+        return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
+
+
+class MeasuredCosts:
+    """Costs for the policy: target forward by (B, T) and one batched draft step by B."""
+
+    def __init__(self):
+        self.target = TimingTable()
+        self.draft = TimingTable()
+
+    def target_time(self, batch: int, tokens_per_seq: int) -> float:
+        t = self.target.estimate(batch, tokens_per_seq)
+        return t if t is not None else 1.0
+
+    def draft_time(self, batch: int) -> float:
+        t = self.draft.estimate(batch, 1)
+        return t if t is not None else 0.0

@@ -1,0 +1,113 @@
+"""The draft-model proposer: K batched draft forwards, keeping the adjusted distribution q.
+
+The draft KV pool sits beside the target pool; each request gets a draft slot when it gets
+a target slot and loses it at the same time. Draft KV is filled lazily: at each round the
+draft first catches up on every known token it has not seen (the whole prompt on the first
+round, one or two tokens in steady state, more after n-gram rounds in hybrid mode), in one
+batched chunked forward whose last logits give q_1; then K-1 single-token steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv import CachePool, OutOfKVCache
+from engine.model.llama import Llama
+from engine.request import Request
+from engine.runner import forward_chunks
+from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
+
+_LONG_CATCH_UP = 4  # catch-up chunks longer than this run in their own (prefill-like) forward
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Llama, pool: CachePool):
+        self.model = model
+        self.pool = pool
+        self._slots: dict[str, int] = {}  # request id -> draft slot
+
+    # --- slot lifecycle (lockstep with the target pool) ----------------------------------
+    def allocate(self, req: Request) -> bool:
+        try:
+            slot, _ = self.pool.allocate_slot([])
+        except OutOfKVCache:
+            return False
+        self._slots[req.request_id] = slot
+        return True
+
+    def free(self, req: Request) -> None:
+        slot = self._slots.pop(req.request_id, None)
+        if slot is not None:
+            self.pool.free_slot(slot)
+
+    def reserve(self, req: Request, new_len: int) -> bool:
+        return self.pool.ensure_capacity(self._slots[req.request_id], new_len)
+
+    def seq_len(self, req: Request) -> int:
+        return self.pool.seq_len(self._slots[req.request_id])
+
+    def rollback(self, req: Request, valid_len: int) -> None:
+        """Keeps at most the first valid_len entries (those of accepted tokens)."""
+        slot = self._slots[req.request_id]
+        self.pool.truncate_to(slot, min(self.pool.seq_len(slot), valid_len))
+
+    def num_used_slots(self) -> int:
+        return len(self._slots)
+
+    # --- drafting ----------------------------------------------------------------------
+    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        """Feeds each request's unseen tokens; returns the last logits [N, V]."""
+        slots = [self._slots[r.request_id] for r in reqs]
+        starts = [self.pool.seq_len(s) for s in slots]
+        chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
+        groups = [[i for i, c in enumerate(chunks) if len(c) > _LONG_CATCH_UP],
+                  [i for i, c in enumerate(chunks) if len(c) <= _LONG_CATCH_UP]]
+        logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)
+        for rows in groups:
+            if rows:
+                logits[rows] = forward_chunks(self.model, self.pool, [slots[i] for i in rows],
+                                              [chunks[i] for i in rows], [starts[i] for i in rows])
+        return logits
+
+    def propose(self, reqs: list[Request], ks: list[int], want_probs: bool
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Drafts ks[i] tokens for reqs[i] (all ks > 0). Returns the tokens and, when
+        want_probs, q [N, max(ks), V] (rows past ks[i] are unused)."""
+        k_max = max(ks)
+        rows = SamplingRows.build([r.params for r in reqs], self.model.device) if want_probs else None
+        seen = None
+        if rows is not None and rows.needs_penalty:
+            seen = context_mask([r.all_token_ids for r in reqs], self.model.shape.vocab_size, self.model.device)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        q_steps: list[torch.Tensor] = []
+        logits = self._catch_up(reqs)  # [N, V]
+        active = list(range(len(reqs)))
+        for step in range(k_max):
+            if rows is None:
+                drawn = logits.argmax(dim=-1).tolist()
+            else:
+                q = adjusted_probs(logits, rows, seen)  # [N, V]
+                q_steps.append(q)
+                drawn = q.argmax(dim=-1)
+                random_rows = [i for i in active if not reqs[i].params.greedy]
+                if random_rows:
+                    drawn[random_rows] = sample(q[random_rows].cpu(), [reqs[i].generator for i in random_rows]).to(drawn.device)
+                if seen is not None:
+                    seen.scatter_(1, drawn[:, None], True)
+                drawn = drawn.tolist()
+            for i in active:
+                tokens[i].append(drawn[i])
+            active = [i for i in active if len(tokens[i]) < ks[i]]
+            if step == k_max - 1 or not active:
+                break
+            # the next draft step runs only for requests that still need tokens
+            step_logits = forward_chunks(self.model, self.pool,
+                                         [self._slots[reqs[i].request_id] for i in active],
+                                         [[tokens[i][-1]] for i in active],
+                                         [self.pool.seq_len(self._slots[reqs[i].request_id]) for i in active])
+            logits = logits.clone()
+            logits[active] = step_logits
+        q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
+        return tokens, q_all

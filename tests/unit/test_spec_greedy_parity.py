@@ -1,0 +1,61 @@
+"""Greedy speculative output equals plain greedy output, token for token (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x",
+    "for i in range(10):\n    print(i * i)\nfor i in range(10):\n",
+    "import os",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "x",
+    "print(os.path.join('a', 'b'))\n" * 3,
+    "def f():\n    return 1\n",
+]
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=8)
+    return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, policy):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
+              speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
+              kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8)
+    alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
+    batched = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in alone] == reference
+    assert [o.token_ids for o in batched] == reference
+    if policy == "fixed":
+        drafted = sum(o.num_draft_tokens for o in batched)
+        accepted = sum(o.num_accepted_tokens for o in batched)
+        assert drafted > 0
+        if method == "draft":  # a different random model: acceptance clearly below 1
+            assert 0 < accepted < drafted
+    if backend == "paged":
+        assert llm.engine.runner.pool.num_used_blocks() == 0
+    if llm.engine.runner.draft is not None:
+        assert llm.engine.runner.draft.num_used_slots() == 0
+
+
+def test_draft_identical_to_target_accepts_everything(tiny_model):
+    path = str(tiny_model[0])
+    llm = LLM(model=path, draft_model=path, use_speculative_decoding=True, spec_policy="fixed",
+              spec_length=4, dtype="float32", max_seq_len=160)
+    out = llm.generate(PROMPTS[0], greedy(21))[0]
+    assert out.acceptance_rate == 1.0
+    assert out.accepted_per_round == [4, 4, 4, 4]  # 4 rounds x 5 tokens, then 1 left: plain
+    assert len(out.token_ids) == 21
