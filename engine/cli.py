@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import time
+import types
 import typing
 
 from engine.config import EngineConfig, SamplingParams
@@ -24,11 +25,11 @@ _ALIASES = {"use_speculative_decoding": "--speculative-decoding"}
 
 def _flag_type(field: dataclasses.Field):
     hint = typing.get_type_hints(EngineConfig)[field.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    base = args[0]
-    if typing.get_origin(base) is typing.Literal:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is typing.Literal:
         return str
-    return base
+    return hint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    parser.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None,
+                        help="per-request sampling seed (--seed seeds the engine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per output")
     return parser
 

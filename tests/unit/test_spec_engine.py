@@ -1,0 +1,118 @@
+"""Speculative engine behaviour: several outputs per step, stats, bookkeeping, config errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.cli import build_parser
+from tests.helpers import make_model, make_tokenizer
+
+PROMPTS = ["def add(a, b):", "class Point:\n    def", "import os\nimport sys\n", "for i in range(10):\n"]
+
+
+def spec_llm(target, draft, **kw):
+    base = dict(model=str(target), draft_model=str(draft), use_speculative_decoding=True, dtype="float32",
+                spec_policy="fixed", spec_length=4, max_seq_len=160, max_batch_size=8, block_size=4)
+    base.update(kw)
+    return LLM(**base)
+
+
+def test_one_step_emits_several_outputs_per_request_in_order(tiny_model):
+    path = str(tiny_model[0])
+    llm = spec_llm(path, path)  # draft == target: everything accepted
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    first = eng.step()  # prefill -> first token
+    assert [o.request_id for o in first] == [rid]
+    outs = eng.step()  # one speculative round: 4 accepted + bonus
+    assert len(outs) == 5 and all(o.request_id == rid for o in outs)
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = eng.get_output(rid)
+    assert [o.token_id for o in first + outs] == final.token_ids
+    assert final.acceptance_rate == 1.0 and final.num_spec_rounds > 0
+    assert eng.runner.last_stats.accepted_by_position == [1] * eng.runner.last_stats.k
+
+
+def test_stop_inside_a_round_drops_the_rest(tiny_model):
+    path = str(tiny_model[0])
+    plain = LLM(model=path, dtype="float32", max_seq_len=160).generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop_id = plain.token_ids[3]
+    first = plain.token_ids.index(stop_id)
+    out = spec_llm(path, path).generate(PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == plain.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_no_blocks_or_slots_leak_over_200_mixed_requests_with_aborts(tiny_model, tiny_draft, method):
+    llm = spec_llm(tiny_model[0], tiny_draft[0], speculative_method=method, spec_policy="adaptive",
+                   num_kv_blocks=120)
+    eng = llm.engine
+    rng = random.Random(0)
+    live: list[str] = []
+    added = 0
+    while added < 200 or eng.has_unfinished_requests():
+        while added < 200 and len(live) < 12:
+            greedy = rng.random() < 0.5
+            params = SamplingParams(temperature=0.0 if greedy else 0.8, top_p=0.9, max_tokens=rng.randint(1, 40),
+                                    seed=added, ignore_eos=True, repetition_penalty=rng.choice([1.0, 1.3]))
+            prompt = rng.choice(PROMPTS) * rng.randint(1, 3)
+            live.append(eng.add_request(prompt, params))
+            added += 1
+        for out in eng.step():
+            if out.finished:
+                live.remove(out.request_id)
+                eng.release(out.request_id)
+        if live and rng.random() < 0.1:
+            victim = rng.choice(live)
+            eng.abort(victim)
+            live.remove(victim)
+            eng.release(victim)
+    runner = eng.runner
+    assert runner.pool.num_used_blocks() == 0 and runner.pool.num_used_slots() == 0
+    assert runner.draft.pool.num_used_blocks() == 0 and runner.draft.num_used_slots() == 0
+
+
+def test_tokenizer_mismatch_is_a_clear_error(tmp_path, tiny_model):
+    other_tok = tmp_path / "tok"
+    make_tokenizer(other_tok, vocab_size=300)
+    make_model(tmp_path / "draft", other_tok, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    with pytest.raises(ValueError, match="not compatible with target model.*vocab size"):
+        spec_llm(tiny_model[0], tmp_path / "draft")
+
+
+def test_spec_config_validation():
+    with pytest.raises(ValueError, match="draft_model is required"):
+        EngineConfig(use_speculative_decoding=True, speculative_method="hybrid")
+    EngineConfig(use_speculative_decoding=True, speculative_method="ngram")  # needs no draft
+    with pytest.raises(ValueError, match="use_cuda_graphs"):
+        EngineConfig(use_speculative_decoding=True, draft_model="d", use_cuda_graphs=True, device="cuda")
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="spec_policy"):
+        EngineConfig(spec_policy="sometimes")
+
+
+def test_reconfigure_changes_method_and_validates(tiny_model, tiny_draft):
+    llm = spec_llm(tiny_model[0], tiny_draft[0])
+    runner = llm.engine.runner
+    runner.reconfigure(method="ngram", spec_length=2, policy="adaptive")
+    assert (runner.method, runner.policy.spec_length, runner.policy.mode) == ("ngram", 2, "adaptive")
+    with pytest.raises(ValueError, match="spec_length"):
+        runner.reconfigure(spec_length=0)
+    ngram_only = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+                     dtype="float32", max_seq_len=160)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        ngram_only.engine.runner.reconfigure(method="draft")
+
+
+def test_cli_flags_map_to_config():
+    args = build_parser().parse_args(["--speculative-decoding", "--draft-model", "d", "--spec-length", "3",
+                                      "--speculative-method", "hybrid", "--spec-policy", "fixed"])
+    assert (args.use_speculative_decoding, args.draft_model, args.spec_length, args.speculative_method,
+            args.spec_policy) == (True, "d", 3, "hybrid", "fixed")

@@ -1,0 +1,92 @@
+"""The adaptive K policy with injected costs."""
+
+from __future__ import annotations
+
+from engine.spec.costs import TimingTable, batch_bucket
+from engine.spec.ngram import ngram_propose
+from engine.spec.policy import AcceptanceEstimate, SpecPolicy, expected_tokens
+
+
+class MemoryBoundCosts:
+    """Verify nearly free while the batch is small; compute-bound (linear in tokens) beyond."""
+
+    def __init__(self, weight_read=10e-3, per_token=0.05e-3, draft=0.8e-3):
+        self.weight_read, self.per_token, self.draft = weight_read, per_token, draft
+
+    def target_time(self, batch, tokens_per_seq):
+        return max(self.weight_read, self.per_token * batch * tokens_per_seq * 4) + 0.2e-3
+
+    def draft_time(self, batch):
+        return self.draft + 0.01e-3 * batch
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.8, 4) - (1 - 0.8 ** 5) / 0.2) < 1e-12
+
+
+def test_speculates_when_verify_is_nearly_free_and_falls_back_when_expensive():
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive")
+    small = policy.choose([0.8] * 1, [100])
+    assert small.k >= 3 and small.reason == "policy"
+    big = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive").choose([0.8] * 256, [100] * 256)
+    assert big.k == 0
+    low_alpha = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive").choose([0.05], [100])
+    assert low_alpha.k <= 1
+
+
+def test_k_falls_monotonically_with_batch_size_without_cliff():
+    ks = []
+    for b in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
+        policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0)
+        c = policy.choose([0.7] * b, [100] * b)
+        ks.append(c.k)
+        # the choice is the best of all K: goodput never below plain decode
+        assert c.goodput[c.k] >= c.goodput[0]
+    assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
+
+
+def test_hysteresis_keeps_k_stable_between_near_equal_choices():
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05)
+    first = policy.choose([0.7] * 16, [100] * 16).k
+    seq = [policy.choose([a] * 16, [100] * 16).k for a in [0.69, 0.71, 0.70, 0.68, 0.72] * 4]
+    assert set(seq) == {first}
+
+
+def test_fixed_mode_caps_and_hard_disable():
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="fixed", disable_batch_size=8)
+    assert policy.choose([0.1] * 2, [100, 100]).k == 5
+    assert policy.choose([0.1] * 2, [3, 2]).k == 3
+    c = policy.choose([0.1] * 8, [100] * 8)
+    assert (c.k, c.reason) == (0, "disabled_batch_size")
+    c = policy.choose([0.9], [0])
+    assert (c.k, c.reason) == (0, "length_guard")
+
+
+def test_acceptance_estimate_is_accepted_over_accepted_plus_rejections():
+    est = AcceptanceEstimate()
+    est.update(3, 5)  # 3 accepted then a rejection
+    est.update(5, 5)  # all accepted: no rejection seen
+    assert abs(est.rate(prior=0.5, weight=0.0) - 8 / 9) < 1e-12
+
+
+def test_timing_table_interpolates_between_buckets():
+    t = TimingTable(smoothing=1.0)
+    t.observe(1, 1, 1.0)
+    t.observe(8, 1, 2.0)
+    assert t.estimate(1, 1) == 1.0
+    assert abs(t.estimate(4, 1) - (1.0 + 3 / 7)) < 1e-9
+    assert t.estimate(16, 1) > 2.0  # extrapolates upward
+    assert batch_bucket(5) == 8 and batch_bucket(1) == 1
+
+
+def test_ngram_prompt_lookup():
+    seq = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert ngram_propose(seq, 2, max_n=3, min_n=1) == [4, 5]
+    assert ngram_propose(seq, 10, max_n=3, min_n=1) == [4, 5, 9, 1, 2, 3]
+    assert ngram_propose([1, 2, 3, 4], 3, max_n=3, min_n=1) == []  # no earlier occurrence
+    # the longest suffix wins over a more recent shorter match
+    seq = [7, 8, 1, 2, 0, 5, 2, 6, 7, 8, 1, 2]
+    assert ngram_propose(seq, 1, max_n=4, min_n=1) == [0]
+    assert ngram_propose(seq, 1, max_n=1, min_n=1) == [6]
