@@ -1,0 +1,196 @@
+"""AsyncLLMEngine: the engine loop on its own thread, per-request async token streams.
+
+The serving layer's event loop never runs a forward pass: every call posts a command to the
+engine thread (adds, aborts, reconfiguration, stats) and awaits its answer as a future;
+outputs come back through one asyncio.Queue per request. Several tokens a request gets in one
+engine step (a speculative round) arrive as one `StreamDelta`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SamplingParams
+from engine.engine import LLMEngine, Prompt
+from engine.request import FinishReason, RequestOutput
+
+log = logging.getLogger("engine.async")
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    output: RequestOutput | None = None  # the final record, on the last delta
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served by this engine."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self.config = self.engine.config
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.fatal_error: str | None = None
+        self.step_observers: list[Callable[[LLMEngine, list], None]] = []
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- health ------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    def check_health(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"engine loop is not running: {self.fatal_error or 'thread exited'}")
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # --- calls into the engine thread ------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Runs fn(engine) on the engine thread between steps and returns its result."""
+        self.check_health()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Streams a request's output. Raises ValueError (bad input) before the first delta.
+        Cancelling the consumer (client gone) aborts the request and frees its KV."""
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: LLMEngine) -> str:
+            rid = engine.add_request(prompt, params, request_id)
+            self._streams[rid] = (loop, stream)
+            return rid
+
+        rid = await self.call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put((lambda e: self._abort(e, rid), None))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda e: self._abort(e, request_id))
+
+    # --- the loop ----------------------------------------------------------------------
+    def _abort(self, engine: LLMEngine, rid: str) -> None:
+        out = engine.abort(rid)
+        if out is not None:
+            self._publish(engine, {rid: StreamDelta(rid, out.text, [], True, "abort")})
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # bad input etc.: the caller gets the exception
+                if fut is not None:
+                    fut.set_exception(exc)
+                else:
+                    log.warning("engine command failed: %s", exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _publish(self, engine: LLMEngine, deltas: dict[str, StreamDelta]) -> None:
+        for rid, delta in deltas.items():
+            if delta.finished:
+                delta.output = engine.get_output(rid)
+                engine.release(rid)
+                target = self._streams.pop(rid, None)
+            else:
+                target = self._streams.get(rid)
+            if target is not None:
+                loop, q = target
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, delta)
+                except RuntimeError:  # the consumer's loop is closed
+                    pass
+
+    def _fail_all(self, message: str) -> None:
+        engine = self.engine
+        for rid in list(self._streams):
+            req = engine._requests.get(rid)
+            if req is not None and not req.is_finished:
+                engine.abort(rid)
+                req.finish_reason = "error"
+                req.error = message
+            loop, q = self._streams.pop(rid)
+            out = engine.get_output(rid) if rid in engine._requests else None
+            engine.release(rid)
+            delta = StreamDelta(rid, "", [], True, "error", out)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, delta)
+            except RuntimeError:
+                pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    log.error("engine step failed; failing the running requests:\n%s", traceback.format_exc())
+                    self._fail_all(f"internal error in the engine step: {exc}")
+                    continue
+                deltas: dict[str, StreamDelta] = {}
+                for o in outputs:
+                    d = deltas.setdefault(o.request_id, StreamDelta(o.request_id, ""))
+                    d.text += o.text
+                    if o.token_id >= 0:
+                        d.token_ids.append(o.token_id)
+                    if o.finished:
+                        d.finished, d.finish_reason = True, o.finish_reason
+                for observer in self.step_observers:
+                    observer(engine, outputs)
+                self._publish(engine, deltas)
+        except BaseException as exc:  # the loop itself broke: health checks must fail
+            self.fatal_error = f"{type(exc).__name__}: {exc}"
+            log.critical("engine loop died:\n%s", traceback.format_exc())
+            for rid, (loop, q) in list(self._streams.items()):
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(self.fatal_error))
+                except RuntimeError:
+                    pass

@@ -1,0 +1,77 @@
+"""AsyncLLMEngine: streaming, cancellation, errors, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, LLM, SamplingParams
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+
+def config(path, **kw):
+    return EngineConfig(**{**dict(model=str(path), dtype="float32", max_seq_len=160, block_size=4), **kw})
+
+
+def test_streams_match_offline_generation_and_cancel_frees_kv(tiny_model):
+    prompts = ["def add(a, b):", "import os", "class A:"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(tiny_model[0]), dtype="float32",
+                                         max_seq_len=160).generate(prompts, params)]
+    aeng = AsyncLLMEngine(config(tiny_model[0]))
+
+    async def collect(prompt):
+        tokens, deltas, final = [], 0, None
+        async for d in aeng.generate(prompt, params):
+            tokens += d.token_ids
+            deltas += 1
+            final = d
+        return tokens, deltas, final
+
+    async def cancel_midway(prompt):
+        async for d in aeng.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)):
+            if len(d.token_ids) and d.finished is False:
+                break  # consumer goes away -> request aborted
+
+    async def main():
+        results = await asyncio.gather(*(collect(p) for p in prompts), *(cancel_midway(p) for p in prompts))
+        usage = await aeng.call(lambda e: (e.runner.pool.num_used_blocks(), e.has_unfinished_requests()))
+        return results, usage
+
+    results, usage = asyncio.run(main())
+    for (tokens, deltas, final), exp in zip(results[:3], expected):
+        assert tokens == exp
+        assert deltas > 1 and final.finished and final.output.token_ids == exp
+    assert usage == (0, False)
+    aeng.shutdown()
+
+
+def test_bad_input_raises_before_streaming_and_others_continue(tiny_model):
+    aeng = AsyncLLMEngine(config(tiny_model[0]))
+
+    async def main():
+        with pytest.raises(ValueError, match="max_seq_len"):
+            async for _ in aeng.generate("x", SamplingParams(max_tokens=10_000)):
+                pass
+        out = []
+        async for d in aeng.generate("x", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)):
+            out += d.token_ids
+        return out
+
+    assert len(asyncio.run(main())) == 5
+    aeng.shutdown()
+
+
+def test_dead_engine_loop_fails_health(tiny_model):
+    aeng = AsyncLLMEngine(config(tiny_model[0]))
+    aeng.check_health()
+
+    def boom():
+        raise SystemExit("injected: loop killed")
+
+    aeng.engine.has_unfinished_requests = boom  # the loop's own machinery breaks
+    aeng._wake.set()
+    aeng._thread.join(timeout=10)
+    with pytest.raises(EngineDeadError, match="injected"):
+        aeng.check_health()
