@@ -38,9 +38,49 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served by this engine."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+class RequestStream:
+    """Async iterator over one request's deltas. Closing it before the end aborts the request
+    (its KV is freed within one engine step)."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue_: asyncio.Queue):
+        self.owner = owner
+        self.request_id = request_id
+        self._queue = queue_
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner._abort_soon(self.request_id)
+
+
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 max_waiting_requests: int | None = None):
         self.engine = engine if engine is not None else LLMEngine(config)
+        self.max_waiting_requests = max_waiting_requests
         self.config = self.engine.config
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -74,33 +114,39 @@ class AsyncLLMEngine:
         self._wake.set()
         return await asyncio.wrap_future(fut)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Streams a request's output. Raises ValueError (bad input) before the first delta.
-        Cancelling the consumer (client gone) aborts the request and frees its KV."""
+    async def add(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                  chat: list[dict] | None = None) -> RequestStream:
+        """Queues a request and returns its stream. Raises ValueError for bad input and
+        EngineOverloadedError when the engine's waiting queue is full. With `chat`, the prompt
+        is built from the messages by the tokenizer's chat template (prompt is ignored)."""
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+        queue_: asyncio.Queue = asyncio.Queue()
 
         def add(engine: LLMEngine) -> str:
-            rid = engine.add_request(prompt, params, request_id)
-            self._streams[rid] = (loop, stream)
+            if self.max_waiting_requests is not None and engine.num_waiting() >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"the engine has {engine.num_waiting()} requests waiting (limit {self.max_waiting_requests})")
+            ids = engine.tokenizer.apply_chat_template(chat) if chat is not None else prompt
+            rid = engine.add_request(ids, params, request_id)
+            self._streams[rid] = (loop, queue_)
             return rid
 
         rid = await self.call(add)
-        finished = False
+        return RequestStream(self, rid, queue_)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Streams a request's output (see `add`). Leaving the loop early aborts the request."""
+        stream = await self.add(prompt, params, request_id)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for delta in stream:
+                yield delta
         finally:
-            if not finished:
-                self._commands.put((lambda e: self._abort(e, rid), None))
-                self._wake.set()
+            await stream.aclose()
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._commands.put((lambda e: self._abort(e, request_id), None))
+        self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: self._abort(e, request_id))

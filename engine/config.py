@@ -135,6 +135,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature)
@@ -165,6 +166,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.spec_length is not None:
+            _check_int("spec_length", self.spec_length, 0, 64)
 
     @property
     def greedy(self) -> bool:

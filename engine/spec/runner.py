@@ -157,7 +157,7 @@ class SpeculativeRunner(ContinuousRunner):
         batch = 1
         while True:
             b = min(batch, self.config.max_batch_size)
-            models = [(self.model, self.pool, range(1, self.config.spec_length + 2), self.costs.target)]
+            models = [(self.model, self.pool, range(1, max(self.config.spec_length, 8) + 2), self.costs.target)]
             if self.draft is not None:
                 models.append((self.draft.model, self.draft.pool, [1], self.costs.draft))
             for model, pool, token_counts, table in models:
@@ -249,7 +249,10 @@ class SpeculativeRunner(ContinuousRunner):
         """Most tokens r may propose: KV/positions (max_seq_len) and its max_tokens budget."""
         room_kv = self.config.max_seq_len - r.num_tokens  # target KV would reach num_tokens + k
         room_out = r.params.max_tokens - len(r.output_token_ids) - 1  # the final token needs one
-        return max(0, min(room_kv, room_out))
+        cap = min(room_kv, room_out)
+        if r.params.spec_length is not None:
+            cap = min(cap, r.params.spec_length)
+        return max(0, cap)
 
     def _propose(self, reqs: list[Request], ks: list[int]):
         n = len(reqs)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine import EngineConfig, LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 
 

@@ -1,0 +1,114 @@
+"""OpenAI-compatible request schemas (pydantic) and their conversion to SamplingParams.
+
+Unknown fields are ignored (as vLLM does), so any OpenAI client works unchanged. Extensions
+beyond the OpenAI API: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and
+spec_length (per-request cap on proposed tokens per round; 0 turns speculation off for it).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.config import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    user: str | None = None
+    # extensions
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    spec_length: Annotated[int, Field(ge=0, le=64)] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        if any(not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            seed=self.seed, spec_length=self.spec_length,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]

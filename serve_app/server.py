@@ -1,0 +1,309 @@
+"""The engine deployment with its OpenAI-compatible FastAPI ingress.
+
+One deployment, not two: each replica holds the target + draft models, both KV pools and the
+engine loop (on its own thread, see AsyncLLMEngine), and serves HTTP itself. Tokens then flow
+from the engine thread to the replica's event loop to Serve's proxy with no extra hop, which
+matters on a 2-core machine where every process and serialisation costs decode time;
+autoscaling adds whole engines, which is what a busy service needs. The proxy routes each
+request to a replica below `max_ongoing_requests` and queues up to `max_queued_requests`.
+"""
+
+
+import hmac
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
+from engine.config import EngineConfig
+from engine.request import RequestOutput
+from serve_app.errors import APIError, from_validation_errors
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("serve_app")
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+SPEC_KNOBS = {"speculative_method": "method", "spec_length": "spec_length", "spec_policy": "policy",
+              "use_speculative_decoding": "enabled"}
+
+app = FastAPI(title="specserve", description="OpenAI-compatible API with lossless speculative decoding")
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_handler(_request, exc: RequestValidationError):
+    return from_validation_errors(exc.errors()).response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error_handler(_request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+@app.exception_handler(APIError)
+async def _api_error_handler(_request, exc: APIError):
+    return exc.response()
+
+
+def _threads_for_replica(requested: int | None) -> int:
+    """Torch threads = the CPUs Ray assigned to this replica (rounded up), unless set."""
+    if requested:
+        return requested
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    except Exception:
+        cpus = 1.0
+    return max(1, math.ceil(cpus))
+
+
+def speculation_stats(out: RequestOutput, method: str | None) -> dict:
+    rounds = out.num_spec_rounds
+    return {
+        "method": method,
+        "acceptance_rate": out.acceptance_rate,
+        "draft_tokens": out.num_draft_tokens,
+        "accepted_tokens": out.num_accepted_tokens,
+        "rounds": rounds,
+        "mean_accepted_length": (out.num_accepted_tokens / rounds) if rounds else None,
+        "proposers": out.proposers,
+    }
+
+
+def usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+
+
+@serve.deployment(name="LLMServer")
+@serve.ingress(app)
+class LLMServer:
+    def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
+                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64):
+        engine = dict(engine or {})
+        if "model" not in engine:  # the embedded default pair, speculation on
+            engine.setdefault("model", "embedded:target")
+            engine.setdefault("draft_model", "embedded:draft")
+            engine.setdefault("use_speculative_decoding", True)
+        engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
+        config = EngineConfig.from_kwargs(**engine)
+        self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
+        self.config = self.engine.config
+        self.model_name = served_model_name
+        self.api_key = os.environ.get(api_key_env) or None
+        self.created = int(time.time())
+        log.info("engine ready: model=%s draft=%s threads=%d", self.config.model, self.config.draft_model,
+                 config.num_threads)
+
+    # --- Serve hooks -------------------------------------------------------------------
+    async def reconfigure(self, user_config: dict) -> None:
+        """Applies speculation knobs live (between engine steps; streams keep going)."""
+        user_config = dict(user_config or {})
+        unknown = sorted(set(user_config) - set(SPEC_KNOBS))
+        if unknown:
+            raise ValueError(f"unknown user_config key(s) {unknown}; known: {sorted(SPEC_KNOBS)}")
+        kwargs = {SPEC_KNOBS[k]: v for k, v in user_config.items()}
+        if not kwargs:
+            return
+
+        def apply(engine):
+            runner = engine.runner
+            if not hasattr(runner, "reconfigure"):
+                if kwargs.get("enabled"):
+                    raise ValueError("speculation was not configured for this engine at start-up")
+                return None
+            runner.reconfigure(**kwargs)
+            return None
+
+        await self.engine.call(apply)
+        log.info("speculation reconfigured: %s", kwargs)
+
+    async def check_health(self) -> None:
+        self.engine.check_health()
+
+    # --- helpers -----------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def _parse(self, request: Request, schema):
+        self._authorize(request)
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            req = schema.model_validate(obj)
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors()) from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+        if req.model is not None and req.model not in (self.model_name, self.config.model):
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model", code="model_not_found")
+        return req
+
+    @property
+    def _spec_method(self) -> str | None:
+        runner = self.engine.engine.runner
+        if getattr(runner, "enabled", False):
+            return runner.method
+        return None
+
+    async def _start(self, req, prompt, chat, default_max_tokens):
+        try:
+            params = req.sampling_params(default_max_tokens)
+            return await self.engine.add(prompt, params, chat=chat)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        except EngineOverloadedError as exc:
+            raise APIError(429, f"server overloaded: {exc}", code="overloaded") from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"engine unavailable: {exc}", code="engine_dead") from None
+
+    def _default_chat_max_tokens(self) -> int:
+        return max(1, min(self.config.max_seq_len // 2, 512))
+
+    # --- routes ------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        if not self.engine.is_alive:
+            return JSONResponse({"status": "unhealthy", "error": self.engine.fatal_error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "specserve", "root": self.config.model}]}
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats(self, request: Request):
+        self._authorize(request)
+
+        def collect(engine):
+            runner = engine.runner
+            out = {"running": engine.num_running(), "waiting": engine.num_waiting(),
+                   "target_kv_used_blocks": getattr(runner.pool, "num_used_blocks", lambda: None)(),
+                   "target_kv_used_slots": runner.pool.num_used_slots()}
+            draft = getattr(runner, "draft", None)
+            if draft is not None:
+                out["draft_kv_used_slots"] = draft.num_used_slots()
+                out["draft_kv_used_blocks"] = getattr(draft.pool, "num_used_blocks", lambda: None)()
+            if hasattr(runner, "policy"):
+                out["speculation"] = {"enabled": runner.enabled, "method": runner.method,
+                                      "spec_length": runner.policy.spec_length, "policy": runner.policy.mode}
+            return out
+
+        return await self.engine.call(collect)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)
+        stream = await self._start(req, req.prompt, None, 16)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+
+        def choice(text: str, finish: str | None) -> dict:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if req.stream:
+            return self._sse(stream, base, lambda d: choice(d.text, d.finish_reason if d.finished else None),
+                             req.include_usage)
+        out = await self._collect(stream)
+        return {**base, "choices": [choice(out.text, out.finish_reason)], "usage": usage(out),
+                "speculation": speculation_stats(out, self._spec_method)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        stream = await self._start(req, None, messages, self._default_chat_max_tokens())
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        if req.stream:
+            chunk_base = {**base, "object": "chat.completion.chunk"}
+
+            def chunk_choice(d: StreamDelta) -> dict:
+                return {"index": 0, "delta": {"content": d.text} if d.text else {},
+                        "finish_reason": d.finish_reason if d.finished else None}
+
+            first = {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None}]}
+            return self._sse(stream, chunk_base, chunk_choice, req.include_usage, first=first)
+        out = await self._collect(stream)
+        return {**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                                     "finish_reason": out.finish_reason}],
+                "usage": usage(out), "speculation": speculation_stats(out, self._spec_method)}
+
+    # --- response bodies ---------------------------------------------------------------
+    async def _collect(self, stream) -> RequestOutput:
+        try:
+            async for delta in stream:
+                if delta.finished:
+                    if delta.finish_reason == "error":
+                        raise APIError(500, f"generation failed: {delta.output.error if delta.output else ''}")
+                    return delta.output
+        except EngineDeadError as exc:
+            raise APIError(503, f"engine unavailable: {exc}", code="engine_dead") from None
+        finally:
+            await stream.aclose()
+        raise APIError(500, "stream ended without a final output")
+
+    def _sse(self, stream, base: dict, make_choice, include_usage: bool, first: dict | None = None):
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first is not None:
+                    yield f"data: {json.dumps(first)}\n\n"
+                async for delta in stream:
+                    if delta.finished and delta.finish_reason == "error":
+                        err = APIError(500, f"generation failed: {delta.output.error if delta.output else ''}")
+                        yield f"data: {json.dumps(err.body())}\n\n"
+                        break
+                    chunk = {**base, "choices": [make_choice(delta)]}
+                    if delta.finished:
+                        out = delta.output
+                        stats = speculation_stats(out, self._spec_method)
+                        if include_usage:
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                            chunk = {**base, "choices": [], "usage": usage(out), "speculation": stats}
+                        else:
+                            chunk["speculation"] = stats
+                    if not delta.finished and not delta.text:
+                        continue  # nothing to say yet (e.g. half a UTF-8 character held back)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            except EngineDeadError as exc:
+                yield f"data: {json.dumps(APIError(503, f'engine unavailable: {exc}').body())}\n\n"
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_app(args: dict | None = None):
+    """Serve application builder (`import_path: serve_app.server:build_app`)."""
+    args = dict(args or {})
+    return LLMServer.bind(**args)

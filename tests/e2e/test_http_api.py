@@ -1,0 +1,184 @@
+"""The OpenAI-compatible API over a real `serve run serve_config.yaml` (loopback only)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def engine_kwargs(server) -> dict:
+    return dict(server.config["applications"][0]["args"]["engine"])
+
+
+@pytest.fixture(scope="module")
+def offline_reference(server):
+    """Greedy outputs of the same engine configuration in-process (LLM().generate)."""
+    from engine import LLM, SamplingParams
+
+    kwargs = engine_kwargs(server)
+    if "model" not in kwargs:
+        kwargs.update(model="embedded:target", draft_model="embedded:draft")
+    kwargs["spec_policy"] = "fixed"
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    return {p: o.text for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+def test_models_and_health(server):
+    with server.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        models = c.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "specserve-default"
+
+
+def test_completion_stream_is_incremental_and_ends_with_usage_then_done(server):
+    body = {"model": "specserve-default", "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        # the first chunk is here while the request is still generating
+        assert server.stats()["running"] >= 1
+        rest = [first] + [line for line in lines if line.startswith("data: ")]
+    events = [e if e == "data: [DONE]" else json.loads(e[6:]) for e in rest]
+    assert events[-1] == "data: [DONE]"
+    chunks = events[:-1]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert sum(1 for t in texts if t) >= 3
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 120
+    spec = last["speculation"]
+    assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0 and spec["rounds"] >= 1
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_http_greedy_equals_offline_generate(server, offline_reference):
+    with server.client() as c:
+        for prompt in PROMPTS:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == offline_reference[prompt]
+            body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                streamed = sse_events(r)
+            assert "".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"]) == offline_reference[prompt]
+
+
+def test_openai_client_completions_and_chat(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    comp = client.completions.create(model="specserve-default", prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    assert comp.choices[0].finish_reason in ("stop", "length") and comp.usage.completion_tokens >= 1
+    assert comp.model_extra["speculation"]["rounds"] >= 0
+    chat = client.chat.completions.create(model="specserve-default", max_tokens=16, temperature=0.7, seed=3,
+                                          messages=[{"role": "user", "content": "write a sort function"}])
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 5
+    pieces, last = [], None
+    for chunk in client.chat.completions.create(model="specserve-default", max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "hello"}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        last = chunk
+    assert pieces and last.usage is not None and "speculation" in last.model_extra
+    for chunk in client.completions.create(model="specserve-default", prompt=PROMPTS[2], max_tokens=8,
+                                           stream=True):
+        assert chunk.object == "text_completion"
+
+
+def test_disconnecting_clients_free_kv_and_do_not_disturb_others(server, offline_reference):
+    results: dict[str, str] = {}
+
+    def steady(prompt):
+        with server.client() as c:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
+            results[prompt] = r.json()["choices"][0]["text"]
+
+    def quitter(i):
+        body = {"prompt": PROMPTS[i % 3] * (1 + i % 2), "max_tokens": 300, "temperature": 0.8, "seed": i,
+                "ignore_eos": True, "stream": True}
+        with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for n, _line in enumerate(r.iter_lines()):
+                if n >= 2 + i % 5:
+                    break  # hang up mid-stream
+
+    threads = [threading.Thread(target=quitter, args=(i,)) for i in range(20)]
+    threads += [threading.Thread(target=steady, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == offline_reference
+    stats = server.wait_until(lambda: (s := server.stats())["running"] == 0 and s["waiting"] == 0 and s,
+                              60, "aborted requests to leave the engine")
+    assert stats["target_kv_used_blocks"] == 0 and stats["target_kv_used_slots"] == 0
+    assert stats.get("draft_kv_used_slots", 0) == 0
+
+
+BAD_INPUTS = [
+    ("malformed JSON", "/v1/completions", b'{"prompt": "x",', 400, None),
+    ("body not an object", "/v1/completions", b'["x"]', 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("prompt wrong type", "/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("temperature not a number", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("prompt + max_tokens too long", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, None),
+    ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("top_k below -1", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("token id out of vocabulary", "/v1/completions", {"prompt": [1, 10**9]}, 400, None),
+    ("too many stop strings", "/v1/completions", {"prompt": "x", "stop": ["a"] * 50}, 400, "stop"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("huge body", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413, None),
+    ("deeply nested JSON", "/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("wrong method", "/v1/completions", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_shaped_4xx(server, name, path, body, status, param):
+    with server.client() as c:
+        if body is None:
+            r = c.get(path)
+        elif isinstance(body, bytes):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = c.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] is not None and err["param"].split(".")[0] == param
+    if name == "prompt + max_tokens too long":
+        assert "100000" in err["message"] and "max_seq_len" in err["message"]
+
+
+def test_missing_or_wrong_api_key_is_401_and_health_stays_open(server):
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200
