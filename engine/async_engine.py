@@ -235,7 +235,7 @@ class AsyncLLMEngine:
         except BaseException as exc:  # the loop itself broke: health checks must fail
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             log.critical("engine loop died:\n%s", traceback.format_exc())
-            for rid, (loop, q) in list(self._streams.items()):
+            for loop, q in list(self._streams.values()):
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(self.fatal_error))
                 except RuntimeError:
