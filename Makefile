@@ -9,16 +9,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e '.[test,bench]'
+	$(VENV)/bin/pip install --quiet -e '.[serve,test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# The main job: the engine on the embedded default pair.
+# The main job: the OpenAI-compatible server on the embedded default pair (Ray Serve).
 serve: $(STAMP)
-	$(VENV)/bin/python -m engine.cli
+	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run serve_config.yaml
 
-generate: serve
+# The engine in-process, no Ray: a few completions on the embedded pair.
+generate: $(STAMP)
+	$(VENV)/bin/python -m engine.cli
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests

@@ -46,6 +46,10 @@ class Server:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)
 
+    @property
+    def max_seq_len(self) -> int:
+        return self.config["applications"][0]["args"]["engine"]["max_seq_len"]
+
     def stats(self) -> dict:
         with self.client() as c:
             return c.get("/v1/engine/stats").json()
@@ -61,12 +65,18 @@ class Server:
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def ray_env() -> dict:
+    """Environment for `serve run/deploy/status`: Ray's token auth on for every client, so the
+    CLI can talk to the dashboard of the cluster `serve run` started."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+
+
 def serve_bin() -> str:
     return str(Path(sys.executable).parent / "serve")
 
 
 def ray_stop() -> None:
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"],
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=ray_env(),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 
@@ -85,7 +95,7 @@ def server(tmp_path_factory):
     config_path.write_text(yaml.safe_dump(cfg))
     log_path = work / "serve.log"
     ray_stop()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = ray_env()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([serve_bin(), "run", str(config_path)], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -94,6 +104,8 @@ def server(tmp_path_factory):
     def ready():
         if proc.poll() is not None:
             raise AssertionError(f"serve run exited early:\n{log_path.read_text()[-3000:]}")
+        if "Failed to update the deployments" in log_path.read_text():
+            raise AssertionError(f"the deployment failed:\n{log_path.read_text()[-3000:]}")
         try:
             return httpx.get(srv.url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
