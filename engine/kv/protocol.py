@@ -52,7 +52,9 @@ class KVView:
         kv[1].index_copy_(0, self.write_rows, v.reshape(B * T, *v.shape[2:]))
         if self.read_slice is not None:
             return kv[0, self.read_slice].unsqueeze(0), kv[1, self.read_slice].unsqueeze(0)
-        return kv[0][self.read_rows], kv[1][self.read_rows]
+        shape = (*self.read_rows.shape, *kv.shape[2:])  # [B, L, kv_heads, head_dim]
+        flat = self.read_rows.view(-1)
+        return kv[0].index_select(0, flat).view(shape), kv[1].index_select(0, flat).view(shape)
 
 
 @runtime_checkable

@@ -71,3 +71,27 @@ def test_greedy_generation_matches_transformers(tiny_model, backend):
     batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert alone == expected
     assert batched == expected
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir, backend):
+    """Decode steps over > 128 keys take the explicit-attention path; batched rows differ in length."""
+    hf = make_model(tmp_path, tok_dir, seed=4)
+    ours = load_llama(tmp_path, "float32", "cpu", max_positions=512)
+    cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=4, max_seq_len=256,
+                       kv_cache_backend=backend, block_size=8)
+    pool = build_pool(cfg, ours)
+    torch.manual_seed(1)
+    lengths = [140, 170, 131]
+    ids = torch.randint(0, hf.config.vocab_size, (3, 180))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits  # [3, 180, vocab]
+    slots = [pool.allocate_slot([])[0] for _ in range(3)]
+    forward_chunks(ours, pool, slots, [ids[i, :n].tolist() for i, n in enumerate(lengths)], [0, 0, 0])
+    for step in range(6):
+        pos = [n + step for n in lengths]
+        got = forward_chunks(ours, pool, slots, [[ids[i, p].item()] for i, p in enumerate(pos)], pos)
+        want = torch.stack([expected[i, p] for i, p in enumerate(pos)])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    single = forward_chunks(ours, pool, slots[:1], [[ids[0, lengths[0] + 6].item()]], [lengths[0] + 6])
+    torch.testing.assert_close(single[0], expected[0, lengths[0] + 6], atol=2e-4, rtol=1e-4)

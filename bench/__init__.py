@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): side-by-side, interleaved, medians; JSON in bench/results/."""
