@@ -55,14 +55,14 @@ def main() -> None:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(2, 8192, (batch, 32), generator=gen)
 
-        def ours():
+        def ours(prompts=prompts):
             t0 = time.perf_counter()
             outs = llm.generate([p.tolist() for p in prompts], params)
             dt = time.perf_counter() - t0
             n = sum(len(o.token_ids) for o in outs)
             return {"tok_s": n / dt, "tokens": n, "seconds": dt, "first": outs[0].token_ids[:16]}
 
-        def transformers_generate():
+        def transformers_generate(prompts=prompts, batch=batch):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.tokens,
