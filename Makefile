@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install serve generate test lint
 
 $(STAMP): pyproject.toml
+	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet torch==2.13.0

@@ -184,8 +184,9 @@ class LLMEngine:
             del self._requests[request_id]
             del self._texts[request_id]
 
-    def kv_usage(self) -> dict[str, float | int | None]:
-        return self.runner.kv_usage() if hasattr(self.runner, "kv_usage") else {}
+    def kv_usage_fractions(self) -> dict[str, float]:
+        """Fraction of each KV pool in use ("target", and "draft" when there is one)."""
+        return self.runner.kv_usage_fractions()
 
 
 class LLM:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv import CachePool, OutOfKVCache
+from engine.metrics import DecodeStepStats
 from engine.model.llama import Llama
 from engine.request import Request
 from engine.sampling import greedy_or_sample
@@ -40,6 +41,7 @@ class ContinuousRunner:
         self.model = model
         self.pool = pool
         self.device = model.device
+        self.last_decode: DecodeStepStats | None = None  # what the last step's decode did
 
     # --- KVAllocator -------------------------------------------------------------------
     def allocate(self, request: Request) -> bool:
@@ -66,6 +68,7 @@ class ContinuousRunner:
     def step(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
         """Runs one scheduled batch; returns the new tokens of each request, in order."""
         out: list[tuple[Request, list[int]]] = []
+        self.last_decode = None
         if batch.prefill:
             out.extend(self._prefill(batch.prefill))
         if batch.decode:
@@ -98,4 +101,8 @@ class ContinuousRunner:
             r.num_computed_tokens += 1
         tokens = greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
                                   [r.generator for r in reqs])
+        self.last_decode = DecodeStepStats(batch_size=len(reqs), num_tokens=len(reqs))
         return [(r, [t]) for r, t in zip(reqs, tokens)]
+
+    def kv_usage_fractions(self) -> dict[str, float]:
+        return {"target": self.pool.usage_fraction()}

@@ -27,11 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from engine.config import EngineConfig
+from engine.metrics import BufferedRecorder, StepMetrics
 from engine.request import RequestOutput
 from serve_app.errors import APIError, from_validation_errors
+from serve_app.metrics import RayMetricsExporter
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
-log = logging.getLogger("serve_app")
+log = logging.getLogger("ray.serve")  # configured by Serve in replicas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 SPEC_KNOBS = {"speculative_method": "method", "spec_length": "spec_length", "spec_policy": "policy",
@@ -103,6 +105,9 @@ class LLMServer:
         self.model_name = served_model_name
         self.api_key = os.environ.get(api_key_env) or None
         self.created = int(time.time())
+        self.metrics_buffer = BufferedRecorder()
+        self.engine.step_observers.append(StepMetrics(self.metrics_buffer, served_model_name).on_step)
+        self.exporter = RayMetricsExporter(self.metrics_buffer)
         log.info("engine ready: model=%s draft=%s threads=%d", self.config.model, self.config.draft_model,
                  config.num_threads)
 
@@ -216,7 +221,9 @@ class LLMServer:
                                       "spec_length": runner.policy.spec_length, "policy": runner.policy.mode}
             return out
 
-        return await self.engine.call(collect)
+        out = await self.engine.call(collect)
+        out["exported_counter_totals"] = dict(self.exporter.totals)
+        return out
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):

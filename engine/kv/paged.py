@@ -121,3 +121,6 @@ class PagedKVPool(PoolViews):
 
     def num_used_blocks(self) -> int:
         return self.blocks.num_in_use()
+
+    def usage_fraction(self) -> float:
+        return self.blocks.num_in_use() / self.blocks.num_blocks

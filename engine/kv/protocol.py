@@ -71,6 +71,7 @@ class CachePool(Protocol):
       length. `prefill_view`, `decode_view` and `chunk_view` are the named special cases.
     - `truncate_to(slot, new_len)` rolls a slot back; storage wholly past new_len is released.
     - `free_token_capacity()` tokens that could still be stored (None = no shared limit).
+    - `usage_fraction()` share of the pool in use (blocks for paged, slots for slotted).
     - `register_prefix(slot, token_ids)` offers the slot's full blocks holding `token_ids`
       (a prompt prefix) to the prefix cache; a no-op where there is none.
     """
@@ -84,6 +85,7 @@ class CachePool(Protocol):
     def free_token_capacity(self) -> int | None: ...
     def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...
     def num_used_slots(self) -> int: ...
+    def usage_fraction(self) -> float: ...
 
 
 class PoolViews:

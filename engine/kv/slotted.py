@@ -68,3 +68,6 @@ class SlottedKVPool(PoolViews):
 
     def num_free_slots(self) -> int:
         return len(self._free)
+
+    def usage_fraction(self) -> float:
+        return len(self._lengths) / self.max_slots

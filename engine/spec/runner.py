@@ -14,12 +14,12 @@ Requests without a proposal ride along with k = 0, which is exactly a plain deco
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
 from engine.kv import CachePool
+from engine.metrics import DecodeStepStats
 from engine.model.llama import Llama
 from engine.model.loader import load_llama, resolve_model_path
 from engine.model.tokenizer import Tokenizer
@@ -31,22 +31,6 @@ from engine.spec.draft import DraftModelProposer
 from engine.spec.ngram import ngram_propose
 from engine.spec.policy import AcceptanceEstimate, Choice, SpecPolicy
 from engine.spec.rejection import verify, verify_greedy
-
-
-@dataclass
-class SpecStepStats:
-    """What one decode step did, for metrics."""
-
-    batch_size: int = 0
-    k: int = 0
-    reason: str = ""
-    num_proposed: int = 0
-    num_accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)  # [k]: accepted at draft pos i
-    proposed_by_position: list[int] = field(default_factory=list)
-    rows_without_proposal: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target: Llama, draft: Llama,
@@ -76,7 +60,6 @@ class SpeculativeRunner(ContinuousRunner):
         self._alpha: dict[str, AcceptanceEstimate] = {}
         self._global_alpha = 0.6
         self.enabled = True
-        self.last_stats = SpecStepStats()
         if config.spec_policy == "adaptive":
             self.calibrate()
 
@@ -144,10 +127,10 @@ class SpeculativeRunner(ContinuousRunner):
     def decode_tokens(self, request: Request) -> int:
         return self.policy.spec_length + 1 if self.enabled else 1
 
-    def kv_usage(self) -> dict:
-        out = {"target_used_slots": self.pool.num_used_slots()}
+    def kv_usage_fractions(self) -> dict[str, float]:
+        out = super().kv_usage_fractions()
         if self.draft is not None:
-            out["draft_used_slots"] = self.draft.num_used_slots()
+            out["draft"] = self.draft.pool.usage_fraction()
         return out
 
     # --- calibration -------------------------------------------------------------------
@@ -181,8 +164,7 @@ class SpeculativeRunner(ContinuousRunner):
 
     # --- the speculative decode step ---------------------------------------------------
     def _decode(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
-        stats = SpecStepStats(batch_size=len(reqs))
-        self.last_stats = stats
+        stats = DecodeStepStats(batch_size=len(reqs))
         caps = [self._k_cap(r) for r in reqs]
         if not self.enabled:
             choice = Choice(0, "disabled", {})
@@ -194,6 +176,7 @@ class SpeculativeRunner(ContinuousRunner):
             t0 = time.perf_counter()
             out = super()._decode(reqs)
             self.costs.target.observe(len(reqs), 1, time.perf_counter() - t0)
+            self.last_decode.reason = choice.reason
             return out
         ks = [min(choice.k, c) for c in caps]
         t0 = time.perf_counter()
@@ -201,10 +184,10 @@ class SpeculativeRunner(ContinuousRunner):
         stats.draft_seconds = time.perf_counter() - t0
         ks = [len(p) for p in proposals]
         if max(ks) == 0:
-            stats.reason = "no_proposal"
-            stats.k = 0
-            stats.rows_without_proposal = len(reqs)
-            return super()._decode(reqs)
+            out = super()._decode(reqs)
+            self.last_decode.reason = "no_proposal"
+            self.last_decode.rows_without_proposal = len(reqs)
+            return out
         t1 = time.perf_counter()
         starts = [r.num_computed_tokens for r in reqs]
         logits = forward_chunks(self.model, self.pool, [r.slot for r in reqs],
@@ -233,6 +216,7 @@ class SpeculativeRunner(ContinuousRunner):
                 r.spec.accepted_per_round.append(a)
                 r.spec.proposed_per_round.append(k)
                 r.spec.proposers.add(sources[i])
+                stats.accepted_per_round.append(a)
                 self._alpha.setdefault(r.request_id, AcceptanceEstimate()).update(a, k)
                 self._global_alpha = 0.98 * self._global_alpha + 0.02 * (a / k)
                 for j in range(k):
@@ -243,6 +227,8 @@ class SpeculativeRunner(ContinuousRunner):
             stats.num_proposed += k
             stats.num_accepted += a
             out.append((r, proposals[i][:a] + [final[i]]))
+            stats.num_tokens += a + 1
+        self.last_decode = stats
         return out
 
     def _k_cap(self, r: Request) -> int:

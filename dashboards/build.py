@@ -1,0 +1,111 @@
+"""Builds dashboards/specserve-grafana.json (run after editing the panels below).
+
+    python dashboards/build.py
+
+Every expression names metrics from engine.metrics.METRICS (Ray adds the `ray_` prefix) or
+Ray Serve's own metrics; tests/e2e/test_metrics_prometheus.py evaluates each one against a
+real Prometheus scraping the running app.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "specserve-grafana.json"
+SEL = '{model=~"$model", replica=~"$replica"}'
+RI = "$__rate_interval"
+
+
+def rate(metric: str, by: str = "") -> str:
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping}(rate(ray_{metric}{SEL}[{RI}]))"
+
+
+def quantile(q: float, metric: str) -> str:
+    return f"histogram_quantile({q}, sum by (le)(rate(ray_{metric}_bucket{SEL}[{RI}])))"
+
+
+# (title, unit, [(expr, legend)], description)
+PANELS = [
+    ("Acceptance rate", "percentunit",
+     [(f"{rate('specserve_draft_accepted_tokens_total')} / {rate('specserve_draft_tokens_total')}", "acceptance")],
+     "Accepted ÷ proposed draft tokens across all requests."),
+    ("Mean accepted length per round", "short",
+     [(f"{rate('specserve_draft_accepted_tokens_total')} / {rate('specserve_spec_rounds_total')}", "accepted / round")],
+     "Proposed tokens accepted per speculation round (each round also emits one target token)."),
+    ("Acceptance by draft position", "percentunit",
+     [(f"{rate('specserve_accepted_tokens_by_position_total', 'position')} / "
+       f"{rate('specserve_proposed_tokens_by_position_total', 'position')}", "position {{position}}")],
+     "Probability that the i-th proposed token is accepted given it was proposed; falls with position."),
+    ("Proposed / accepted / rejected tokens per second", "short",
+     [(rate("specserve_draft_tokens_total"), "proposed"),
+      (rate("specserve_draft_accepted_tokens_total"), "accepted"),
+      (f"{rate('specserve_draft_tokens_total')} - {rate('specserve_draft_accepted_tokens_total')}", "rejected")],
+     "Proposer traffic: rejected tokens are the speculation's wasted work."),
+    ("Tokens per target forward pass (effective speedup)", "short",
+     [(f"{rate('specserve_decode_tokens_total')} / {rate('specserve_decode_sequence_steps_total')}", "tokens / pass")],
+     "Tokens each sequence gains per target decode forward; 1.0 = plain decode."),
+    ("Fallback to plain decode by reason", "percentunit",
+     [(f"{rate('specserve_non_spec_decode_steps_total', 'reason')} / scalar({rate('specserve_decode_steps_total')})",
+       "{{reason}}")],
+     "Share of decode steps run without speculation: policy (adaptive K chose 0), no_proposal, length_guard, "
+     "disabled, disabled_batch_size."),
+    ("Current K", "short",
+     [(f"max by (replica)(ray_specserve_spec_k{SEL})", "{{replica}}")],
+     "Proposed tokens per round chosen by the policy for the last decode step (0 = plain decode)."),
+    ("Time to first token", "s",
+     [(quantile(q, "specserve_time_to_first_token_seconds"), f"p{int(q * 100)}") for q in (0.5, 0.95, 0.99)],
+     "Arrival to first token, quantiles over the rate window."),
+    ("Inter-token latency", "s",
+     [(quantile(q, "specserve_inter_token_latency_seconds"), f"p{int(q * 100)}") for q in (0.5, 0.95, 0.99)],
+     "Gap between a request's consecutive outputs ÷ tokens they carried."),
+    ("Throughput", "short",
+     [(rate("specserve_generation_tokens_total"), "generated tokens/s"),
+      (rate("specserve_prompt_tokens_total"), "prompt tokens/s")],
+     "Tokens per second across replicas."),
+    ("Running and waiting requests", "short",
+     [(f"sum(ray_specserve_running_requests{SEL})", "running"),
+      (f"sum(ray_specserve_waiting_requests{SEL})", "waiting")],
+     "Requests holding KV vs queued for admission."),
+    ("KV cache usage", "percentunit",
+     [(f"max by (pool)(ray_specserve_kv_usage_fraction{SEL})", "{{pool}}")],
+     "Fraction of the target and draft KV pools in use (worst replica)."),
+    ("Replicas", "short",
+     [(f"count(count by (replica)(ray_specserve_running_requests{SEL}))", "replicas")],
+     "Engine replicas reporting metrics."),
+]
+
+
+def build() -> dict:
+    panels = []
+    for i, (title, unit, targets, desc) in enumerate(PANELS):
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": title, "description": desc,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": (i % 2) * 12, "y": (i // 2) * 8},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+            "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
+                         "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                        for j, (expr, legend) in enumerate(targets)],
+        })
+    variable = {"type": "prometheus", "uid": "${datasource}"}
+    return {
+        "title": "specserve — speculative decoding", "uid": "specserve-spec", "schemaVersion": 39, "version": 1,
+        "editable": True, "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "tags": ["specserve", "ray-serve"],
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"},
+            {"name": "model", "type": "query", "datasource": variable, "includeAll": True, "multi": True,
+             "allValue": ".*", "refresh": 2, "query": "label_values(ray_specserve_generation_tokens_total, model)"},
+            {"name": "replica", "type": "query", "datasource": variable, "includeAll": True, "multi": True,
+             "allValue": ".*", "refresh": 2,
+             "query": 'label_values(ray_specserve_running_requests{model=~"$model"}, replica)'},
+        ]},
+        "panels": panels,
+    }
+
+
+if __name__ == "__main__":
+    OUT.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {OUT}")
