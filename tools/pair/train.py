@@ -60,7 +60,7 @@ DRAFT = StageConfig(
     name="draft",
     shape=ModelShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=704),
-    steps=1500,
+    steps=1000,
     lr=2e-3,
 )
 
