@@ -25,14 +25,22 @@ def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
     B, T = len(chunks), max(len(c) for c in chunks)
-    ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
-    pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
-    for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
-        ids[b, :len(chunk)] = torch.tensor(chunk)
-        pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
-    view = pool.view(slots, [len(c) for c in chunks])
     device = model.device
-    last = None if all_logits else torch.tensor([len(c) - 1 for c in chunks], device=device)
+    if T == 1:  # decode: one token per row
+        ids = torch.tensor(chunks, dtype=torch.long)  # [B, 1]
+        pos = torch.tensor(start_positions, dtype=torch.long).view(B, 1)  # [B, 1]
+    else:
+        ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+        pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+        for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
+            ids[b, :len(chunk)] = torch.tensor(chunk)
+            pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+    view = pool.view(slots, [len(c) for c in chunks])
+    last = None
+    if not all_logits:
+        last = None if T == 1 else torch.tensor([len(c) - 1 for c in chunks], device=device)
+        if T == 1:
+            return model.forward(ids.to(device), pos.to(device), view, None)[:, 0]
     return model.forward(ids.to(device), pos.to(device), view, last)
 
 

@@ -3,7 +3,8 @@
     python tools/make_default_pair.py            # all stages, resumable
     python tools/make_default_pair.py --work DIR # where corpus, tokens and checkpoints live
 
-Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled) -> export.
+Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled) -> export -> model card
+(measured with our engine; validation prompts saved to bench/data/code_val_prompts.jsonl).
 Every stage skips itself when its output exists and training resumes from its last checkpoint,
 so rerunning the same command after an interruption continues where it stopped.
 Run it in the background:  nohup python tools/make_default_pair.py > recipe.log 2>&1 &
@@ -20,8 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from pair.card import write_card  # noqa: E402
 from pair.corpus import build_corpus  # noqa: E402
 from pair.export import export_model  # noqa: E402
+from pair.prompts import write_prompts  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
 from pair.train import DRAFT, TARGET, train_stage  # noqa: E402
 
@@ -47,6 +50,8 @@ def main() -> None:
     draft = train_stage(args.work, DRAFT, tokenizer, teacher=target)
     export_model(target, tokenizer, args.out / "target")
     export_model(draft, tokenizer, args.out / "draft")
+    prompts = write_prompts(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data" / "code_val_prompts.jsonl")
+    write_card(args.work, args.out, prompts)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ class KVView:
     def __init__(self, storage: torch.Tensor, write_rows: torch.Tensor,
                  read_rows: torch.Tensor | None, read_slice: slice | None, key_len: int,
                  needs_mask: bool):
-        self.storage = storage  # [layers, 2, rows, kv_heads, head_dim]
+        self.storage = storage  # [layers, 2, kv_heads, rows, head_dim]
         self.write_rows = write_rows
         self.read_rows = read_rows
         self.read_slice = read_slice
@@ -45,16 +45,23 @@ class KVView:
         return (keys[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [B, T, kv_heads, head_dim] new entries. Returns keys, values [B, L, kv_heads, head_dim]."""
-        kv = self.storage[layer]  # [2, rows, kv_heads, head_dim]
+        """k, v: [B, T, kv_heads, head_dim] new entries.
+
+        Returns keys, values [B, kv_heads, L, head_dim]: head-major storage means each
+        (sequence, head) block is contiguous, so attention reads them without copies.
+        """
+        kv = self.storage[layer]  # [2, kv_heads, rows, head_dim]
         B, T = k.shape[:2]
-        kv[0].index_copy_(0, self.write_rows, k.reshape(B * T, *k.shape[2:]))
-        kv[1].index_copy_(0, self.write_rows, v.reshape(B * T, *v.shape[2:]))
+        kv[0].index_copy_(1, self.write_rows, k.reshape(B * T, *k.shape[2:]).transpose(0, 1))
+        kv[1].index_copy_(1, self.write_rows, v.reshape(B * T, *v.shape[2:]).transpose(0, 1))
         if self.read_slice is not None:
-            return kv[0, self.read_slice].unsqueeze(0), kv[1, self.read_slice].unsqueeze(0)
-        shape = (*self.read_rows.shape, *kv.shape[2:])  # [B, L, kv_heads, head_dim]
+            return kv[0, :, self.read_slice].unsqueeze(0), kv[1, :, self.read_slice].unsqueeze(0)
+        B, L = self.read_rows.shape
         flat = self.read_rows.view(-1)
-        return kv[0].index_select(0, flat).view(shape), kv[1].index_select(0, flat).view(shape)
+        heads = kv.shape[1]
+        keys = kv[0].index_select(1, flat).view(heads, B, L, -1).transpose(0, 1)
+        values = kv[1].index_select(1, flat).view(heads, B, L, -1).transpose(0, 1)
+        return keys, values
 
 
 @runtime_checkable
@@ -109,7 +116,7 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     rows_at(positions [B, X]) -> storage rows [B, X] for in-range positions of each sequence.
     """
     device = storage.device
-    scratch = storage.shape[2] - 1
+    scratch = storage.shape[3] - 1
     B, T = len(lengths), max(chunk_lens)
     key_len = max(n + c for n, c in zip(lengths, chunk_lens))  # L
     start = torch.tensor(lengths, device=device)  # [B]
@@ -127,5 +134,5 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
 
 def allocate_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Flat K/V storage [layers, 2, rows + 1, kv_heads, head_dim]; the last row is scratch."""
-    return torch.zeros(num_layers, 2, rows + 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """K/V storage [layers, 2, kv_heads, rows + 1, head_dim]; the last row is scratch."""
+    return torch.zeros(num_layers, 2, num_kv_heads, rows + 1, head_dim, dtype=dtype, device=device)

@@ -208,8 +208,8 @@ class Llama:
             qk = self._rotate(qkv[..., :q_size + kv_size].view(B, T, heads, s.head_dim), cos, sin)
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
             v = qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim)
-            keys, values = kv.write_and_read(i, k, v)  # each [B, L, kv_heads, head_dim]
-            attn = self._attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
+            keys, values = kv.write_and_read(i, k, v)  # each [B, kv_heads, L, head_dim]
+            attn = self._attention(q.transpose(1, 2), keys, values, mask)
             h = h + self._linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
             x = self._rms_norm(h, lw.mlp_norm)
             gate, up = self._linear(x, lw.gate_up).chunk(2, dim=-1)  # each [B, T, intermediate]

@@ -50,7 +50,7 @@ def test_paged_reads_back_what_was_written_across_blocks():
     slot, _ = pool.allocate_slot([1, 2, 3])
     write(pool, slot, 3, 1.0)
     keys = write(pool, slot, 3, 2.0)  # [1, 6, 1, 2]
-    assert keys[0, :, 0, 0].tolist() == [1, 1, 1, 2, 2, 2]
+    assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 2, 2, 2]
 
 
 def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
@@ -64,7 +64,7 @@ def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
     assert cached == 8  # the two full blocks are shared
     assert pool.block_table(b)[:2] == pool.block_table(a)[:2]
     keys = write(pool, b, 4, 3.0)
-    assert keys[0, :8, 0, 0].tolist() == [7.0] * 8
+    assert keys[0, 0, :8, 0].tolist() == [7.0] * 8
     with pytest.raises(ValueError, match="shared prefix"):
         pool.truncate_to(b, 4)
     pool.truncate_to(b, 8)  # the private tail goes, the shared blocks stay
@@ -127,10 +127,10 @@ def test_slotted_slots_truncate_and_capacity():
         pool.allocate_slot([1])
     write(pool, a, 5, 1.0)
     keys = write(pool, a, 2, 2.0)
-    assert keys[0, :, 0, 0].tolist() == [1] * 5 + [2] * 2
+    assert keys[0, 0, :, 0].tolist() == [1] * 5 + [2] * 2
     pool.truncate_to(a, 3)
     keys = write(pool, a, 1, 4.0)
-    assert keys[0, :, 0, 0].tolist() == [1, 1, 1, 4]
+    assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 4]
     assert not pool.ensure_capacity(a, 17)
     pool.free_slot(a)
     pool.free_slot(b)
