@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pair.card import write_card  # noqa: E402
 from pair.corpus import build_corpus  # noqa: E402
 from pair.export import export_model  # noqa: E402
-from pair.prompts import write_prompts  # noqa: E402
+from pair.prompts import write_all  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
 from pair.train import DRAFT, TARGET, train_stage  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> None:
     draft = train_stage(args.work, DRAFT, tokenizer, teacher=target)
     export_model(target, tokenizer, args.out / "target")
     export_model(draft, tokenizer, args.out / "draft")
-    prompts = write_prompts(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data" / "code_val_prompts.jsonl")
+    prompts = write_all(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data")
     write_card(args.work, args.out, prompts)
 
 

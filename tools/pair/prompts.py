@@ -42,3 +42,42 @@ def write_prompts(val_jsonl: Path, out: Path, n: int = 48) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
+
+
+def extract_edit_prompts(val_jsonl: Path, n: int, seed: int = 1, max_lines: int = 24) -> list[dict]:
+    """An edit/refactor workload: a whole function, then a comment asking for a renamed copy
+    and the copy's first line. A good completion repeats most of the prompt (n-gram friendly)."""
+    out = []
+    rng = random.Random(seed)
+    rows = [json.loads(line) for line in open(val_jsonl)]
+    rng.shuffle(rows)
+    for row in rows:
+        src = row["text"].splitlines()
+        for i, line in enumerate(src):
+            m = re.match(r"^def (\w+)\(", line)
+            if not m:
+                continue
+            body = [line]
+            for nxt in src[i + 1:i + max_lines]:
+                if nxt and not nxt.startswith((" ", "\t")):
+                    break
+                body.append(nxt)
+            if len(body) < 6:
+                continue
+            name = m.group(1)
+            func = "\n".join(body).rstrip() + "\n"
+            prompt = (func + f"\n\n# Refactor: the same function renamed to {name}_v2, body unchanged.\n"
+                      + line.replace(f"def {name}(", f"def {name}_v2(", 1) + "\n")
+            out.append({"origin": row["origin"], "path": row["path"], "line": i + 1, "prompt": prompt})
+            break
+        if len(out) >= n:
+            break
+    return out
+
+
+def write_all(val_jsonl: Path, data_dir: Path) -> list[dict]:
+    """Writes the code and edit workloads; returns the code prompts."""
+    code = write_prompts(val_jsonl, data_dir / "code_val_prompts.jsonl")
+    edit = extract_edit_prompts(val_jsonl, 24)
+    (data_dir / "edit_val_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in edit))
+    return code

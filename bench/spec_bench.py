@@ -1,0 +1,148 @@
+"""Speculative decoding on the shipped pair: costs, speedups by method and K, theory vs measured.
+
+    python -m bench.spec_bench                       # code workload, batch 1, greedy
+    python -m bench.spec_bench --workload edit       # n-gram friendly edit workload
+    python -m bench.spec_bench --costs-only          # verify-pass / draft-step timings and c
+
+Every configuration runs in one engine (reconfigured between runs, same weights), the
+configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
+Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import interleave, summarize, write
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def load_prompts(workload: str, n: int) -> list[str]:
+    path = DATA / {"code": "code_val_prompts.jsonl", "edit": "edit_val_prompts.jsonl"}[workload]
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines()][:n]
+
+
+def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 7) -> dict:
+    """Median forward times (ms) of the target for T = 1..max_t tokens per sequence, and of
+    one draft decode step, at each batch size."""
+    from engine.runner import forward_chunks
+
+    runner = llm.engine.runner
+    out = {}
+    for b in batch_sizes:
+        row = {}
+        for name, model, pool, ts in (("target", runner.model, runner.pool, range(1, max_t + 1)),
+                                      ("draft", runner.draft.model, runner.draft.pool, [1])):
+            slots = [pool.allocate_slot([])[0] for _ in range(b)]
+            forward_chunks(model, pool, slots, [[(7 * i + j) % 1000 + 10 for j in range(context)] for i in range(b)],
+                           [0] * b)
+            for t in ts:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    forward_chunks(model, pool, slots, [[11] * t] * b, [context] * b, all_logits=t > 1)
+                    times.append(time.perf_counter() - t0)
+                    for s in slots:
+                        pool.truncate_to(s, context)
+                row[f"{name}_T{t}"] = statistics.median(times) * 1e3
+            for s in slots:
+                pool.free_slot(s)
+        row["c"] = row["draft_T1"] / row["target_T1"]
+        row["verify_ratio"] = {t: row[f"target_T{t}"] / row["target_T1"] for t in range(1, max_t + 1)}
+        out[str(b)] = row
+    return out
+
+
+def theoretical(alpha: float, k: int, c: float) -> float:
+    if k == 0:
+        return 1.0
+    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["code", "edit"], default="code")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
+    ap.add_argument("--methods", nargs="+", default=["draft", "ngram", "hybrid"])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--costs-only", action="store_true")
+    ap.add_argument("--target", default="embedded:target")
+    ap.add_argument("--draft", default="embedded:draft")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.target, draft_model=args.draft, use_speculative_decoding=True,
+              max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
+    costs = measure_costs(llm)
+    for b, row in costs.items():
+        print(f"batch {b}: target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
+              "verify T/T1: " + " ".join(f"{t}:{r:.2f}" for t, r in row["verify_ratio"].items()))
+    if args.costs_only:
+        write("spec_costs", {"costs": costs})
+        return
+    prompts = load_prompts(args.workload, args.prompts)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
+    runner = llm.engine.runner
+    configs: dict[str, dict] = {"plain": {"enabled": False}}
+    for m in args.methods:
+        for k in args.ks:
+            configs[f"{m}/K={k}"] = {"enabled": True, "method": m, "spec_length": k, "policy": "fixed"}
+        configs[f"{m}/adaptive"] = {"enabled": True, "method": m, "spec_length": max(args.ks), "policy": "adaptive"}
+
+    def run(cfg):
+        def go():
+            runner.reconfigure(**cfg)
+            t0 = time.perf_counter()
+            outs = [llm.generate(p, params)[0] for p in prompts]
+            dt = time.perf_counter() - t0
+            n = sum(len(o.token_ids) for o in outs)
+            drafted = sum(o.num_draft_tokens for o in outs)
+            accepted = sum(o.num_accepted_tokens for o in outs)
+            rounds = sum(o.num_spec_rounds for o in outs)
+            return {"tok_s": n / dt, "tokens": [o.token_ids for o in outs], "drafted": drafted,
+                    "accepted": accepted, "rounds": rounds}
+        return go
+
+    runs = interleave({name: run(cfg) for name, cfg in configs.items()}, args.repeats, f"{args.workload} configs")
+    plain = summarize(runs["plain"], "tok_s")["median"]
+    reference = runs["plain"][0]["tokens"]
+    c = costs["1"]["c"]
+    table = {}
+    for name, rs in runs.items():
+        s = summarize(rs, "tok_s")
+        r0 = rs[0]
+        alpha = r0["accepted"] / r0["drafted"] if r0["drafted"] else None
+        k = configs[name].get("spec_length", 0) if configs[name].get("enabled") else 0
+        entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha,
+                 "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
+                 "identical_to_plain": all(r["tokens"] == reference for r in rs) if args.temperature == 0 else None}
+        if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
+            entry["theoretical_speedup"] = theoretical(alpha, k, c)
+            entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
+        table[name] = entry
+        theo = f"  theory {entry['theoretical_speedup']:.2f}x ({entry['measured_over_theoretical']:.0%})" \
+            if "theoretical_speedup" in entry else ""
+        print(f"{name:18s} {s['median']:8.1f} tok/s  {entry['speedup']:5.2f}x  "
+              f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
+    path = write(f"spec_{args.workload}_t{args.temperature:g}", {
+        "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
+        "repeats": args.repeats, "costs": costs, "results": table})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The shipped default pair (models/) through our loader, transformers, and speculation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.loader import load_llama, resolve_model_path
+from engine.runner import forward_chunks
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [json.loads(line)["prompt"] for line in
+           (REPO / "bench" / "data" / "code_val_prompts.jsonl").read_text().splitlines()[:5]]
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_shipped_checkpoint_logits_match_transformers(name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(f"embedded:{name}")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.encode(PROMPTS[0], return_tensors="pt")  # [1, T]
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits[0]  # [T, vocab]
+    ours = load_llama(path, "float32", "cpu", max_positions=512)
+    from engine.config import EngineConfig
+    from engine.engine import build_pool
+
+    pool = build_pool(EngineConfig(model=str(path), dtype="float32", max_batch_size=1, max_seq_len=512), ours)
+    slot, _ = pool.allocate_slot([])
+    got = forward_chunks(ours, pool, [slot], [ids[0].tolist()], [0], all_logits=True)[0]
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+    assert ours.num_parameters == sum(p.numel() for p in hf.parameters())
+
+
+def test_default_llm_uses_the_shipped_pair_with_speculation():
+    llm = LLM(max_seq_len=512, max_batch_size=8)
+    assert llm.config.use_speculative_decoding and llm.config.draft_model
+    assert Path(llm.config.model) == resolve_model_path("embedded:target")
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert out.token_ids and out.num_draft_tokens > 0 and out.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
+def test_shipped_pair_speculative_greedy_equals_plain(method):
+    common = dict(model="embedded:target", dtype="float32", max_seq_len=512, max_batch_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(**common).generate(PROMPTS, params)]
+    spec = LLM(**common, draft_model="embedded:draft", use_speculative_decoding=True, speculative_method=method,
+               spec_policy="fixed", spec_length=5)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
+    assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == plain
