@@ -57,11 +57,10 @@ class KVView:
         if self.read_slice is not None:
             return kv[0, :, self.read_slice].unsqueeze(0), kv[1, :, self.read_slice].unsqueeze(0)
         B, L = self.read_rows.shape
-        flat = self.read_rows.view(-1)
         heads = kv.shape[1]
-        keys = kv[0].index_select(1, flat).view(heads, B, L, -1).transpose(0, 1)
-        values = kv[1].index_select(1, flat).view(heads, B, L, -1).transpose(0, 1)
-        return keys, values
+        both = kv.view(2 * heads, *kv.shape[2:]).index_select(1, self.read_rows.view(-1))  # [2 * kv_heads, B * L, D]
+        both = both.view(2, heads, B, L, -1).transpose(1, 2)  # [2, B, kv_heads, L, D]
+        return both[0], both[1]
 
 
 @runtime_checkable

@@ -129,7 +129,10 @@ class Llama:
         freqs = torch.outer(positions, rope_inv_freq(shape))  # [max_positions, head_dim // 2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.cos = angles.cos().to(self.dtype).to(self.device)  # [max_positions, head_dim]
-        self.sin = angles.sin().to(self.dtype).to(self.device)  # [max_positions, head_dim]
+        sin = angles.sin()
+        half = sin.shape[-1] // 2
+        signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate-half's sign folded in
+        self.sin = signed.to(self.dtype).to(self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
         self._linear = F.linear
@@ -156,15 +159,15 @@ class Llama:
         return sum(t.numel() for t in tensors)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # normalise in float32, scale in the model dtype (the reference implementation's order)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
-        return weight * normed.to(x.dtype)
+        # one fused op; half-precision inputs are reduced in float32 inside it
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_norm_eps)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """RoPE in the rotate-half convention; signed_sin carries the minus of the first half."""
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + swapped * signed_sin
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
