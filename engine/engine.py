@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -56,6 +56,8 @@ class LLMEngine:
         self._texts: dict[str, IncrementalText] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
+        # test-only fault injection: called with each request as its new tokens are processed
+        self.fault_hook: Callable[[Request], None] | None = None
 
     def _build_runner(self):
         if self.config.use_speculative_decoding:
@@ -130,10 +132,17 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         now = time.monotonic()
         for req, tokens in new_tokens:
-            for token in tokens:
-                if req.is_finished:
-                    break  # tokens after a stop are dropped
-                outputs.append(self._append(req, token, now))
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(req)
+                for token in tokens:
+                    if req.is_finished:
+                        break  # tokens after a stop are dropped
+                    outputs.append(self._append(req, token, now))
+            except Exception as exc:  # one request's failure must not touch the others
+                if not req.is_finished:
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    outputs.append(self._finish(req, "error", ""))
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:

@@ -57,6 +57,31 @@ async def _api_error_handler(_request, exc: APIError):
     return exc.response()
 
 
+FAULT_USER = "specserve-test-fault"  # with SPECSERVE_TEST_HOOKS=1: this request fails mid-generation
+FAULT_PREFIX = "fault-"
+
+
+def _inject_fault(request) -> None:
+    if request.request_id.startswith(FAULT_PREFIX) and len(request.output_token_ids) >= 2:
+        raise RuntimeError("injected fault (SPECSERVE_TEST_HOOKS)")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "unknown"
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this replica process (Linux /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def _threads_for_replica(requested: int | None) -> int:
     """Torch threads = the CPUs Ray assigned to this replica (rounded up), unless set."""
     if requested:
@@ -108,6 +133,9 @@ class LLMServer:
         self.metrics_buffer = BufferedRecorder()
         self.engine.step_observers.append(StepMetrics(self.metrics_buffer, served_model_name).on_step)
         self.exporter = RayMetricsExporter(self.metrics_buffer)
+        self.test_hooks = os.environ.get("SPECSERVE_TEST_HOOKS") == "1"
+        if self.test_hooks:  # fault injection for the reliability suite, never on by default
+            self.engine.engine.fault_hook = _inject_fault
         log.info("engine ready: model=%s draft=%s threads=%d", self.config.model, self.config.draft_model,
                  config.num_threads)
 
@@ -177,9 +205,12 @@ class LLMServer:
         return None
 
     async def _start(self, req, prompt, chat, default_max_tokens):
+        request_id = None
+        if self.test_hooks and req.user == FAULT_USER:
+            request_id = f"{FAULT_PREFIX}{uuid.uuid4().hex}"
         try:
             params = req.sampling_params(default_max_tokens)
-            return await self.engine.add(prompt, params, chat=chat)
+            return await self.engine.add(prompt, params, request_id=request_id, chat=chat)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         except EngineOverloadedError as exc:
@@ -223,6 +254,9 @@ class LLMServer:
 
         out = await self.engine.call(collect)
         out["exported_counter_totals"] = dict(self.exporter.totals)
+        out["replica"] = _replica_id()
+        out["pid"] = os.getpid()
+        out["rss_bytes"] = _rss_bytes()
         return out
 
     @app.post("/v1/completions")

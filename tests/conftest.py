@@ -29,3 +29,12 @@ def tiny_draft(tmp_path_factory, tok_dir):
     path = tmp_path_factory.mktemp("tiny_draft")
     hf = make_model(path, tok_dir, seed=1, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
     return path, hf
+
+
+# One real `serve run serve_config.yaml` for the e2e and reliability suites (started on first use).
+from tests.serve_fixture import server  # noqa: E402, F401
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="reliability soak mode: 128 clients for 10 minutes (default: 32 clients for 60 s)")

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY
+from tests.serve_fixture import API_KEY
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from engine.metrics import METRICS
-from tests.e2e.conftest import REPO, free_port
+from tests.serve_fixture import REPO, free_port
 
 DASHBOARD = REPO / "dashboards" / "specserve-grafana.json"
 ALERTS = REPO / "dashboards" / "alerts.yml"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.conftest import ray_env
+from tests.serve_fixture import ray_env
 
 SERVE = str(Path(sys.executable).parent / "serve")
 

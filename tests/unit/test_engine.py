@@ -197,3 +197,22 @@ def test_repetition_penalty_changes_greedy_output(tiny_model):
                                                   repetition_penalty=5.0))[0].token_ids
     assert pen != plain
     assert len(set(pen)) > len(set(plain))
+
+
+def test_a_failure_while_processing_one_request_fails_only_that_request(tiny_model):
+    llm = make_llm(tiny_model[0])
+    ref = [o.token_ids for o in llm.generate(PROMPTS[:4], greedy(12))]
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy(12)) for p in PROMPTS[:4]]
+
+    def hook(req):
+        if req.request_id == ids[1] and len(req.output_token_ids) >= 3:
+            raise RuntimeError("injected fault")
+
+    eng.fault_hook = hook
+    while eng.has_unfinished_requests():
+        eng.step()
+    outs = [eng.get_output(i) for i in ids]
+    assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
+    assert [outs[i].token_ids for i in (0, 2, 3)] == [ref[i] for i in (0, 2, 3)]
+    assert eng.runner.pool.num_used_blocks() == 0

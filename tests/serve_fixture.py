@@ -1,4 +1,4 @@
-"""A real `serve run` of serve_config.yaml on loopback, shared by the e2e tests.
+"""A real `serve run` of serve_config.yaml on loopback, shared by the e2e and reliability tests.
 
 The config is the repository's own serve_config.yaml with only the HTTP port changed (a free
 port) and an API key set, so the tests exercise exactly what `serve run serve_config.yaml`
@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 API_KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
 
@@ -87,7 +87,9 @@ def server(tmp_path_factory):
     port = free_port()
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
-    app.setdefault("runtime_env", {}).setdefault("env_vars", {})["SPECSERVE_API_KEY"] = API_KEY
+    env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+    env_vars["SPECSERVE_API_KEY"] = API_KEY
+    env_vars["SPECSERVE_TEST_HOOKS"] = "1"  # fault injection for the reliability suite
     overrides = os.environ.get("SPECSERVE_E2E_ENGINE")
     if overrides:
         app["args"]["engine"].update(json.loads(overrides))
