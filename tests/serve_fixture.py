@@ -44,7 +44,7 @@ class Server:
         return {"Authorization": f"Bearer {API_KEY}"}
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)
+        return httpx.Client(base_url=self.url, headers=self.headers, **{"timeout": 120, **kw})
 
     @property
     def max_seq_len(self) -> int:

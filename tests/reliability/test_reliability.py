@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 PROMPTS = ["def parse(text):\n", "class Cache:\n    def __init__(self, size):\n",
            "import os\nimport sys\n\n\ndef main(argv):\n    paths = [p for p in argv if os.path.exists(p)]\n",
-           "x = 1\n" * 40]
+           "x = 1\n" * 16]
 
 
 def stream(server, body: dict, drop_after: int | None = None, timeout_s: float = 300) -> dict:
