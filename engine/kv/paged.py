@@ -25,6 +25,15 @@ class PagedKVPool(PoolViews):
         self._tables: dict[int, list[int]] = {}  # slot -> block table
         self._lengths: dict[int, int] = {}
         self._num_prefix_blocks: dict[int, int] = {}  # slot -> leading blocks shared via the cache
+        self._rows: dict[int, torch.Tensor] = {}  # slot -> storage row of every position its blocks hold
+        self._block_rows = torch.arange(block_size, device=self.storage.device)  # [block_size]
+
+    def _rows_of_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks) * block_size] storage rows of the positions these blocks hold."""
+        if not blocks:
+            return torch.empty(0, dtype=torch.long, device=self.storage.device)
+        starts = torch.tensor(blocks, device=self.storage.device) * self.block_size  # [n]
+        return (starts[:, None] + self._block_rows[None, :]).reshape(-1)
 
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -38,6 +47,7 @@ class PagedKVPool(PoolViews):
         hits = self.blocks.match_prefix(token_ids[:-1]) if token_ids else []
         slot = self._free_slots.pop()
         self._tables[slot] = hits
+        self._rows[slot] = self._rows_of_blocks(hits)
         self._lengths[slot] = len(hits) * self.block_size
         self._num_prefix_blocks[slot] = len(hits)
         return slot, self._lengths[slot]
@@ -46,6 +56,7 @@ class PagedKVPool(PoolViews):
         if slot not in self._tables:
             raise ValueError(f"slot {slot} is not allocated")
         self.blocks.release(self._tables.pop(slot))
+        del self._rows[slot]
         del self._lengths[slot]
         del self._num_prefix_blocks[slot]
         self._free_slots.append(slot)
@@ -65,7 +76,9 @@ class PagedKVPool(PoolViews):
             return True
         if missing > self.blocks.num_available():
             return False
-        table.extend(self.blocks.allocate(missing))
+        new_blocks = self.blocks.allocate(missing)
+        table.extend(new_blocks)
+        self._rows[slot] = torch.cat([self._rows[slot], self._rows_of_blocks(new_blocks)])
         return True
 
     def view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
@@ -78,6 +91,11 @@ class PagedKVPool(PoolViews):
             if not self.ensure_capacity(s, n + c):
                 raise OutOfKVCache(f"slot {s}: {n} + {c} tokens exceed max_seq_len {self.max_seq_len}")
             self._lengths[s] = n + c
+        if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
+            rows = self._rows[slots[0]]
+            n, c = lengths[0], chunk_lens[0]
+            return KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
+                          needs_mask=c > 1)
         width = max(len(self._tables[s]) for s in slots)
         table = torch.tensor([self._tables[s] + [0] * (width - len(self._tables[s])) for s in slots],
                              device=self.storage.device)  # [B, width]
@@ -99,6 +117,7 @@ class PagedKVPool(PoolViews):
         if len(table) > keep:
             self.blocks.release(table[keep:])
             del table[keep:]
+            self._rows[slot] = self._rows[slot][:keep * self.block_size]
         self._lengths[slot] = new_len
 
     def free_token_capacity(self) -> int | None:
