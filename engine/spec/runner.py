@@ -13,6 +13,7 @@ Requests without a proposal ride along with k = 0, which is exactly a plain deco
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -73,11 +74,11 @@ class SpeculativeRunner(ContinuousRunner):
             config.draft_model = str(path)
             draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len)
             check_compatible(tokenizer, Tokenizer(path), model, draft_model, config.model, config.draft_model)
-            num_blocks = None
-            if config.num_kv_blocks is not None:
-                num_blocks = config.num_kv_blocks
-            draft = DraftModelProposer(draft_model, build_pool(
-                EngineConfig(**{**vars(config), "enable_prefix_caching": False}), draft_model, num_blocks))
+            # the draft pool mirrors the target's shape (same slots, same block count); its
+            # lazily filled KV is never shared, so it has no prefix cache
+            draft_pool = build_pool(dataclasses.replace(config, enable_prefix_caching=False), draft_model,
+                                    config.num_kv_blocks)
+            draft = DraftModelProposer(draft_model, draft_pool)
         return cls(config, model, pool, draft)
 
     # --- live settings -------------------------------------------------------------------
