@@ -114,3 +114,6 @@ class ContinuousRunner:
 
     def kv_usage_fractions(self) -> dict[str, float]:
         return {"target": self.pool.usage_fraction()}
+
+    def free_kv_tokens(self) -> int | None:
+        return self.pool.free_token_capacity()

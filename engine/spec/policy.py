@@ -70,15 +70,20 @@ class SpecPolicy:
         self.prior_alpha = prior_alpha
         self._last_k = spec_length
 
-    def goodput(self, k: int, alphas: list[float], k_caps: list[int]) -> float:
+    def goodput(self, k: int, alphas: list[float], k_caps: list[int], draft_rows: int | None = None) -> float:
+        """Expected tokens/s; draft_rows = requests drafted by the draft model (default all;
+        n-gram proposals cost no model forward)."""
         batch = len(alphas)
         if k == 0:
             return batch / self.costs.target_time(batch, 1)
         tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, k_caps))
-        return tokens / (k * self.costs.draft_time(batch) + self.costs.target_time(batch, k + 1))
+        draft_rows = batch if draft_rows is None else draft_rows
+        draft = k * self.costs.draft_time(draft_rows) if draft_rows else 0.0
+        return tokens / (draft + self.costs.target_time(batch, k + 1))
 
-    def choose(self, alphas: list[float], k_caps: list[int]) -> Choice:
-        """alphas: estimated acceptance per request; k_caps: most each request may propose."""
+    def choose(self, alphas: list[float], k_caps: list[int], draft_rows: int | None = None) -> Choice:
+        """alphas: estimated acceptance per request; k_caps: most each request may propose;
+        draft_rows: how many of them the draft model would draft (None = all)."""
         batch = len(alphas)
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:
             return Choice(0, "disabled_batch_size", {})
@@ -87,7 +92,7 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
-        scores = {k: self.goodput(k, alphas, k_caps) for k in range(k_max + 1)}
+        scores = {k: self.goodput(k, alphas, k_caps, draft_rows) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
         if scores[last] >= (1.0 - self.hysteresis) * scores[best]:

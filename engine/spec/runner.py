@@ -128,6 +128,15 @@ class SpeculativeRunner(ContinuousRunner):
     def decode_tokens(self, request: Request) -> int:
         return self.policy.spec_length + 1 if self.enabled else 1
 
+    def free_kv_tokens(self) -> int | None:
+        """Tokens both pools can still take (a None pool has no shared limit)."""
+        target = super().free_kv_tokens()
+        if self.draft is None:
+            return target
+        draft = self.draft.pool.free_token_capacity()
+        known = [v for v in (target, draft) if v is not None]
+        return min(known) if known else None
+
     def kv_usage_fractions(self) -> dict[str, float]:
         out = super().kv_usage_fractions()
         if self.draft is not None:
@@ -171,7 +180,8 @@ class SpeculativeRunner(ContinuousRunner):
             choice = Choice(0, "disabled", {})
         else:
             alphas = [self._alpha.get(r.request_id, AcceptanceEstimate()).rate(self._global_alpha) for r in reqs]
-            choice = self.policy.choose(alphas, caps)
+            draft_rows = 0 if self.method == "ngram" else None  # hybrid: assume the draft may run for all
+            choice = self.policy.choose(alphas, caps, draft_rows)
         stats.k, stats.reason = choice.k, choice.reason
         if choice.k == 0:
             t0 = time.perf_counter()

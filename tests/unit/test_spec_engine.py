@@ -141,3 +141,15 @@ def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
     for key in list(rec.counters) + list(rec.gauges) + list(rec.observations):
         spec = METRIC_BY_NAME[key[0]]
         assert {k for k, _ in key[1:]} == set(spec.labels)
+
+
+def test_free_kv_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
+    llm = spec_llm(tiny_model[0], tiny_draft[0], num_kv_blocks=50)
+    runner = llm.engine.runner
+    assert runner.free_kv_tokens() == 50 * 4
+    req_id = llm.engine.add_request("def add(a, b):" * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.engine.step()  # prefill: target blocks only (the draft catches up lazily)
+    target_free = runner.pool.free_token_capacity()
+    assert runner.free_kv_tokens() == min(target_free, runner.draft.pool.free_token_capacity()) == target_free
+    llm.engine.abort(req_id)
+    assert runner.free_kv_tokens() == 50 * 4

@@ -90,3 +90,10 @@ def test_ngram_prompt_lookup():
     seq = [7, 8, 1, 2, 0, 5, 2, 6, 7, 8, 1, 2]
     assert ngram_propose(seq, 1, max_n=4, min_n=1) == [0]
     assert ngram_propose(seq, 1, max_n=1, min_n=1) == [6]
+
+
+def test_ngram_rows_cost_no_draft_forward():
+    costs = MemoryBoundCosts(draft=5e-3)  # an expensive draft model
+    with_draft = SpecPolicy(costs, spec_length=5, mode="adaptive").choose([0.6] * 4, [100] * 4)
+    ngram_only = SpecPolicy(costs, spec_length=5, mode="adaptive").choose([0.6] * 4, [100] * 4, draft_rows=0)
+    assert ngram_only.k > with_draft.k
