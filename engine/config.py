@@ -69,6 +69,7 @@ class EngineConfig:
     spec_disable_batch_size: int | None = None
     ngram_max: int = 4
     ngram_min: int = 1
+    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match only this long, else draft
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +95,7 @@ class EngineConfig:
             _check_int("spec_disable_batch_size", self.spec_disable_batch_size, 1)
         _check_int("ngram_max", self.ngram_max, 1, 64)
         _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
+        _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         if self.use_speculative_decoding:
             if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
                 raise ValueError(

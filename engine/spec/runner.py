@@ -256,9 +256,11 @@ class SpeculativeRunner(ContinuousRunner):
         proposals: list[list[int]] = [[] for _ in range(n)]
         sources = ["none"] * n
         if self.method in ("ngram", "hybrid"):
+            # hybrid trusts only longer matches; weaker ones go to the draft model
+            min_n = self.config.hybrid_ngram_min if self.method == "hybrid" else self.config.ngram_min
             for i, r in enumerate(reqs):
                 if ks[i] > 0:
-                    proposals[i] = ngram_propose(r.all_token_ids, ks[i], self.config.ngram_max, self.config.ngram_min)
+                    proposals[i] = ngram_propose(r.all_token_ids, ks[i], self.config.ngram_max, min_n)
                     if proposals[i]:
                         sources[i] = "ngram"
         q = None
