@@ -113,8 +113,10 @@ def main() -> None:
             drafted = sum(o.num_draft_tokens for o in outs)
             accepted = sum(o.num_accepted_tokens for o in outs)
             rounds = sum(o.num_spec_rounds for o in outs)
+            # per-token acceptance (the paper's alpha): rounds end at the first rejection
+            rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
             return {"tok_s": n / dt, "tokens": [o.token_ids for o in outs], "drafted": drafted,
-                    "accepted": accepted, "rounds": rounds}
+                    "accepted": accepted, "rounds": rounds, "rejections": rejections}
         return go
 
     runs = interleave({name: run(cfg) for name, cfg in configs.items()}, args.repeats, f"{args.workload} configs")
@@ -127,11 +129,12 @@ def main() -> None:
         r0 = rs[0]
         alpha = r0["accepted"] / r0["drafted"] if r0["drafted"] else None
         k = configs[name].get("spec_length", 0) if configs[name].get("enabled") else 0
-        entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha,
+        alpha_token = r0["accepted"] / (r0["accepted"] + r0["rejections"]) if r0["drafted"] else None
+        entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
                  "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
                  "identical_to_plain": all(r["tokens"] == reference for r in rs) if args.temperature == 0 else None}
         if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
-            entry["theoretical_speedup"] = theoretical(alpha, k, c)
+            entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
         table[name] = entry
         theo = f"  theory {entry['theoretical_speedup']:.2f}x ({entry['measured_over_theoretical']:.0%})" \

@@ -182,7 +182,8 @@ class LLMEngine:
             num_cached_prompt_tokens=req.num_cached_prefix_tokens,
             acceptance_rate=s.acceptance_rate, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens, num_spec_rounds=s.rounds,
-            accepted_per_round=list(s.accepted_per_round), proposers=sorted(s.proposers),
+            accepted_per_round=list(s.accepted_per_round), proposed_per_round=list(s.proposed_per_round),
+            proposers=sorted(s.proposers),
             metrics=metrics,
         )
 

@@ -118,5 +118,6 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     num_spec_rounds: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+    proposed_per_round: list[int] = field(default_factory=list)
     proposers: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
