@@ -16,6 +16,12 @@ from engine.request import Request
 from engine.sampling import greedy_or_sample
 from engine.scheduler import ScheduledBatch
 
+_UNPADDED_MAX = 16  # decode and verify passes keep their exact width
+
+
+def padded_length(t: int) -> int:
+    return t if t <= _UNPADDED_MAX else 1 << (t - 1).bit_length()
+
 
 def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list[list[int]],
                    start_positions: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -25,23 +31,28 @@ def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
     B, T = len(chunks), max(len(c) for c in chunks)
+    longest = T
     device = model.device
     if T == 1:  # decode: one token per row
         ids = torch.tensor(chunks, dtype=torch.long)  # [B, 1]
         pos = torch.tensor(start_positions, dtype=torch.long).view(B, 1)  # [B, 1]
     else:
+        # long chunks are padded to a power of two: a handful of shapes instead of one per
+        # length (every new matmul shape costs kernel memory that is never given back)
+        T = padded_length(T)
         ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
         pos = torch.zeros(B, T, dtype=torch.long)  # [B, T]
         for b, (chunk, start) in enumerate(zip(chunks, start_positions)):
             ids[b, :len(chunk)] = torch.tensor(chunk)
             pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
-    view = pool.view(slots, [len(c) for c in chunks])
+    view = pool.view(slots, [len(c) for c in chunks], width=T)
     last = None
     if not all_logits:
         last = None if T == 1 else torch.tensor([len(c) - 1 for c in chunks], device=device)
         if T == 1:
             return model.forward(ids.to(device), pos.to(device), view, None)[:, 0]
-    return model.forward(ids.to(device), pos.to(device), view, last)
+        return model.forward(ids.to(device), pos.to(device), view, last)
+    return model.forward(ids.to(device), pos.to(device), view, None)[:, :longest]  # [B, longest, vocab]
 
 
 class ContinuousRunner:

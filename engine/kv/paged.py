@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv.block_manager import BlockManager
-from engine.kv.protocol import KVView, OutOfKVCache, PoolViews, allocate_storage, build_view
+from engine.kv.protocol import KVView, OutOfKVCache, PoolViews, allocate_storage, build_view, pad_single
 
 
 class PagedKVPool(PoolViews):
@@ -81,7 +81,7 @@ class PagedKVPool(PoolViews):
         self._rows[slot] = torch.cat([self._rows[slot], self._rows_of_blocks(new_blocks)])
         return True
 
-    def view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
+    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView:
         lengths = [self._lengths[s] for s in slots]
         needed = sum(max(0, self._blocks_for(n + c) - len(self._tables[s]))
                      for s, n, c in zip(slots, lengths, chunk_lens))
@@ -94,17 +94,18 @@ class PagedKVPool(PoolViews):
         if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
             rows = self._rows[slots[0]]
             n, c = lengths[0], chunk_lens[0]
-            return KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
+            view = KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
                           needs_mask=c > 1)
-        width = max(len(self._tables[s]) for s in slots)
-        table = torch.tensor([self._tables[s] + [0] * (width - len(self._tables[s])) for s in slots],
-                             device=self.storage.device)  # [B, width]
+            return pad_single(view, width or c, c)
+        max_blocks = max(len(self._tables[s]) for s in slots)
+        table = torch.tensor([self._tables[s] + [0] * (max_blocks - len(self._tables[s])) for s in slots],
+                             device=self.storage.device)  # [B, max_blocks]
         bs = self.block_size
 
         def rows_at(pos: torch.Tensor) -> torch.Tensor:  # pos [B, X] -> rows [B, X]
             return table.gather(1, pos // bs) * bs + pos % bs
 
-        return build_view(self.storage, lengths, chunk_lens, rows_at)
+        return build_view(self.storage, lengths, chunk_lens, rows_at, width)
 
     def truncate_to(self, slot: int, new_len: int) -> None:
         if not 0 <= new_len <= self._lengths[slot]:

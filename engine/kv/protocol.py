@@ -73,8 +73,8 @@ class CachePool(Protocol):
     - `free_slot(slot)` releases the slot and its storage (shared prefix blocks stay cached).
     - `ensure_capacity(slot, new_len)` makes room for the slot to reach `new_len` tokens; False
       (and nothing allocated) when the pool is out of room. Views call it themselves.
-    - `view(slots, chunk_lens)` appends chunk_lens[i] tokens to slots[i] from its current
-      length. `prefill_view`, `decode_view` and `chunk_view` are the named special cases.
+    - `view(slots, chunk_lens, width)` appends chunk_lens[i] tokens to slots[i] from its current
+      length; the pass has `width` (>= max chunk) query rows, extra rows write to scratch. `prefill_view`, `decode_view` and `chunk_view` are the named special cases.
     - `truncate_to(slot, new_len)` rolls a slot back; storage wholly past new_len is released.
     - `free_token_capacity()` tokens that could still be stored (None = no shared limit).
     - `usage_fraction()` share of the pool in use (blocks for paged, slots for slotted).
@@ -86,7 +86,7 @@ class CachePool(Protocol):
     def free_slot(self, slot: int) -> None: ...
     def seq_len(self, slot: int) -> int: ...
     def ensure_capacity(self, slot: int, new_len: int) -> bool: ...
-    def view(self, slots: list[int], chunk_lens: list[int]) -> KVView: ...
+    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView: ...
     def truncate_to(self, slot: int, new_len: int) -> None: ...
     def free_token_capacity(self) -> int | None: ...
     def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...
@@ -107,8 +107,19 @@ class PoolViews:
         return self.view(slots, chunk_lens)  # type: ignore[attr-defined]
 
 
+def pad_single(view: KVView, width: int, chunk_len: int) -> KVView:
+    """Widens a one-sequence view to `width` query rows (extra rows write to scratch)."""
+    if width == chunk_len:
+        return view
+    scratch = view.storage.shape[3] - 1
+    pad = torch.full((width - chunk_len,), scratch, dtype=view.write_rows.dtype, device=view.write_rows.device)
+    view.write_rows = torch.cat([view.write_rows, pad])
+    view.needs_mask = True
+    return view
+
+
 def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
-               rows_at: Callable[[torch.Tensor], torch.Tensor]) -> KVView:
+               rows_at: Callable[[torch.Tensor], torch.Tensor], width: int | None = None) -> KVView:
     """Index tensors for one pass over B sequences.
 
     lengths[b]: tokens already stored for sequence b; chunk_lens[b]: new tokens it appends.
@@ -116,7 +127,7 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     """
     device = storage.device
     scratch = storage.shape[3] - 1
-    B, T = len(lengths), max(chunk_lens)
+    B, T = len(lengths), max(width or 0, max(chunk_lens))
     key_len = max(n + c for n, c in zip(lengths, chunk_lens))  # L
     start = torch.tensor(lengths, device=device)  # [B]
     count = torch.tensor(chunk_lens, device=device)  # [B]
@@ -127,7 +138,7 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     read_ok = keys < (start + count)[:, None]  # [B, L]
     write_rows = torch.where(write_ok, rows_at(torch.where(write_ok, write_pos, 0)), scratch)  # [B, T]
     read_rows = torch.where(read_ok, rows_at(torch.where(read_ok, keys, 0)), scratch)  # [B, L]
-    uniform = all(c == 1 for c in chunk_lens) and len(set(lengths)) == 1
+    uniform = T == 1 and len(set(lengths)) == 1
     return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not uniform)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv.protocol import KVView, OutOfKVCache, PoolViews, allocate_storage, build_view
+from engine.kv.protocol import KVView, OutOfKVCache, PoolViews, allocate_storage, build_view, pad_single
 
 
 class SlottedKVPool(PoolViews):
@@ -37,7 +37,7 @@ class SlottedKVPool(PoolViews):
     def ensure_capacity(self, slot: int, new_len: int) -> bool:
         return new_len <= self.max_seq_len
 
-    def view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
+    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView:
         lengths = [self._lengths[s] for s in slots]
         for s, n, c in zip(slots, lengths, chunk_lens):
             if n + c > self.max_seq_len:
@@ -48,9 +48,10 @@ class SlottedKVPool(PoolViews):
             base = slots[0] * self.max_seq_len
             n, c = lengths[0], chunk_lens[0]
             rows = torch.arange(base + n, base + n + c, device=self.storage.device)
-            return KVView(self.storage, rows, None, slice(base, base + n + c), n + c, needs_mask=c > 1)
+            view = KVView(self.storage, rows, None, slice(base, base + n + c), n + c, needs_mask=c > 1)
+            return pad_single(view, width or c, c)
         bases = torch.tensor(slots, device=self.storage.device) * self.max_seq_len  # [B]
-        return build_view(self.storage, lengths, chunk_lens, lambda pos: bases[:, None] + pos)
+        return build_view(self.storage, lengths, chunk_lens, lambda pos: bases[:, None] + pos, width)
 
     def truncate_to(self, slot: int, new_len: int) -> None:
         if not 0 <= new_len <= self._lengths[slot]:
