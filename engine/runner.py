@@ -46,13 +46,13 @@ def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list
             ids[b, :len(chunk)] = torch.tensor(chunk)
             pos[b, :len(chunk)] = torch.arange(start, start + len(chunk))
     view = pool.view(slots, [len(c) for c in chunks], width=T)
-    last = None
-    if not all_logits:
-        last = None if T == 1 else torch.tensor([len(c) - 1 for c in chunks], device=device)
-        if T == 1:
-            return model.forward(ids.to(device), pos.to(device), view, None)[:, 0]
-        return model.forward(ids.to(device), pos.to(device), view, last)
-    return model.forward(ids.to(device), pos.to(device), view, None)[:, :longest]  # [B, longest, vocab]
+    ids, pos = ids.to(device), pos.to(device)
+    if all_logits:
+        return model.forward(ids, pos, view, None)[:, :longest]  # [B, longest, vocab]
+    if T == 1:
+        return model.forward(ids, pos, view, None)[:, 0]  # [B, vocab]
+    last = torch.tensor([len(c) - 1 for c in chunks], device=device)  # [B]
+    return model.forward(ids, pos, view, last)  # [B, vocab]
 
 
 class ContinuousRunner:

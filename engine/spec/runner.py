@@ -205,7 +205,7 @@ class SpeculativeRunner(ContinuousRunner):
                                 [[r.output_token_ids[-1]] + p for r, p in zip(reqs, proposals)],
                                 starts, all_logits=True)  # [N, T, V], T = max(ks) + 1
         k_max = max(ks)
-        num_accepted, final = self._accept(reqs, proposals, ks, q, logits[:, :k_max + 1])
+        num_accepted, final = self._accept(reqs, proposals, ks, q, logits)
         stats.verify_seconds = time.perf_counter() - t1
         self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
         if self.draft is not None and any(s == "draft" for s in sources):
