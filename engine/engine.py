@@ -11,6 +11,7 @@ import torch
 
 from engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, SamplingParams
 from engine.detokenize import IncrementalText
+from engine.kernel_caches import bound_kernel_caches
 from engine.kv import make_pool
 from engine.model.llama import Llama
 from engine.model.loader import load_llama, resolve_model_path
@@ -37,6 +38,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.device == "cpu":
+            bound_kernel_caches()
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
         model_path = resolve_model_path(config.model)

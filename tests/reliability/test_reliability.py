@@ -112,15 +112,18 @@ def test_sustained_load_loses_nothing_and_leaks_nothing(server, soak):
     by_replica: dict[str, list[tuple[float, int]]] = {}
     for t, value, replica in rss:
         by_replica.setdefault(replica, []).append((t, value))
+    memory = []
     for samples in by_replica.values():
         if len(samples) < 6:
             continue
-        # the first third warms kernel caches for new batch shapes; after that memory must level off
+        # engine/kernel_caches.py bounds the per-shape kernel caches, so memory is flat from the start
         third = len(samples) // 3
-        middle = statistics.median(v for _, v in samples[third:2 * third])
+        first = statistics.median(v for _, v in samples[:third])
         last = statistics.median(v for _, v in samples[-third:])
-        assert last <= middle * 1.10, f"replica RSS grew from {middle / 2**20:.0f} MiB to {last / 2**20:.0f} MiB"
-    print(f"\nload: {clients} clients x {duration}s -> {len(results)} requests, 0 errors")
+        assert last <= first * 1.10, f"replica RSS grew from {first / 2**20:.0f} MiB to {last / 2**20:.0f} MiB"
+        memory.append(f"{first / 2**20:.0f} -> {last / 2**20:.0f} MiB")
+    print(f"\nload: {clients} clients x {duration}s -> {len(results)} requests, 0 errors; "
+          f"replica RSS median first -> last third: {', '.join(memory)}")
 
 
 def test_disconnect_storm_leaks_nothing_and_does_not_disturb_others(server):
