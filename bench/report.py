@@ -1,6 +1,6 @@
 """Regenerates the README's results section from bench/results/*.json.
 
-    python -m bench.report          # rewrites the block between the bench markers in README.md
+    python -m bench report          # rewrites the block between the bench markers in README.md
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def engine_vs_hf(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Plain decode, our engine vs transformers `generate`** — random-init {r['params_m']}M Llama, "
              f"{r['dtype']}, {r['tokens']} new tokens, {m['cpu']}, {m['threads']} threads, torch {m['torch']} "
-             "(`python -m bench.engine_vs_hf`):", "",
+             "(`python -m bench hf`):", "",
              "| batch | ours tok/s | transformers tok/s | ratio |", "| --- | --- | --- | --- |"]
     for b, row in r["results"].items():
         lines.append(f"| {b} | {row['ours']['median']:.0f} | {row['transformers']['median']:.0f} | "
@@ -38,7 +38,8 @@ def spec(r: dict) -> list[str]:
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
              f"interleaved runs; c = {costs['c']:.3f} ({costs['draft_T1']:.2f} ms draft step / "
              f"{costs['target_T1']:.2f} ms target step), {m['cpu']}, {m['threads']} threads "
-             f"(`python -m bench.spec_bench --workload {r['workload']}`):", "",
+             f"(`python -m bench spec --workload {r['workload']}"
+             f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
              "| config | tok/s | speedup | acceptance | accepted/round | same tokens as plain | theory (Thm 3.8) | measured ÷ theory |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in r["results"].items():
@@ -62,6 +63,73 @@ def costs_table(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _img(name: str) -> list[str]:
+    return [f"![{name}](bench/results/{name}.png)", ""] if (RESULTS / f"{name}.png").exists() else []
+
+
+def peers(r: dict) -> list[str]:
+    m = r["machine"]
+    lines = [f"**Peers on the same weights** — the shipped pair in bf16, batch 1, greedy, {r['tokens']} new tokens, "
+             f"{r['prompts']} held-out prompts per workload, medians of {r['repeats']} interleaved runs, "
+             f"{m['threads']} threads (`python -m bench peers`):", "",
+             "| workload | variant | tok/s | vs transformers plain | vs transformers assisted | same tokens as own plain |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for w, block in r["workloads"].items():
+        for name, e in block["results"].items():
+            lines.append(f"| {w} | {name} | {e['tok_s']['median']:.0f} | {e['vs_transformers_plain']:.2f}x | "
+                         f"{e['vs_transformers_assisted']:.2f}x | {e['same_as_plain']:.0%} |")
+    lines += ["", "Our plain greedy tokens vs transformers' plain greedy tokens (bf16, different kernels): " + ", ".join(
+        f"{w} {b['ours_plain_matches_transformers_plain']:.0%} positions equal" for w, b in r["workloads"].items()), ""]
+    return lines + _img("peers")
+
+
+def llama_cpp(r: dict) -> list[str]:
+    if r.get("status") != "measured":
+        return [f"**llama.cpp**: {r.get('status')}", ""]
+    lines = [f"**llama.cpp** (llama-cpp-python {r['llama_cpp_python']}, the shipped target converted to GGUF "
+             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {r['machine']['threads']} threads; "
+             "`python -m bench llamacpp`):", "",
+             "| workload | variant | tok/s | vs llama.cpp plain | same tokens as llama.cpp plain |",
+             "| --- | --- | --- | --- | --- |"]
+    for w, table in r["workloads"].items():
+        for name, e in table.items():
+            lines.append(f"| {w} | {name} | {e['tok_s']['median']:.0f} | {e['vs_llama_cpp_plain']:.2f}x | "
+                         f"{e['same_as_llama_cpp_plain']:.0%} |")
+    return lines + [""]
+
+
+def sweep(r: dict) -> list[str]:
+    names = list(r["variants"])
+    lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
+             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); tokens/s:", "",
+             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |",
+             "| --- |" + " --- |" * (len(names) + 2)]
+    for b, row in r["results"].items():
+        ks = ", ".join(f"K={k}: {n}" for k, n in row["draft adaptive"]["k_steps"].items())
+        lines.append(f"| {b} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f}" for n in names)
+                     + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |")
+    return lines + [""] + _img("sweep")
+
+
+def http_load(r: dict) -> list[str]:
+    lines = [f"**End to end over HTTP** — `serve run serve_config.yaml` (one replica, "
+             f"{r['engine'].get('num_threads')} thread), N streaming clients x {r['requests_per_client']} requests of "
+             f"{r['tokens']} tokens, greedy; speculation off = same server with `spec_length: 0` per request; "
+             "in-process = the same engine config behind `AsyncLLMEngine` (`python -m bench http`):", "",
+             "| N | speculation | tok/s HTTP | tok/s in-process | HTTP ÷ in-process | TTFT p50 / p99 (ms) | "
+             "inter-chunk p50 / p99 (ms) | time per token p50 / p99 (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for n, row in r["results"].items():
+        for mode in ("off", "on"):
+            h, e = row[mode]["http"], row[mode]["in_process"]
+            lines.append(f"| {n} | {mode} | {h['tok_s']:.0f} | {e['tok_s']:.0f} | {row[mode]['http_over_in_process']:.2f} | "
+                         f"{h['ttft_ms']['p50']:.0f} / {h['ttft_ms']['p99']:.0f} | {h['itl_ms']['p50']:.1f} / "
+                         f"{h['itl_ms']['p99']:.1f} | {h['tpot_ms']['p50']:.1f} / {h['tpot_ms']['p99']:.1f} |")
+    lines += ["", "Speculation on ÷ off over HTTP: " + ", ".join(
+        f"N={n} {row['spec_speedup_http']:.2f}x" for n, row in r["results"].items()), ""]
+    return lines + _img("http_load")
+
+
 def build() -> str:
     out: list[str] = []
     if (r := _load("engine_vs_hf")) is not None:
@@ -69,14 +137,17 @@ def build() -> str:
     first_spec = None
     for name in ("spec_code_t0", "spec_edit_t0", "spec_code_t0.8"):
         if (r := _load(name)) is not None:
-            out += spec(r)
+            out += spec(r) + _img(name)
             first_spec = first_spec or r
     if first_spec is not None:
         out += costs_table(first_spec)
+    for name, fn in (("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep), ("http_load", http_load)):
+        if (r := _load(name)) is not None:
+            out += fn(r)
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     text = README.read_text()
     if START not in text:
         raise SystemExit(f"README.md has no {START} marker")

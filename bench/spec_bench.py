@@ -1,8 +1,8 @@
 """Speculative decoding on the shipped pair: costs, speedups by method and K, theory vs measured.
 
-    python -m bench.spec_bench                       # code workload, batch 1, greedy
-    python -m bench.spec_bench --workload edit       # n-gram friendly edit workload
-    python -m bench.spec_bench --costs-only          # verify-pass / draft-step timings and c
+    python -m bench spec                       # code workload, batch 1, greedy
+    python -m bench spec --workload edit       # n-gram friendly edit workload
+    python -m bench spec --costs-only          # verify-pass / draft-step timings and c
 
 Every configuration runs in one engine (reconfigured between runs, same weights), the
 configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
@@ -12,21 +12,13 @@ Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from bench.common import interleave, summarize, write
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-def load_prompts(workload: str, n: int) -> list[str]:
-    path = DATA / {"code": "code_val_prompts.jsonl", "edit": "edit_val_prompts.jsonl"}[workload]
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines()][:n]
+from bench.workloads import load_prompts
 
 
 def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 7) -> dict:
@@ -67,7 +59,7 @@ def theoretical(alpha: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["code", "edit"], default="code")
     ap.add_argument("--prompts", type=int, default=8)
@@ -81,7 +73,7 @@ def main() -> None:
     ap.add_argument("--target", default="embedded:target")
     ap.add_argument("--draft", default="embedded:draft")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 

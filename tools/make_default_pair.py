@@ -3,7 +3,8 @@
     python tools/make_default_pair.py            # all stages, resumable
     python tools/make_default_pair.py --work DIR # where corpus, tokens and checkpoints live
 
-Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled) -> export -> model card
+Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled on corpus windows) ->
+target generations -> draft fine-tuned on them (on-policy distillation) -> export -> model card
 (measured with our engine; validation prompts saved to bench/data/code_val_prompts.jsonl).
 Every stage skips itself when its output exists and training resumes from its last checkpoint,
 so rerunning the same command after an interruption continues where it stopped.
@@ -24,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pair.card import write_card  # noqa: E402
 from pair.corpus import build_corpus  # noqa: E402
 from pair.export import export_model  # noqa: E402
+from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.prompts import write_all  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
-from pair.train import DRAFT, TARGET, train_stage  # noqa: E402
+from pair.train import DRAFT, DRAFT_ONPOLICY, TARGET, train_stage  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,8 +49,13 @@ def main() -> None:
     target = train_stage(args.work, TARGET, tokenizer)
     for p in target.parameters():
         p.requires_grad_(False)
-    draft = train_stage(args.work, DRAFT, tokenizer, teacher=target)
     export_model(target, tokenizer, args.out / "target")
+    train_stage(args.work, DRAFT, tokenizer, teacher=target)
+    rows = generate_rows(args.work, args.out / "target")
+    torch.set_num_threads(args.threads)
+    draft = train_stage(args.work, DRAFT_ONPOLICY, tokenizer, teacher=target,
+                        init_from=args.work / DRAFT.name / "final",
+                        batches=mixed_batches(args.work, rows))
     export_model(draft, tokenizer, args.out / "draft")
     prompts = write_all(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data")
     write_card(args.work, args.out, prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -14,7 +15,7 @@ def export_model(model, tokenizer, out: Path) -> None:
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    model = model.to(torch.bfloat16)
+    model = copy.deepcopy(model).to(torch.bfloat16)  # the caller's model stays as it is
     model.config.dtype = "bfloat16"
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

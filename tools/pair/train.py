@@ -5,7 +5,9 @@ the uint16 token stream (seeded), AdamW with warmup + cosine decay, and a resuma
 (model + optimizer + step + data RNG) written atomically every `ckpt_every` seconds.
 
 The draft is trained only to imitate the target: its loss is the forward KL divergence
-KL(p_target || q_draft) on the corpus, which is what acceptance rewards.
+KL(p_target || q_draft), which is what acceptance rewards -- first on corpus windows, then
+("draft_onpolicy") mostly on sequences the target generated itself (see generations.py), the
+distribution the draft meets when it proposes at serving time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +66,8 @@ DRAFT = StageConfig(
     steps=1000,
     lr=2e-3,
 )
+# continues DRAFT's weights (fresh optimizer) on target generations mixed with corpus windows
+DRAFT_ONPOLICY = StageConfig(name="draft_onpolicy", shape=DRAFT.shape, steps=1500, lr=1e-3, warmup=50)
 
 
 def llama_config(shape: ModelShape, tokenizer):
@@ -134,8 +139,15 @@ def _save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None):
-    """Trains (or resumes) one stage; returns the trained model (float32, eval mode)."""
+BatchFn = Callable[[np.random.Generator], torch.Tensor]  # rng -> [batch, seq] token ids
+
+
+def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from: Path | None = None,
+                batches: BatchFn | None = None):
+    """Trains (or resumes) one stage; returns the trained model (float32, eval mode).
+
+    `init_from`: an HF directory whose weights start the stage (else random init).
+    `batches`: draws one training batch (else random windows of the corpus)."""
     from transformers import LlamaForCausalLM
 
     out = work / cfg.name
@@ -147,6 +159,8 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None):
 
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(llama_config(cfg.shape, tokenizer))
+    if init_from is not None:
+        model.load_state_dict(LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32).state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay, fused=True)
     rng = np.random.default_rng(cfg.seed)
@@ -174,7 +188,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None):
         t0 = time.monotonic()
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        ids = _batch(stream, rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
+        ids = batches(rng) if batches else _batch(stream, rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=ids).logits  # [batch, seq, vocab]
             if teacher is None:

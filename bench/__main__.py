@@ -1,0 +1,47 @@
+"""The benchmark CLI: `python -m bench <command> [options]` (each command's --help says more).
+
+    spec     speculative vs plain on the shipped pair: methods x K, adaptive, theory (Thm 3.8)
+    peers    transformers generate (plain / assisted / prompt lookup) vs our engine, same weights
+    llamacpp llama.cpp (llama-cpp-python) plain and prompt-lookup on the same weights as GGUF
+    sweep    batch sweep 1..64: plain vs fixed K vs adaptive, and the K the policy picked
+    http     `serve run serve_config.yaml` under N streaming clients: TTFT / ITL / throughput
+    hf       plain decode, our engine vs transformers on a random-init model of the target's shape
+    plots    PNGs from bench/results/*.json
+    report   rewrite README's results block from bench/results/*.json
+    all      everything above in sequence (about an hour on 2 cores)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
+            "sweep": "bench.sweep", "http": "bench.http_load", "hf": "bench.engine_vs_hf",
+            "plots": "bench.plots", "report": "bench.report"}
+ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
+       ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),
+       ("llamacpp", []), ("sweep", []), ("http", []), ("plots", []), ("report", [])]
+
+
+def run(command: str, argv: list[str]) -> None:
+    if command not in COMMANDS:
+        raise SystemExit(f"unknown command {command!r}; one of: {', '.join([*COMMANDS, 'all'])}")
+    importlib.import_module(COMMANDS[command]).main(argv)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    command, argv = sys.argv[1], sys.argv[2:]
+    if command == "all":
+        for name, extra in ALL:
+            print(f"\n=== python -m bench {name} {' '.join(extra)}", flush=True)
+            run(name, extra)
+    else:
+        run(command, argv)
+
+
+if __name__ == "__main__":
+    main()

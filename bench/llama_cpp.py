@@ -1,0 +1,162 @@
+"""llama.cpp on the same weights: plain greedy decode and its prompt-lookup draft, vs our engine.
+
+    python -m bench llamacpp [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3]
+
+Needs `llama-cpp-python` (built from its PyPI sdist; not part of the bench extra because the
+build takes ~15 min on 2 cores):
+
+    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d build/llama-cpp
+    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install build/llama-cpp/llama_cpp_python-0.3.36.tar.gz sentencepiece
+
+The shipped checkpoints are converted to GGUF (bf16, no quantisation) with the converter vendored
+in that same sdist. Our tokenizer is byte-level BPE with GPT-2's pre-tokenizer regex but is not in
+the converter's table of known tokenizers (it identifies them by hashing a test encoding), so the
+conversion tells it the pre-tokenizer is "gpt-2" -- which is exactly what our tokenizer.json says.
+Both engines decode the same token-id prompts, greedy, EOS ignored, batch 1, 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import interleave, summarize, write
+from bench.workloads import load_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+SDIST_VERSION = "0.3.36"
+BUILD = REPO / "build" / "llama-cpp"
+
+_CONVERT = """
+import runpy, sys
+sys.path.insert(0, {vendor!r}); sys.path.insert(1, {vendor!r} + '/gguf-py')
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'  # ByteLevel BPE, GPT-2 regex
+sys.argv = ['convert_hf_to_gguf.py', {src!r}, '--outtype', 'bf16', '--outfile', {dst!r}]
+runpy.run_path({vendor!r} + '/convert_hf_to_gguf.py', run_name='__main__')
+"""
+
+
+def converter_dir() -> Path:
+    """The llama.cpp tree vendored in the llama-cpp-python sdist (downloaded from PyPI if absent)."""
+    vendor = BUILD / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / "llama.cpp"
+    if (vendor / "convert_hf_to_gguf.py").exists():
+        return vendor
+    BUILD.mkdir(parents=True, exist_ok=True)
+    sdist = BUILD / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={SDIST_VERSION}", "--no-deps",
+                        "--no-binary", ":all:", "-d", str(BUILD)], check=True)
+    prefix = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (
+            m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith(prefix + "conversion/")
+            or m.name.startswith(prefix + "gguf-py/"))]
+        tar.extractall(BUILD, members=members, filter="data")
+    return vendor
+
+
+def to_gguf(model_dir: Path) -> Path:
+    out = BUILD / f"{model_dir.name}-bf16.gguf"
+    if not out.exists():
+        script = _CONVERT.format(vendor=str(converter_dir()), src=str(model_dir), dst=str(out))
+        subprocess.run([sys.executable, "-c", script], check=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench llamacpp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", nargs="+", choices=["code", "edit"], default=["code", "edit"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookup-tokens", type=int, default=10)
+    args = ap.parse_args(argv)
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        status = f"not measured: llama-cpp-python is not installed ({e}); see `python -m bench llamacpp --help`"
+        print(status)
+        write("llama_cpp", {"status": status})
+        return
+    torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+    from engine.model.loader import resolve_model_path
+
+    target_dir = resolve_model_path("embedded:target")
+    gguf = to_gguf(target_dir)
+    common = {"model_path": str(gguf), "n_ctx": 1024, "n_threads": args.threads, "n_threads_batch": args.threads,
+              "verbose": False, "seed": 0}
+    plain_cpp = llama_cpp.Llama(**common)
+    lookup_cpp = llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens))
+    llm = LLM(model="embedded:target", draft_model="embedded:draft", use_speculative_decoding=True,
+              max_batch_size=4, max_seq_len=1024, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    results = {}
+    for workload in args.workload:
+        prompts = [llm.engine.tokenizer.encode(p) for p in load_prompts(workload, args.prompts)]
+
+        def cpp(model, prompts=prompts):
+            def go():
+                tokens = []
+                t0 = time.perf_counter()
+                for p in prompts:
+                    model.reset()
+                    out = []
+                    for tok in model.generate(p, top_k=1, temp=0.0, reset=True):
+                        out.append(tok)
+                        if len(out) == args.tokens:
+                            break
+                    tokens.append(out)
+                dt = time.perf_counter() - t0
+                return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens}
+            return go
+
+        def ours(cfg, prompts=prompts):
+            def go():
+                llm.engine.runner.reconfigure(**cfg)
+                t0 = time.perf_counter()
+                outs = [llm.generate(p, params)[0] for p in prompts]
+                dt = time.perf_counter() - t0
+                return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs]}
+            return go
+
+        variants = {
+            "llama.cpp plain": cpp(plain_cpp),
+            f"llama.cpp prompt lookup ({args.lookup_tokens})": cpp(lookup_cpp),
+            "ours plain": ours({"enabled": False}),
+            "ours ngram (adaptive)": ours({"enabled": True, "method": "ngram", "spec_length": 8, "policy": "adaptive"}),
+            "ours hybrid (adaptive)": ours({"enabled": True, "method": "hybrid", "spec_length": 8,
+                                            "policy": "adaptive"}),
+        }
+        for fn in variants.values():
+            fn()  # warm-up
+        runs = interleave(variants, args.repeats, f"llama.cpp ({workload})")
+        base = runs["llama.cpp plain"][0]["tokens"]
+        cpp_plain = summarize(runs["llama.cpp plain"], "tok_s")["median"]
+        table = {}
+        for name, rs in runs.items():
+            s = summarize(rs, "tok_s")
+            same = sum(a == b for x, y in zip(rs[0]["tokens"], base) for a, b in zip(x, y)) / sum(map(len, base))
+            table[name] = {"tok_s": s, "vs_llama_cpp_plain": s["median"] / cpp_plain,
+                           "same_as_llama_cpp_plain": same}
+            print(f"{workload:5s} {name:32s} {s['median']:8.1f} tok/s  {s['median'] / cpp_plain:5.2f}x llama.cpp plain"
+                  f"  same tokens as llama.cpp plain {same:.1%}")
+        results[workload] = table
+    path = write("llama_cpp", {"status": "measured", "llama_cpp_python": llama_cpp.__version__, "gguf": "bf16",
+                               "prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
+                               "workloads": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

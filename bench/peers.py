@@ -1,0 +1,119 @@
+"""Peers on the very same weights: transformers `generate` (plain, assisted, prompt lookup) vs our engine.
+
+    python -m bench peers [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3]
+
+Batch 1, greedy, bf16, the shipped pair. Every variant decodes the same token-id prompts with
+EOS ignored (transformers: eos_token_id=None), so each produces exactly `tokens` new tokens; the
+variants are interleaved and repeated, medians reported. `same_as_plain` compares each variant's
+tokens with the same library's plain greedy run (ours: exact; transformers' assisted paths may
+differ from its own plain run by bf16 rounding of batched vs single-token passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import interleave, summarize, write
+from bench.workloads import load_prompts
+
+TRANSFORMERS_VARIANTS = {
+    "transformers plain": {},
+    "transformers assisted (draft model)": {"assistant": True},
+    "transformers prompt lookup (10)": {"prompt_lookup_num_tokens": 10},
+}
+OURS_VARIANTS = {
+    "ours plain": {"enabled": False},
+    "ours draft (adaptive)": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
+    "ours ngram (adaptive)": {"enabled": True, "method": "ngram", "spec_length": 8, "policy": "adaptive"},
+    "ours hybrid (adaptive)": {"enabled": True, "method": "hybrid", "spec_length": 8, "policy": "adaptive"},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", nargs="+", choices=["code", "edit"], default=["code", "edit"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", default="embedded:target")
+    ap.add_argument("--draft", default="embedded:draft")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.model.loader import resolve_model_path
+
+    target_dir, draft_dir = resolve_model_path(args.target), resolve_model_path(args.draft)
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
+    for m in (hf_target, hf_draft):
+        m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
+    llm = LLM(model=str(target_dir), draft_model=str(draft_dir), use_speculative_decoding=True, max_batch_size=4,
+              max_seq_len=1024, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    results = {}
+    for workload in args.workload:
+        prompts = [llm.engine.tokenizer.encode(p) for p in load_prompts(workload, args.prompts)]
+
+        def ours(cfg, prompts=prompts):
+            def go():
+                llm.engine.runner.reconfigure(**cfg)
+                t0 = time.perf_counter()
+                outs = [llm.generate(p, params)[0] for p in prompts]
+                dt = time.perf_counter() - t0
+                drafted = sum(o.num_draft_tokens for o in outs)
+                return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs],
+                        "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None}
+            return go
+
+        def hf(kw, prompts=prompts):
+            def go():
+                extra = {"assistant_model": hf_draft} if kw.get("assistant") else \
+                    {k: v for k, v in kw.items() if k != "assistant"}
+                tokens = []
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    for p in prompts:
+                        ids = torch.tensor([p])  # [1, prompt_len]
+                        out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                                 do_sample=False, pad_token_id=0, **extra)
+                        tokens.append(out[0, len(p):].tolist())
+                dt = time.perf_counter() - t0
+                return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens, "acceptance": None}
+            return go
+
+        variants = {name: ours(cfg) for name, cfg in OURS_VARIANTS.items()}
+        variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
+        for fn in variants.values():  # warm-up: kernels, prefix-free caches
+            fn()
+        runs = interleave(variants, args.repeats, f"peers ({workload})")
+        base = {"ours": runs["ours plain"][0]["tokens"], "transformers": runs["transformers plain"][0]["tokens"]}
+        hf_plain = summarize(runs["transformers plain"], "tok_s")["median"]
+        hf_assisted = summarize(runs["transformers assisted (draft model)"], "tok_s")["median"]
+        table = {}
+        for name, rs in runs.items():
+            s = summarize(rs, "tok_s")
+            family = "ours" if name.startswith("ours") else "transformers"
+            same = sum(a == b for r in rs for x, y in zip(r["tokens"], base[family]) for a, b in zip(x, y))
+            total = sum(len(y) for r in rs for y in base[family])
+            table[name] = {"tok_s": s, "vs_transformers_plain": s["median"] / hf_plain,
+                           "vs_transformers_assisted": s["median"] / hf_assisted,
+                           "acceptance": rs[0]["acceptance"], "same_as_plain": same / total}
+            print(f"{workload:5s} {name:38s} {s['median']:8.1f} tok/s  {s['median'] / hf_plain:5.2f}x HF plain  "
+                  f"{s['median'] / hf_assisted:5.2f}x HF assisted  same-as-plain {same / total:.1%}")
+        ours_vs_hf = sum(a == b for x, y in zip(base["ours"], base["transformers"]) for a, b in zip(x, y))
+        results[workload] = {"results": table, "ours_plain_matches_transformers_plain":
+                             ours_vs_hf / sum(map(len, base["ours"]))}
+    path = write("peers", {"prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
+                           "dtype": "bfloat16", "batch": 1, "temperature": 0.0, "workloads": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

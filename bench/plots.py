@@ -1,0 +1,127 @@
+"""PNG plots from bench/results/*.json (whichever exist), written next to them.
+
+    python -m bench plots
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.common import RESULTS
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_spec(r: dict, out: Path) -> None:
+    """Speedup over plain by K, one line per method, adaptive as a marker; theory for the draft."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    methods = sorted({name.split("/")[0] for name in r["results"] if "/" in name})
+    for i, m in enumerate(methods):
+        ks = sorted(int(n.split("=")[1]) for n in r["results"] if n.startswith(f"{m}/K="))
+        color = f"C{i}"
+        ax.plot(ks, [r["results"][f"{m}/K={k}"]["speedup"] for k in ks], "o-", color=color, label=f"{m} fixed K")
+        if f"{m}/adaptive" in r["results"]:
+            ax.axhline(r["results"][f"{m}/adaptive"]["speedup"], color=color, ls="--", lw=1,
+                       label=f"{m} adaptive")
+        theo = [r["results"][f"{m}/K={k}"].get("theoretical_speedup") for k in ks]
+        if all(t is not None for t in theo):
+            ax.plot(ks, theo, ":", color=color, label=f"{m} theory (Thm 3.8)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("K (proposed tokens per round)")
+    ax.set_ylabel("speedup over plain decode")
+    ax.set_title(f"workload {r['workload']}, temperature {r['temperature']}, batch 1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(r: dict, out: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    batches = [int(b) for b in r["results"]]
+    for name in r["variants"]:
+        ax.plot(batches, [r["results"][str(b)][name]["tok_s"]["median"] for b in batches], "o-", label=name,
+                lw=2.5 if "adaptive" in name else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("batch sweep: plain vs fixed-K speculation vs adaptive (greedy, code + edit prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_peers(r: dict, out: Path) -> None:
+    plt = _plt()
+    workloads = list(r["workloads"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        rows = r["workloads"][w]["results"]
+        names = list(rows)
+        values = [rows[n]["tok_s"]["median"] for n in names]
+        colors = ["C0" if n.startswith("ours") else "C7" for n in names]
+        ax.barh(names, values, color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s (batch 1, greedy)")
+        ax.set_title(f"{w} workload, same weights")
+        ax.grid(alpha=0.3, axis="x")
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_http(r: dict, out: Path) -> None:
+    plt = _plt()
+    ns = list(r["results"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for mode, color in (("off", "C7"), ("on", "C0")):
+        for ax, (key, label) in zip(axes, (("tok_s", "throughput (tokens/s)"), ("ttft_ms", "TTFT p50 (ms)"),
+                                           ("tpot_ms", "time per output token p50 (ms)"))):
+            for where, ls in (("http", "-"), ("in_process", "--")):
+                vals = [r["results"][n][mode][where][key] for n in ns]
+                vals = [v["p50"] if isinstance(v, dict) else v for v in vals]
+                ax.plot([int(n) for n in ns], vals, ls, marker="o", color=color,
+                        label=f"speculation {mode}, {where.replace('_', '-')}")
+            ax.set_xlabel("concurrent streaming clients")
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    made = []
+    for name, fn in (("spec_code_t0", plot_spec), ("spec_edit_t0", plot_spec), ("spec_code_t0.8", plot_spec),
+                     ("sweep", plot_sweep), ("peers", plot_peers), ("http_load", plot_http)):
+        r = _load(name)
+        if r is not None:
+            out = RESULTS / f"{name}.png"
+            fn(r, out)
+            made.append(out.name)
+    print("plots: " + (", ".join(made) if made else "no results yet"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Batch sweep: throughput of plain decode, fixed-K speculation and the adaptive policy at 1..64
+concurrent requests, and which K the adaptive policy picked at each batch size.
+
+    python -m bench sweep [--batches 1 2 4 8 16 32 64] [--tokens 64] [--repeats 3]
+
+All requests of a run are submitted at once (distinct held-out prompts: code, then edit) and
+the engine steps until all finish; throughput = generated tokens / wall time. Variants are
+interleaved (A B C ... A B C ...) within each batch size; medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+
+import torch
+
+from bench.common import interleave, summarize, write
+from bench.workloads import load_prompts
+
+VARIANTS = {
+    "plain": {"enabled": False},
+    "draft K=1": {"enabled": True, "method": "draft", "spec_length": 1, "policy": "fixed"},
+    "draft K=2": {"enabled": True, "method": "draft", "spec_length": 2, "policy": "fixed"},
+    "draft K=4": {"enabled": True, "method": "draft", "spec_length": 4, "policy": "fixed"},
+    "draft adaptive": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
+}
+
+
+def run_batch(llm, prompts: list[str], params) -> dict:
+    """Submits every prompt, steps to completion; returns throughput and the K chosen per step."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    ks: Counter[int] = Counter()  # decode steps by the K they used (0 = plain decode)
+    seen = engine.runner.last_decode
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.runner.last_decode
+        if stats is not None and stats is not seen:  # None: the step decoded nothing (prefill only)
+            ks[stats.k] += 1
+            seen = stats
+    dt = time.perf_counter() - t0
+    outs = [engine.get_output(rid) for rid in ids]
+    for rid in ids:
+        engine.release(rid)
+    drafted = sum(o.num_draft_tokens for o in outs)
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "k_steps": dict(ks),
+            "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
+            "tokens": [o.token_ids for o in outs]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", default="embedded:target")
+    ap.add_argument("--draft", default="embedded:draft")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+
+    pool = load_prompts("code") + load_prompts("edit")
+    if max(args.batches) > len(pool):
+        raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
+    llm = LLM(model=args.target, draft_model=args.draft, use_speculative_decoding=True,
+              max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
+              max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    results = {}
+    for b in args.batches:
+        prompts = pool[:b]
+
+        def variant(cfg, prompts=prompts):
+            def go():
+                llm.engine.runner.reconfigure(**cfg)
+                return run_batch(llm, prompts, params)
+            return go
+
+        variants = {name: variant(cfg) for name, cfg in VARIANTS.items()}
+        variants["plain"]()  # warm-up
+        runs = interleave(variants, args.repeats, f"batch {b}")
+        plain = summarize(runs["plain"], "tok_s")["median"]
+        row = {}
+        for name, rs in runs.items():
+            s = summarize(rs, "tok_s")
+            ks: Counter[int] = Counter()
+            for r in rs:
+                ks.update(r["k_steps"])
+            row[name] = {"tok_s": s, "vs_plain": s["median"] / plain, "acceptance": rs[0]["acceptance"],
+                         "k_steps": {str(k): n for k, n in sorted(ks.items())},
+                         "identical_to_plain": all(r["tokens"] == runs["plain"][0]["tokens"] for r in rs)}
+        best_fixed = max((n for n in row if n != "draft adaptive"), key=lambda n: row[n]["tok_s"]["median"])
+        row["adaptive_vs_best"] = row["draft adaptive"]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
+        row["best_fixed"] = best_fixed
+        results[str(b)] = row
+        print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
+              + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f}; "
+              f"adaptive K steps {row['draft adaptive']['k_steps']}")
+    path = write("sweep", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
+                           "variants": VARIANTS, "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
