@@ -50,3 +50,44 @@ def write(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
+
+
+def parser(command: str, doc: str | None, tokens: int, workloads: bool = False, models: bool = True):
+    """The options every benchmark command shares (`python -m bench <command> ...`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m bench {command}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if workloads:
+        ap.add_argument("--workload", nargs="+", choices=["code", "edit"], default=["code", "edit"])
+        ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per workload")
+    ap.add_argument("--tokens", type=int, default=tokens, help="new tokens per request")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    if models:
+        ap.add_argument("--target", default="embedded:target")
+        ap.add_argument("--draft", default="embedded:draft")
+    return ap
+
+
+def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
+    """One benchmark run of our engine: reconfigure speculation, decode the prompts one by one
+    (batch 1). Returns tokens/s, the tokens, and the acceptance rate (None without drafts)."""
+    def go() -> dict:
+        llm.engine.runner.reconfigure(**spec)
+        t0 = time.perf_counter()
+        outs = [llm.generate(p, params)[0] for p in prompts]
+        dt = time.perf_counter() - t0
+        drafted = sum(o.num_draft_tokens for o in outs)
+        return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs],
+                "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None}
+    return go
+
+
+def batch1_llm(target: str, draft: str):
+    """Our engine with both models for batch-1 comparisons (prefix caching off: repeats of the
+    same prompt must not get cheaper)."""
+    from engine import LLM
+
+    return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
+               max_seq_len=1024, enable_prefix_caching=False)

@@ -17,7 +17,6 @@ Both engines decode the same token-id prompts, greedy, EOS ignored, batch 1, 2 t
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tarfile
@@ -26,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import interleave, summarize, write
+from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
+from bench.peers import OURS_VARIANTS
 from bench.workloads import load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +71,7 @@ def to_gguf(model_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench llamacpp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", nargs="+", choices=["code", "edit"], default=["code", "edit"])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = parser("llamacpp", __doc__, tokens=96, workloads=True)
     ap.add_argument("--lookup-tokens", type=int, default=10)
     args = ap.parse_args(argv)
     try:
@@ -89,17 +83,16 @@ def main(argv: list[str] | None = None) -> None:
         write("llama_cpp", {"status": status})
         return
     torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.model.loader import resolve_model_path
 
-    target_dir = resolve_model_path("embedded:target")
+    target_dir = resolve_model_path(args.target)
     gguf = to_gguf(target_dir)
     common = {"model_path": str(gguf), "n_ctx": 1024, "n_threads": args.threads, "n_threads_batch": args.threads,
               "verbose": False, "seed": 0}
     plain_cpp = llama_cpp.Llama(**common)
     lookup_cpp = llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens))
-    llm = LLM(model="embedded:target", draft_model="embedded:draft", use_speculative_decoding=True,
-              max_batch_size=4, max_seq_len=1024, enable_prefix_caching=False)
+    llm = batch1_llm(args.target, args.draft)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:
@@ -121,22 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                 return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens}
             return go
 
-        def ours(cfg, prompts=prompts):
-            def go():
-                llm.engine.runner.reconfigure(**cfg)
-                t0 = time.perf_counter()
-                outs = [llm.generate(p, params)[0] for p in prompts]
-                dt = time.perf_counter() - t0
-                return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs]}
-            return go
-
         variants = {
             "llama.cpp plain": cpp(plain_cpp),
             f"llama.cpp prompt lookup ({args.lookup_tokens})": cpp(lookup_cpp),
-            "ours plain": ours({"enabled": False}),
-            "ours ngram (adaptive)": ours({"enabled": True, "method": "ngram", "spec_length": 8, "policy": "adaptive"}),
-            "ours hybrid (adaptive)": ours({"enabled": True, "method": "hybrid", "spec_length": 8,
-                                            "policy": "adaptive"}),
+            **{name: ours_variant(llm, OURS_VARIANTS[name], prompts, params)
+               for name in ("ours plain", "ours ngram (adaptive)", "ours hybrid (adaptive)")},
         }
         for fn in variants.values():
             fn()  # warm-up

@@ -11,12 +11,11 @@ differ from its own plain run by bf16 rounding of batched vs single-token passes
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from bench.common import interleave, summarize, write
+from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
 from bench.workloads import load_prompts
 
 TRANSFORMERS_VARIANTS = {
@@ -33,20 +32,11 @@ OURS_VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", nargs="+", choices=["code", "edit"], default=["code", "edit"])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target", default="embedded:target")
-    ap.add_argument("--draft", default="embedded:draft")
-    args = ap.parse_args(argv)
+    args = parser("peers", __doc__, tokens=96, workloads=True).parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.model.loader import resolve_model_path
 
     target_dir, draft_dir = resolve_model_path(args.target), resolve_model_path(args.draft)
@@ -54,23 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
     for m in (hf_target, hf_draft):
         m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
-    llm = LLM(model=str(target_dir), draft_model=str(draft_dir), use_speculative_decoding=True, max_batch_size=4,
-              max_seq_len=1024, enable_prefix_caching=False)
+    llm = batch1_llm(str(target_dir), str(draft_dir))
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:
         prompts = [llm.engine.tokenizer.encode(p) for p in load_prompts(workload, args.prompts)]
-
-        def ours(cfg, prompts=prompts):
-            def go():
-                llm.engine.runner.reconfigure(**cfg)
-                t0 = time.perf_counter()
-                outs = [llm.generate(p, params)[0] for p in prompts]
-                dt = time.perf_counter() - t0
-                drafted = sum(o.num_draft_tokens for o in outs)
-                return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs],
-                        "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None}
-            return go
 
         def hf(kw, prompts=prompts):
             def go():
@@ -88,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                 return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens, "acceptance": None}
             return go
 
-        variants = {name: ours(cfg) for name, cfg in OURS_VARIANTS.items()}
+        variants = {name: ours_variant(llm, cfg, prompts, params) for name, cfg in OURS_VARIANTS.items()}
         variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
         for fn in variants.values():  # warm-up: kernels, prefix-free caches
             fn()

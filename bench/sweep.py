@@ -10,13 +10,12 @@ interleaved (A B C ... A B C ...) within each batch size; medians reported.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 
 import torch
 
-from bench.common import interleave, summarize, write
+from bench.common import interleave, parser, summarize, write
 from bench.workloads import load_prompts
 
 VARIANTS = {
@@ -52,14 +51,8 @@ def run_batch(llm, prompts: list[str], params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench sweep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("sweep", __doc__, tokens=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target", default="embedded:target")
-    ap.add_argument("--draft", default="embedded:draft")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
