@@ -21,7 +21,7 @@ from bench.common import interleave, summarize, write
 from bench.workloads import load_prompts
 
 
-def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 7) -> dict:
+def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 15) -> dict:
     """Median forward times (ms) of the target for T = 1..max_t tokens per sequence, and of
     one draft decode step, at each batch size."""
     from engine.runner import forward_chunks
@@ -37,12 +37,14 @@ def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, 
                            [0] * b)
             for t in ts:
                 times = []
-                for _ in range(repeats):
+                for r in range(repeats):  # the context grows by one token per repeat, as in decoding
                     t0 = time.perf_counter()
-                    forward_chunks(model, pool, slots, [[11] * t] * b, [context] * b, all_logits=t > 1)
+                    forward_chunks(model, pool, slots, [[11] * t] * b, [context + r] * b, all_logits=t > 1)
                     times.append(time.perf_counter() - t0)
                     for s in slots:
-                        pool.truncate_to(s, context)
+                        pool.truncate_to(s, context + r + 1)
+                for s in slots:
+                    pool.truncate_to(s, context)
                 row[f"{name}_T{t}"] = statistics.median(times) * 1e3
             for s in slots:
                 pool.free_slot(s)

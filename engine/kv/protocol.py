@@ -14,6 +14,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+KEY_ALIGN = 64  # gathered key lengths are rounded up to a multiple of this (see aligned_key_len)
+
+
+def aligned_key_len(n: int) -> int:
+    """Key length of a gathered view: n rounded up to a multiple of KEY_ALIGN.
+
+    On CPU the attention matmuls run through oneDNN, which builds (JIT-compiles) a kernel for
+    every new shape -- hundreds of microseconds, more than the matmul itself. Decoding grows the
+    key length by one every step, so exact lengths paid that cost at every step; rounded ones
+    pay it once per KEY_ALIGN steps. The extra keys read the scratch row and are masked out."""
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
+
 
 class OutOfKVCache(RuntimeError):
     """The pool cannot hold the requested tokens. Nothing was allocated by the failing call."""
@@ -24,7 +36,8 @@ class KVView:
 
     write_rows: [B * T] flat storage row for each new token (padding goes to the scratch row).
     read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row),
-      or None when `read_slice` gives one contiguous range (B == 1, slotted).
+      or None when `read_slice` gives one contiguous range (B == 1, slotted). Views over several
+      sequences have L = aligned_key_len(longest); keys past a sequence's end are masked.
     """
 
     def __init__(self, storage: torch.Tensor, write_rows: torch.Tensor,
@@ -128,7 +141,8 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     device = storage.device
     scratch = storage.shape[3] - 1
     B, T = len(lengths), max(width or 0, max(chunk_lens))
-    key_len = max(n + c for n, c in zip(lengths, chunk_lens))  # L
+    longest = max(n + c for n, c in zip(lengths, chunk_lens))
+    key_len = aligned_key_len(longest)  # L
     start = torch.tensor(lengths, device=device)  # [B]
     count = torch.tensor(chunk_lens, device=device)  # [B]
     steps = torch.arange(T, device=device)  # [T]
@@ -138,8 +152,8 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     read_ok = keys < (start + count)[:, None]  # [B, L]
     write_rows = torch.where(write_ok, rows_at(torch.where(write_ok, write_pos, 0)), scratch)  # [B, T]
     read_rows = torch.where(read_ok, rows_at(torch.where(read_ok, keys, 0)), scratch)  # [B, L]
-    uniform = T == 1 and len(set(lengths)) == 1
-    return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not uniform)
+    unmasked = T == 1 and len(set(lengths)) == 1 and key_len == longest
+    return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not unmasked)
 
 
 def allocate_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int,

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from engine.kv.protocol import KVView
 
 
-def _use_explicit_attention(batch: int, queries: int, keys: int) -> bool:
-    """Measured on CPU (bench notes in the README): the fused SDPA kernel wins for one
-    sequence, except a single query over a long context; batched few-query passes (decode,
-    verify) are several times faster as explicit matmuls."""
+def _use_explicit_attention(batch: int, queries: int) -> bool:
+    """Measured on CPU with growing contexts: decode and verify passes over several sequences
+    (key lengths aligned to KEY_ALIGN, so oneDNN's per-shape matmul kernels are reused across
+    steps), and single-query decode of one sequence (in float32, see _attention), are faster as
+    two explicit matmuls than the fused SDPA kernel; a few queries of one sequence (batch-1
+    verify) and prefill chunks are not."""
     if batch == 1:
-        return queries == 1 and keys >= 192
+        return queries == 1
     return queries <= 16
 
 
@@ -174,18 +176,22 @@ class Llama:
         """q [B, heads, T, D], k/v [B, kv_heads, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
         B, H, T, D = q.shape
         Hkv, L = k.shape[1], k.shape[2]
-        if not _use_explicit_attention(B, T, L):
+        if not _use_explicit_attention(B, T):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=H != Hkv)
         # few queries per sequence (decode, speculative verify): two batched matmuls beat the
         # fused kernel on CPU. The query heads sharing a KV head are stacked as rows.
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * T, D)  # [B, kv_heads, group * T, D]
+        if B == 1 and q.device.type == "cpu":
+            # one sequence's exact-length keys: a new shape every step, and oneDNN would build a
+            # half-precision kernel for each; float32 goes to the BLAS with no per-shape cost
+            qg, k, v = qg.float(), k.float(), v.float()
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, kv_heads, group * T, L]
         if mask is not None:
             scores = scores.view(B, Hkv, G, T, L).masked_fill(~mask.unsqueeze(1), float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype).view(B, Hkv, G * T, L)
-        return torch.matmul(probs, v).view(B, H, T, D)
+        probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, G * T, L)
+        return torch.matmul(probs, v).view(B, H, T, D).to(q.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,

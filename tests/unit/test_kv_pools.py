@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.kv import OutOfKVCache, PagedKVPool, SlottedKVPool
+from engine.kv.protocol import KEY_ALIGN, aligned_key_len
 
 
 def paged(num_blocks=8, block_size=4, prefix=True, slots=4):
@@ -20,11 +21,30 @@ def slotted(slots=2):
 
 
 def write(pool, slot, n, value):
-    """Appends n tokens whose K equals `value` and returns the keys the view reads back."""
+    """Appends n tokens whose K equals `value` and returns the keys the view reads back,
+    without the alignment padding (checked in test_gathered_key_lengths_are_aligned_and_masked)."""
+    length = pool.seq_len(slot) + n
     view = pool.chunk_view([slot], [n])
     k = torch.full((1, n, 1, 2), float(value))
     keys, _ = view.write_and_read(0, k, k)
-    return keys
+    return keys[:, :, :length]
+
+
+@pytest.mark.parametrize("make", [paged, slotted])
+def test_gathered_key_lengths_are_aligned_and_masked(make):
+    """Views over several sequences round L up to KEY_ALIGN; the extra keys are masked."""
+    batch = 2
+    pool = make()
+    slots = [pool.allocate_slot([1])[0] for _ in range(batch)]
+    for s, n in zip(slots, [5, 3]):
+        pool.chunk_view([s], [n]).write_and_read(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+    view = pool.decode_view(slots)  # lengths 6 (and 4)
+    assert view.key_len == KEY_ALIGN == aligned_key_len(6)
+    positions = torch.tensor([[5], [3]])  # [B, 1]
+    mask = view.attention_mask(positions)  # [B, 1, 1, L]
+    assert mask is not None and mask.shape == (batch, 1, 1, KEY_ALIGN)
+    assert mask[0, 0, 0].tolist() == [True] * 6 + [False] * (KEY_ALIGN - 6)
+    assert mask[1, 0, 0].tolist() == [True] * 4 + [False] * (KEY_ALIGN - 4)
 
 
 def test_paged_truncate_frees_exactly_blocks_past_the_new_length():
