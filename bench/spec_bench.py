@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         alpha_token = r0["accepted"] / (r0["accepted"] + r0["rejections"]) if r0["drafted"] else None
         entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
                  "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
-                 "identical_to_plain": all(r["tokens"] == reference for r in rs) if args.temperature == 0 else None}
+                 # share of (prompt, repeat) greedy outputs equal to plain's, token for token
+                 "identical_to_plain": statistics.fmean(a == b for r in rs for a, b in zip(r["tokens"], reference))
+                 if args.temperature == 0 else None}
         if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
             entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]

@@ -128,6 +128,7 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
@@ -146,6 +147,9 @@ class LLMEngine:
                 if not req.is_finished:
                     req.error = f"{type(exc).__name__}: {exc}"
                     outputs.append(self._finish(req, "error", ""))
+        observe = getattr(self.runner, "observe_step_seconds", None)
+        if observe is not None:  # the adaptive policy's per-step overhead
+            observe(time.perf_counter() - t0)
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:

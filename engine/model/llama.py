@@ -19,13 +19,10 @@ from engine.kv.protocol import KVView
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
     """Measured on CPU with growing contexts: decode and verify passes over several sequences
-    (key lengths aligned to KEY_ALIGN, so oneDNN's per-shape matmul kernels are reused across
-    steps), and single-query decode of one sequence (in float32, see _attention), are faster as
-    two explicit matmuls than the fused SDPA kernel; a few queries of one sequence (batch-1
-    verify) and prefill chunks are not."""
-    if batch == 1:
-        return queries == 1
-    return queries <= 16
+    are several times faster as two explicit matmuls (key lengths aligned to KEY_ALIGN, so
+    oneDNN's per-shape kernels are reused across steps) than the fused SDPA kernel. One sequence
+    takes SDPA: its exact-length keys would need a new oneDNN kernel at every step."""
+    return batch > 1 and queries <= 16
 
 
 def _mkldnn_packing_available() -> bool:
@@ -183,15 +180,11 @@ class Llama:
         # fused kernel on CPU. The query heads sharing a KV head are stacked as rows.
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * T, D)  # [B, kv_heads, group * T, D]
-        if B == 1 and q.device.type == "cpu":
-            # one sequence's exact-length keys: a new shape every step, and oneDNN would build a
-            # half-precision kernel for each; float32 goes to the BLAS with no per-shape cost
-            qg, k, v = qg.float(), k.float(), v.float()
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, kv_heads, group * T, L]
         if mask is not None:
             scores = scores.view(B, Hkv, G, T, L).masked_fill(~mask.unsqueeze(1), float("-inf"))
-        probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, G * T, L)
-        return torch.matmul(probs, v).view(B, H, T, D).to(q.dtype)
+        probs = scores.softmax(dim=-1).to(q.dtype).view(B, Hkv, G * T, L)
+        return torch.matmul(probs, v).view(B, H, T, D)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,

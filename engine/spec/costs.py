@@ -49,11 +49,23 @@ class TimingTable:
 
 
 class MeasuredCosts:
-    """Costs for the policy: target forward by (B, T) and one batched draft step by B."""
+    """Costs for the policy: target forward by (B, T), one batched draft step by B, and the
+    engine's per-step overhead outside the model passes (scheduling, output processing,
+    detokenisation): paid once per step whatever K is, so it favours longer rounds."""
 
-    def __init__(self):
+    def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
         self.draft = TimingTable()
+        self.smoothing = smoothing
+        self._overhead: float | None = None
+
+    def observe_overhead(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        old = self._overhead
+        self._overhead = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def step_overhead(self) -> float:
+        return self._overhead or 0.0
 
     def target_time(self, batch: int, tokens_per_seq: int) -> float:
         t = self.target.estimate(batch, tokens_per_seq)

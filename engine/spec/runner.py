@@ -14,6 +14,7 @@ Requests without a proposal ride along with k = 0, which is exactly a plain deco
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -27,6 +28,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.request import Request
 from engine.runner import ContinuousRunner, forward_chunks
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
+from engine.scheduler import ScheduledBatch
 from engine.spec.costs import MeasuredCosts
 from engine.spec.draft import DraftModelProposer
 from engine.spec.ngram import ngram_propose
@@ -59,7 +61,9 @@ class SpeculativeRunner(ContinuousRunner):
         self.policy = SpecPolicy(self.costs, config.spec_length, config.spec_policy,
                                  config.spec_disable_batch_size)
         self._alpha: dict[str, AcceptanceEstimate] = {}
-        self._global_alpha = 0.6
+        self._global_alpha = 0.6  # prior for new requests: decayed per-token acceptance of all
+        self._global_counts = (0.0, 0.0)  # decayed (accepted, accepted + rejections)
+        self._model_seconds: float | None = None
         self.enabled = True
         if config.spec_policy == "adaptive":
             self.calibrate()
@@ -144,8 +148,12 @@ class SpeculativeRunner(ContinuousRunner):
         return out
 
     # --- calibration -------------------------------------------------------------------
-    def calibrate(self, repeats: int = 2) -> None:
-        """Times target passes for T = 1..K+1 and draft steps, at power-of-two batch sizes."""
+    def calibrate(self, repeats: int = 3) -> None:
+        """Times target passes for T = 1..K+1 and draft steps, at power-of-two batch sizes.
+
+        Each shape runs once untimed first: its first call pays one-off costs (kernel creation,
+        cold caches) several times the steady-state step, and a policy fed those would judge
+        speculation too expensive from the first step on. The median of `repeats` is recorded."""
         vocab = self.model.shape.vocab_size
         batch = 1
         while True:
@@ -159,12 +167,15 @@ class SpeculativeRunner(ContinuousRunner):
                     try:
                         chunks = [[i % vocab] * 8 for i in range(b)]
                         forward_chunks(model, pool, slots, chunks, [0] * b)  # context to attend to
-                        for _ in range(repeats):
+                        times = []
+                        for i in range(repeats + 1):  # the first run warms up, untimed
                             t0 = time.perf_counter()
                             forward_chunks(model, pool, slots, [[1] * t] * b, [8] * b, all_logits=t > 1)
-                            table.observe(b, t, time.perf_counter() - t0)
+                            if i:
+                                times.append(time.perf_counter() - t0)
                             for s in slots:
                                 pool.truncate_to(s, 8)
+                        table.observe(b, t, statistics.median(times))
                     finally:
                         for s in slots:
                             pool.free_slot(s)
@@ -173,6 +184,20 @@ class SpeculativeRunner(ContinuousRunner):
             batch *= 2
 
     # --- the speculative decode step ---------------------------------------------------
+    def step(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
+        self._model_seconds = None  # set by a decode-only step's model passes
+        out = super().step(batch)
+        if batch.prefill:
+            self._model_seconds = None  # prefill steps say nothing about the decode overhead
+        return out
+
+    def observe_step_seconds(self, seconds: float) -> None:
+        """The engine's wall time for the last step: what the model passes did not take is the
+        per-step overhead the policy adds to every choice of K."""
+        if self._model_seconds is not None:
+            self.costs.observe_overhead(seconds - self._model_seconds)
+            self._model_seconds = None
+
     def _decode(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         stats = DecodeStepStats(batch_size=len(reqs))
         caps = [self._k_cap(r) for r in reqs]
@@ -186,7 +211,8 @@ class SpeculativeRunner(ContinuousRunner):
         if choice.k == 0:
             t0 = time.perf_counter()
             out = super()._decode(reqs)
-            self.costs.target.observe(len(reqs), 1, time.perf_counter() - t0)
+            self._model_seconds = time.perf_counter() - t0
+            self.costs.target.observe(len(reqs), 1, self._model_seconds)
             self.last_decode.reason = choice.reason
             return out
         ks = [min(choice.k, c) for c in caps]
@@ -208,6 +234,7 @@ class SpeculativeRunner(ContinuousRunner):
         num_accepted, final = self._accept(reqs, proposals, ks, q, logits)
         stats.verify_seconds = time.perf_counter() - t1
         self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
+        self._model_seconds = stats.draft_seconds + stats.verify_seconds
         if self.draft is not None and any(s == "draft" for s in sources):
             draft_rows = sum(s == "draft" for s in sources)
             self.costs.draft.observe(draft_rows, 1, stats.draft_seconds / k_max)
@@ -229,7 +256,10 @@ class SpeculativeRunner(ContinuousRunner):
                 r.spec.proposers.add(sources[i])
                 stats.accepted_per_round.append(a)
                 self._alpha.setdefault(r.request_id, AcceptanceEstimate()).update(a, k)
-                self._global_alpha = 0.98 * self._global_alpha + 0.02 * (a / k)
+                # per-token acceptance (a round ends at its first rejection), decayed
+                self._global_counts = (0.98 * self._global_counts[0] + a,
+                                       0.98 * self._global_counts[1] + a + int(a < k))
+                self._global_alpha = self._global_counts[0] / self._global_counts[1]
                 for j in range(k):
                     stats.proposed_by_position[j] += 1
                     stats.accepted_by_position[j] += int(j < a)

@@ -19,6 +19,11 @@ class MemoryBoundCosts:
     def draft_time(self, batch):
         return self.draft + 0.01e-3 * batch
 
+    def step_overhead(self):
+        return self.overhead
+
+    overhead = 0.0
+
 
 def test_expected_tokens_formula():
     assert expected_tokens(0.0, 5) == 1.0
@@ -34,6 +39,27 @@ def test_speculates_when_verify_is_nearly_free_and_falls_back_when_expensive():
     assert big.k == 0
     low_alpha = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive").choose([0.05], [100])
     assert low_alpha.k <= 1
+
+
+def test_a_long_run_of_plain_steps_is_broken_by_one_probe():
+    """K = 0 brings no new evidence about the proposer, so the policy probes now and then."""
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=4)
+    choices = [policy.choose([0.05], [100]) for _ in range(9)]
+    assert [c.k == 0 for c in choices] == [True, True, True, False, True, True, True, False, True]
+    probe = choices[3]
+    assert probe.reason == "probe" and probe.k == max(range(1, 6), key=probe.goodput.get)
+    # a step that speculates on its merits resets the count
+    assert policy.choose([0.95], [100]).k > 0
+    assert [policy.choose([0.05], [100]).reason for _ in range(3)] == ["policy"] * 3
+
+
+def test_per_step_overhead_favours_longer_rounds():
+    """Overhead paid once per step whatever K is makes each round's extra tokens cheaper."""
+    lean, heavy = MemoryBoundCosts(draft=3e-3), MemoryBoundCosts(draft=3e-3)
+    heavy.overhead = 20e-3
+    k_lean = SpecPolicy(lean, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.7], [100]).k
+    k_heavy = SpecPolicy(heavy, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.7], [100]).k
+    assert k_heavy > k_lean
 
 
 def test_k_falls_monotonically_with_batch_size_without_cliff():
