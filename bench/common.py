@@ -65,9 +65,16 @@ def parser(command: str, doc: str | None, tokens: int, workloads: bool = False, 
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     if models:
-        ap.add_argument("--target", default="embedded:target")
-        ap.add_argument("--draft", default="embedded:draft")
+        add_model_options(ap)
     return ap
+
+
+def add_model_options(ap) -> None:
+    ap.add_argument("--target", default="embedded:target")
+    ap.add_argument("--draft", default="embedded:draft")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="the draft scores only this many of its most frequent tokens (the engine's "
+                         "draft_vocab_size; default: the whole vocabulary)")
 
 
 def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
@@ -84,10 +91,10 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     return go
 
 
-def batch1_llm(target: str, draft: str):
+def batch1_llm(target: str, draft: str, vocab_size: int | None):
     """Our engine with both models for batch-1 comparisons (prefix caching off: repeats of the
     same prompt must not get cheaper)."""
     from engine import LLM
 
     return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
-               max_seq_len=1024, enable_prefix_caching=False)
+               max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size)

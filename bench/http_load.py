@@ -119,11 +119,9 @@ async def http_phases(url: str, args, pool: list[str]) -> dict:
 
 async def engine_phases(engine_cfg: dict, args, pool: list[str]) -> dict:
     from engine.async_engine import AsyncLLMEngine
-    from engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, SamplingParams
+    from engine.config import EngineConfig, SamplingParams, with_embedded_defaults
 
-    if "model" not in engine_cfg:  # as the server does: no model = the embedded pair
-        engine_cfg = {**engine_cfg, "model": DEFAULT_MODEL, "draft_model": DEFAULT_DRAFT_MODEL}
-    engine = AsyncLLMEngine(EngineConfig.from_kwargs(**engine_cfg))
+    engine = AsyncLLMEngine(EngineConfig.from_kwargs(**with_embedded_defaults(engine_cfg)))  # as the server
     results: dict = {}
     try:
         on = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)

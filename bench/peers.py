@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
     for m in (hf_target, hf_draft):
         m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
-    llm = batch1_llm(str(target_dir), str(draft_dir))
+    llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:

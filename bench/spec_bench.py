@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import interleave, summarize, write
+from bench.common import add_model_options, interleave, summarize, write
 from bench.workloads import load_prompts
 
 
@@ -72,15 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--costs-only", action="store_true")
-    ap.add_argument("--target", default="embedded:target")
-    ap.add_argument("--draft", default="embedded:draft")
+    add_model_options(ap)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.target, draft_model=args.draft, use_speculative_decoding=True,
-              max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
+    llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
+              use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
     costs = measure_costs(llm)
     for b, row in costs.items():
         print(f"batch {b}: target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     pool = load_prompts("code") + load_prompts("edit")
     if max(args.batches) > len(pool):
         raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
-    llm = LLM(model=args.target, draft_model=args.draft, use_speculative_decoding=True,
+    llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
+              use_speculative_decoding=True,
               max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)

@@ -70,6 +70,9 @@ class EngineConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match only this long, else draft
+    # the draft scores only this many of the most frequent tokens (ranking: token_ranking.json
+    # beside the draft checkpoint); None scores the whole vocabulary. Exact either way.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -96,6 +99,8 @@ class EngineConfig:
         _check_int("ngram_max", self.ngram_max, 1, 64)
         _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
+        if self.draft_vocab_size is not None:
+            _check_int("draft_vocab_size", self.draft_vocab_size, 1)
         if self.use_speculative_decoding:
             if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
                 raise ValueError(
@@ -116,6 +121,13 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown EngineConfig field(s): {unknown}; known fields: {sorted(known)}")
         return cls(**kwargs)
+
+
+def with_embedded_defaults(kwargs: dict) -> dict:
+    """EngineConfig kwargs with no `model`: the embedded pair, speculation on (explicit keys win)."""
+    if "model" in kwargs:
+        return dict(kwargs)
+    return {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True, **kwargs, "model": DEFAULT_MODEL}
 
 
 @dataclass

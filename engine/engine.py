@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, with_embedded_defaults
 from engine.detokenize import IncrementalText
 from engine.kernel_caches import bound_kernel_caches
 from engine.kv import make_pool
@@ -213,11 +213,7 @@ class LLM:
     """
 
     def __init__(self, **kwargs):
-        if "model" not in kwargs:
-            kwargs["model"] = DEFAULT_MODEL
-            kwargs.setdefault("draft_model", DEFAULT_DRAFT_MODEL)
-            kwargs.setdefault("use_speculative_decoding", True)
-        self.config = EngineConfig.from_kwargs(**kwargs)
+        self.config = EngineConfig.from_kwargs(**with_embedded_defaults(kwargs))
         self.engine = LLMEngine(self.config)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -26,7 +26,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
-from engine.config import EngineConfig
+from engine.config import EngineConfig, with_embedded_defaults
 from engine.metrics import BufferedRecorder, StepMetrics
 from engine.request import RequestOutput
 from serve_app.errors import APIError, from_validation_errors
@@ -118,11 +118,7 @@ def usage(out: RequestOutput) -> dict:
 class LLMServer:
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
                  api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64):
-        engine = dict(engine or {})
-        if "model" not in engine:  # the embedded default pair, speculation on
-            engine.setdefault("model", "embedded:target")
-            engine.setdefault("draft_model", "embedded:draft")
-            engine.setdefault("use_speculative_decoding", True)
+        engine = with_embedded_defaults(engine or {})  # no model: the embedded pair, speculation on
         engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
         config = EngineConfig.from_kwargs(**engine)
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)

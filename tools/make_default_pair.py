@@ -4,7 +4,8 @@
     python tools/make_default_pair.py --work DIR # where corpus, tokens and checkpoints live
 
 Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled on corpus windows) ->
-target generations -> draft fine-tuned on them (on-policy distillation) -> export -> model card
+target generations -> draft fine-tuned on them (on-policy distillation) -> export (with the token
+frequency ranking the draft's restricted output layer uses) -> model card
 (measured with our engine; validation prompts saved to bench/data/code_val_prompts.jsonl).
 Every stage skips itself when its output exists and training resumes from its last checkpoint,
 so rerunning the same command after an interruption continues where it stopped.
@@ -27,6 +28,7 @@ from pair.corpus import build_corpus  # noqa: E402
 from pair.export import export_model  # noqa: E402
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.prompts import write_all  # noqa: E402
+from pair.ranking import write_token_ranking  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
 from pair.train import DRAFT, DRAFT_ONPOLICY, TARGET, train_stage  # noqa: E402
 
@@ -57,6 +59,7 @@ def main() -> None:
                         init_from=args.work / DRAFT.name / "final",
                         batches=mixed_batches(args.work, rows))
     export_model(draft, tokenizer, args.out / "draft")
+    write_token_ranking(args.work, len(tokenizer), args.out / "draft")
     prompts = write_all(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data")
     write_card(args.work, args.out, prompts)
 

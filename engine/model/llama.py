@@ -116,12 +116,18 @@ class Llama:
     """Functional Llama over explicit weights. Thread-compatible, holds no per-request state."""
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int):
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int,
+                 output_ids: torch.Tensor | None = None):
+        """output_ids [V'] (sorted, unique): score only these tokens; every other logit is -inf.
+        A draft model restricted to frequent tokens reads a fraction of its output layer."""
         self.shape = shape
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.final_norm = final_norm  # [hidden]
-        self.lm_head = lm_head  # [vocab, hidden] (the embedding itself when tied)
+        self.output_ids = output_ids
+        if output_ids is not None:
+            lm_head = lm_head[output_ids]  # [V', hidden], a copy even when tied
+        self.lm_head = lm_head  # [V' or vocab, hidden] (the embedding itself when tied and unrestricted)
         self.dtype = embed.dtype
         self.device = embed.device
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -153,7 +159,7 @@ class Llama:
 
     def _count_parameters(self) -> int:
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in vars(lw).values()]
-        if self.lm_head is not self.embed:
+        if self.lm_head is not self.embed and not self.shape.tie_word_embeddings:
             tensors.append(self.lm_head)
         return sum(t.numel() for t in tensors)
 
@@ -219,4 +225,8 @@ class Llama:
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)
-        return self._linear(h, self.lm_head).float()  # [B, vocab] or [B, T, vocab]
+        logits = self._linear(h, self.lm_head).float()  # [B, (T,) vocab], or [B, (T,) V'] if restricted
+        if self.output_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], s.vocab_size), float("-inf"))  # [B, (T,) vocab]
+        return full.index_copy_(-1, self.output_ids, logits)

@@ -91,7 +91,9 @@ class _TensorReader:
         return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
-def load_llama(path: Path, dtype: str, device: str, max_positions: int) -> Llama:
+def load_llama(path: Path, dtype: str, device: str, max_positions: int,
+               output_ids: torch.Tensor | None = None) -> Llama:
+    """output_ids [V']: restrict the output layer to these token ids (see `Llama`)."""
     cfg = json.loads((path / "config.json").read_text())
     shape = LlamaShape.from_hf_config(cfg)
     reader = _TensorReader(_weight_files(path), torch_dtype(dtype), device)
@@ -111,4 +113,6 @@ def load_llama(path: Path, dtype: str, device: str, max_positions: int) -> Llama
     embed = reader.get("model.embed_tokens.weight")
     tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
     lm_head = embed if tied else reader.get("lm_head.weight")
-    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions)
+    if output_ids is not None:
+        output_ids = output_ids.to(device)
+    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, output_ids)

@@ -31,6 +31,7 @@ from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
 from engine.scheduler import ScheduledBatch
 from engine.spec.costs import MeasuredCosts
 from engine.spec.draft import DraftModelProposer
+from engine.spec.draft_vocab import draft_output_ids
 from engine.spec.ngram import ngram_propose
 from engine.spec.policy import AcceptanceEstimate, Choice, SpecPolicy
 from engine.spec.rejection import verify, verify_greedy
@@ -76,8 +77,13 @@ class SpeculativeRunner(ContinuousRunner):
         if config.speculative_method in ("draft", "hybrid"):
             path = resolve_model_path(config.draft_model)
             config.draft_model = str(path)
-            draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len)
-            check_compatible(tokenizer, Tokenizer(path), model, draft_model, config.model, config.draft_model)
+            draft_tokenizer = Tokenizer(path)
+            output_ids = None
+            if config.draft_vocab_size is not None:
+                output_ids = draft_output_ids(path, config.draft_vocab_size, model.shape.vocab_size,
+                                              draft_tokenizer.eos_token_ids)
+            draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len, output_ids)
+            check_compatible(tokenizer, draft_tokenizer, model, draft_model, config.model, config.draft_model)
             # the draft pool mirrors the target's shape (same slots, same block count); its
             # lazily filled KV is never shared, so it has no prefix cache
             draft_pool = build_pool(dataclasses.replace(config, enable_prefix_caching=False), draft_model,
@@ -216,6 +222,8 @@ class SpeculativeRunner(ContinuousRunner):
             self.last_decode.reason = choice.reason
             return out
         ks = [min(choice.k, c) for c in caps]
+        if choice.reason == "probe":
+            ks = self._probe_one(reqs, ks)
         t0 = time.perf_counter()
         proposals, q, sources = self._propose(reqs, ks)
         stats.draft_seconds = time.perf_counter() - t0
@@ -271,6 +279,19 @@ class SpeculativeRunner(ContinuousRunner):
             stats.num_tokens += a + 1
         self.last_decode = stats
         return out
+
+    def _probe_one(self, reqs: list[Request], ks: list[int]) -> list[int]:
+        """A probe speculates for one request only, the one the draft has fallen least behind:
+        after a run of plain steps every draft KV lags by that many tokens, and catching the
+        whole batch up would cost about a draft prefill. The others decode plainly alongside."""
+        candidates = [i for i, k in enumerate(ks) if k > 0]
+        if not candidates:
+            return ks
+        if self.draft is None:
+            pick = candidates[0]
+        else:
+            pick = min(candidates, key=lambda i: reqs[i].num_tokens - self.draft.seq_len(reqs[i]))
+        return [k if i == pick else 0 for i, k in enumerate(ks)]
 
     def _k_cap(self, r: Request) -> int:
         """Most tokens r may propose: KV/positions (max_seq_len) and its max_tokens budget."""

@@ -50,12 +50,13 @@ def test_default_llm_uses_the_shipped_pair_with_speculation():
     assert len(out.token_ids) == 32 and out.num_draft_tokens > 0 and out.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
-def test_shipped_pair_speculative_greedy_equals_plain(method):
+@pytest.mark.parametrize("method,vocab", [("draft", None), ("draft", 2048),
+                                          ("ngram", None), ("hybrid", 2048)])
+def test_shipped_pair_speculative_greedy_equals_plain(method, vocab):
     common = dict(model="embedded:target", dtype="float32", max_seq_len=512, max_batch_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plain = [o.token_ids for o in LLM(**common).generate(PROMPTS, params)]
     spec = LLM(**common, draft_model="embedded:draft", use_speculative_decoding=True, speculative_method=method,
-               spec_policy="fixed", spec_length=5)
+               spec_policy="fixed", spec_length=5, draft_vocab_size=vocab)
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
     assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == plain

@@ -153,3 +153,25 @@ def test_free_kv_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
     assert runner.free_kv_tokens() == min(target_free, runner.draft.pool.free_token_capacity()) == target_free
     llm.engine.abort(req_id)
     assert runner.free_kv_tokens() == 50 * 4
+
+
+def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_model, tiny_draft):
+    """A probe (one speculative step after a run of plain ones) drafts for the single request
+    the draft lags least behind, so it never costs a draft catch-up over the whole batch."""
+    from engine.spec.policy import Choice
+
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
+    llm = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive")
+    runner = llm.engine.runner
+    runner.policy.choose = lambda alphas, caps, draft_rows=None: Choice(2, "probe", {})
+    eng = llm.engine
+    ids = [eng.add_request(p, greedy) for p in PROMPTS]
+    speculating_rows = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        stats = runner.last_decode
+        if stats is not None and stats.k > 0:
+            speculating_rows.append(stats.batch_size - stats.rows_without_proposal)
+    assert speculating_rows and set(speculating_rows) == {1}
+    assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]

@@ -14,6 +14,7 @@ Significance: each chi-square test rejects at p < 1e-3 (8 tests -> family-wise f
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from scipy.stats import chisquare
 import engine.spec.runner as spec_runner
 from engine import LLM, SamplingParams
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
+from engine.spec.draft_vocab import RANKING_FILE
 from engine.spec.rejection import Acceptance, verify
 from tests.helpers import make_model
 
@@ -74,10 +76,10 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     return m2.numpy(), m3.numpy()
 
 
-def sample_speculative(tpath, dpath, params: SamplingParams) -> tuple[np.ndarray, float]:
+def sample_speculative(tpath, dpath, params: SamplingParams, **engine_kw) -> tuple[np.ndarray, float]:
     llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True,
               spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64,
-              seed=1)
+              seed=1, **engine_kw)
     kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}
     outs = llm.generate([PROMPT] * N, [SamplingParams(**{**kw, "seed": i}) for i in range(N)])
     tokens = np.array([o.token_ids for o in outs])  # [N, 4]
@@ -120,3 +122,17 @@ def test_teeth_correction_replaced_by_p_is_detected(pair, monkeypatch):
     tokens, _ = sample_speculative(tpath, dpath, params)
     p2, p3 = chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)
     assert min(p2, p3) < 1e-3
+
+
+def test_draft_restricted_to_half_the_vocabulary_keeps_sampling_exact(pair):
+    """The draft scores only the 8 even token ids (q = 0 on the odd ones), so every odd token
+    the target emits must come from the correction distribution norm(max(0, p - q))."""
+    tpath, dpath, hf = pair
+    (dpath / RANKING_FILE).write_text(json.dumps({"token_ids": list(range(0, VOCAB, 2)) + list(range(1, VOCAB, 2))}))
+    params = SamplingParams(**CONFIGS["t1"])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, acceptance = sample_speculative(tpath, dpath, params, draft_vocab_size=VOCAB // 2)
+    assert 0.1 < acceptance < 0.9
+    assert (tokens[:, 1:3] % 2 == 1).mean() > 0.1  # tokens the draft could never propose do occur
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
