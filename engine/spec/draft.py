@@ -9,6 +9,9 @@ batched chunked forward whose last logits give q_1; then K-1 single-token steps.
 
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 
 from engine.kv import CachePool, OutOfKVCache
@@ -18,6 +21,12 @@ from engine.runner import forward_chunks
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
 
 _LONG_CATCH_UP = 4  # catch-up chunks longer than this run in their own (prefill-like) forward
+
+
+class DraftProposal(NamedTuple):
+    tokens: list[list[int]]  # tokens[i]: the ks[i] drafted tokens of request i
+    q: torch.Tensor | None  # [N, max(ks), V] adjusted draft distributions (None unless asked)
+    catch_up_seconds: float  # spent feeding long runs of unseen tokens (the lazy draft prefill)
 
 
 class DraftModelProposer:
@@ -57,24 +66,27 @@ class DraftModelProposer:
         return len(self._slots)
 
     # --- drafting ----------------------------------------------------------------------
-    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
-        """Feeds each request's unseen tokens; returns the last logits [N, V]."""
+    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float]:
+        """Feeds each request's unseen tokens; returns the last logits [N, V] and the seconds
+        spent on long (prefill-like) catch-ups, which are no part of a steady draft step."""
         slots = [self._slots[r.request_id] for r in reqs]
         starts = [self.pool.seq_len(s) for s in slots]
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
-        groups = [[i for i, c in enumerate(chunks) if len(c) > _LONG_CATCH_UP],
-                  [i for i, c in enumerate(chunks) if len(c) <= _LONG_CATCH_UP]]
+        long_rows = [i for i, c in enumerate(chunks) if len(c) > _LONG_CATCH_UP]
+        short_rows = [i for i, c in enumerate(chunks) if len(c) <= _LONG_CATCH_UP]
         logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)
-        for rows in groups:
+        long_seconds = 0.0
+        for rows in (long_rows, short_rows):
             if rows:
+                t0 = time.perf_counter()
                 logits[rows] = forward_chunks(self.model, self.pool, [slots[i] for i in rows],
                                               [chunks[i] for i in rows], [starts[i] for i in rows])
-        return logits
+                if rows is long_rows:
+                    long_seconds = time.perf_counter() - t0
+        return logits, long_seconds
 
-    def propose(self, reqs: list[Request], ks: list[int], want_probs: bool
-                ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Drafts ks[i] tokens for reqs[i] (all ks > 0). Returns the tokens and, when
-        want_probs, q [N, max(ks), V] (rows past ks[i] are unused)."""
+    def propose(self, reqs: list[Request], ks: list[int], want_probs: bool) -> DraftProposal:
+        """Drafts ks[i] tokens for reqs[i] (all ks > 0), with q [N, max(ks), V] when want_probs."""
         k_max = max(ks)
         rows = SamplingRows.build([r.params for r in reqs], self.model.device) if want_probs else None
         seen = None
@@ -82,7 +94,7 @@ class DraftModelProposer:
             seen = context_mask([r.all_token_ids for r in reqs], self.model.shape.vocab_size, self.model.device)
         tokens: list[list[int]] = [[] for _ in reqs]
         q_steps: list[torch.Tensor] = []
-        logits = self._catch_up(reqs)  # [N, V]
+        logits, catch_up_seconds = self._catch_up(reqs)  # [N, V]
         active = list(range(len(reqs)))
         for step in range(k_max):
             if rows is None:
@@ -110,4 +122,4 @@ class DraftModelProposer:
             logits = logits.clone()
             logits[active] = step_logits
         q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
-        return tokens, q_all
+        return DraftProposal(tokens, q_all, catch_up_seconds)

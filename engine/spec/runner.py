@@ -225,7 +225,7 @@ class SpeculativeRunner(ContinuousRunner):
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
         t0 = time.perf_counter()
-        proposals, q, sources = self._propose(reqs, ks)
+        proposals, q, sources, catch_up_seconds = self._propose(reqs, ks)
         stats.draft_seconds = time.perf_counter() - t0
         ks = [len(p) for p in proposals]
         if max(ks) == 0:
@@ -244,8 +244,8 @@ class SpeculativeRunner(ContinuousRunner):
         self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
         self._model_seconds = stats.draft_seconds + stats.verify_seconds
         if self.draft is not None and any(s == "draft" for s in sources):
-            draft_rows = sum(s == "draft" for s in sources)
-            self.costs.draft.observe(draft_rows, 1, stats.draft_seconds / k_max)
+            draft_rows = sum(s == "draft" for s in sources)  # a steady draft step excludes lazy prefill
+            self.costs.draft.observe(draft_rows, 1, (stats.draft_seconds - catch_up_seconds) / k_max)
         stats.accepted_by_position = [0] * k_max
         stats.proposed_by_position = [0] * k_max
         out = []
@@ -315,11 +315,13 @@ class SpeculativeRunner(ContinuousRunner):
                     if proposals[i]:
                         sources[i] = "ngram"
         q = None
+        catch_up_seconds = 0.0
         want_probs = not all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in reqs)
         if self.method in ("draft", "hybrid"):
             rows = [i for i in range(n) if ks[i] > 0 and not proposals[i]]
             if rows:
-                drafted, q_rows = self.draft.propose([reqs[i] for i in rows], [ks[i] for i in rows], want_probs)
+                drafted, q_rows, catch_up_seconds = self.draft.propose([reqs[i] for i in rows],
+                                                                       [ks[i] for i in rows], want_probs)
                 for j, i in enumerate(rows):
                     proposals[i] = drafted[j]
                     sources[i] = "draft"
@@ -334,7 +336,7 @@ class SpeculativeRunner(ContinuousRunner):
             for i, p in enumerate(proposals):
                 if sources[i] == "ngram":
                     q[i, torch.arange(len(p)), torch.tensor(p)] = 1.0  # one-hot: q(t) = 1
-        return proposals, q, sources
+        return proposals, q, sources, catch_up_seconds
 
     def _accept(self, reqs, proposals, ks, q, logits):
         """logits [N, K+1, V] -> (num_accepted list, final token list)."""

@@ -175,3 +175,19 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
             speculating_rows.append(stats.batch_size - stats.rows_without_proposal)
     assert speculating_rows and set(speculating_rows) == {1}
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+
+
+def test_draft_reports_its_lazy_prefill_apart_from_steady_steps(tiny_model, tiny_draft):
+    """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: propose
+    says how long the long catch-up took, and a steady round has none."""
+    llm = spec_llm(tiny_model[0], tiny_draft[0])
+    eng, draft = llm.engine, llm.engine.runner.draft
+    eng.add_request(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.step()  # target prefill + first token; the draft has seen nothing yet
+    req = next(iter(eng.scheduler.running))
+    first = draft.propose([req], [2], want_probs=False)
+    assert len(first.tokens[0]) == 2 and first.q is None and first.catch_up_seconds > 0
+    draft.rollback(req, req.num_tokens)  # as after a round: the draft has seen every token
+    req.output_token_ids.append(first.tokens[0][0])  # one new token to catch up on
+    steady = draft.propose([req], [2], want_probs=False)
+    assert steady.catch_up_seconds == 0.0
