@@ -12,6 +12,15 @@ from bench.common import RESULTS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
+
+
+def _replace_block(text: str, start: str, end: str, body: str) -> str:
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md lacks the {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + body + "\n" + end + tail
 
 
 def _load(name: str) -> dict | None:
@@ -87,8 +96,8 @@ def llama_cpp(r: dict) -> list[str]:
     if r.get("status") != "measured":
         return [f"**llama.cpp**: {r.get('status')}", ""]
     lines = [f"**llama.cpp** (llama-cpp-python {r['llama_cpp_python']}, the shipped target converted to GGUF "
-             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {r['machine']['threads']} threads; "
-             "`python -m bench llamacpp`):", "",
+             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {r['machine']['threads']} threads, "
+             f"measured {r['machine']['time']}; `python -m bench llamacpp`):", "",
              "| workload | variant | tok/s | vs llama.cpp plain | same tokens as llama.cpp plain |",
              "| --- | --- | --- | --- | --- |"]
     for w, table in r["workloads"].items():
@@ -130,6 +139,57 @@ def http_load(r: dict) -> list[str]:
     return lines + _img("http_load")
 
 
+def _best(results: dict, prefix: str) -> tuple[str, float]:
+    """The fastest variant whose name starts with prefix: (name, speedup over plain)."""
+    name = max((n for n in results if n.startswith(prefix)), key=lambda n: results[n]["speedup"])
+    return name, results[name]["speedup"]
+
+
+def summary() -> str:
+    """The issue's targets next to what the committed results show."""
+    rows = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
+
+    code, edit = _load("spec_code_t0"), _load("spec_edit_t0")
+    if code is not None:
+        res = code["results"]
+        for method, goal in (("draft", 2.0), ("hybrid", 2.5)):
+            name, best = _best(res, method + "/")
+            adaptive = res[f"{method}/adaptive"]["speedup"]
+            row(f"batch 1, greedy, code: {method} >= {goal}x plain", f"{adaptive:.2f}x adaptive, best {best:.2f}x ({name})",
+                best >= goal)
+        ratios = [e["measured_over_theoretical"] for e in res.values() if "measured_over_theoretical" in e]
+        if ratios:
+            row("measured >= 90% of the theoretical speedup (Thm 3.8, draft, fixed K)",
+                f"{min(ratios):.0%} to {max(ratios):.0%}", min(ratios) >= 0.9)
+    if edit is not None:
+        name, best = _best(edit["results"], "ngram/")
+        adaptive = edit["results"]["ngram/adaptive"]["speedup"]
+        row("batch 1, greedy, edit: ngram >= 2.0x plain", f"{adaptive:.2f}x adaptive, best {best:.2f}x ({name})",
+            best >= 2.0)
+    if (r := _load("peers")) is not None:
+        parts, met = [], True
+        for w, block in r["workloads"].items():
+            res = block["results"]
+            same_draft = res["ours draft (adaptive)"]["vs_transformers_assisted"]  # the same draft model
+            ours = {n: e for n, e in res.items() if n.startswith("ours") and "plain" not in n}
+            name = max(ours, key=lambda n: ours[n]["vs_transformers_assisted"])
+            parts.append(f"{w}: draft {same_draft:.2f}x, best {ours[name]['vs_transformers_assisted']:.2f}x ({name})")
+            met &= same_draft >= 2.0
+        row("our speculative decoding (same draft) >= 2x transformers assisted generation", "; ".join(parts), met)
+    if (r := _load("sweep")) is not None:
+        ratios = {b: row_["adaptive_vs_best"] for b, row_ in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        row("adaptive >= 0.97 x max(plain, best fixed K) at every batch size",
+            f"{min(ratios.values()):.3f} (batch {worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.97)
+    if not rows:
+        return ""
+    return "\n".join(["**Targets** (from the committed results below):", "", "| target | measured | met |",
+                      "| --- | --- | --- |", *rows, ""])
+
+
 def build() -> str:
     out: list[str] = []
     if (r := _load("engine_vs_hf")) is not None:
@@ -149,11 +209,8 @@ def build() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     text = README.read_text()
-    if START not in text:
-        raise SystemExit(f"README.md has no {START} marker")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(head + START + "\n" + build() + "\n" + END + tail)
+    text = _replace_block(text, SUMMARY_START, SUMMARY_END, summary())
+    README.write_text(_replace_block(text, START, END, build()))
     print("README results updated")
 
 
