@@ -81,37 +81,44 @@ def _decode_seconds_per_token(model, tokens: int = 128) -> float:
     return (time.perf_counter() - t0) / tokens
 
 
-def measure(models: Path, prompts: list[str], threads: int = 2, draft_vocab_size: int | None = None) -> dict:
-    """Acceptance (greedy, K = 5, 96 new tokens) and cost coefficient c, with our engine.
+def measure(models: Path, prompts: list[str], vocab_sizes: dict[str, int | None], threads: int = 2) -> dict:
+    """Acceptance (greedy, K = 5, 96 new tokens) and cost coefficient c with our engine, for the
+    draft scoring the whole vocabulary (size None) or only its N most frequent tokens.
 
     c = draft forward time per token / target forward time per token, batch 1, bf16, each model
-    decoding 128 tokens through our forward and KV pool (medians of 5 interleaved runs). With
-    draft_vocab_size the draft scores only that many of the most frequent tokens."""
+    decoding 128 tokens through our forward and KV pool; target and every draft variant are timed
+    interleaved in one loop (medians of 5), so they share whatever the machine is doing."""
     import torch
 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     target, draft = str(models / "target"), str(models / "draft")
-    spec = LLM(model=target, draft_model=draft, use_speculative_decoding=True, speculative_method="draft",
-               spec_policy="fixed", spec_length=5, max_seq_len=512, draft_vocab_size=draft_vocab_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    outs = spec.generate(prompts, greedy)
-    drafted = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
-    rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
-    models_timed = {"target": spec.engine.model, "draft": spec.engine.runner.draft.model}
-    times: dict[str, list[float]] = {name: [] for name in models_timed}
-    for model in models_timed.values():
+    figures, timed = {}, {}
+    for name, size in vocab_sizes.items():
+        spec = LLM(model=target, draft_model=draft, use_speculative_decoding=True, speculative_method="draft",
+                   spec_policy="fixed", spec_length=5, max_seq_len=512, draft_vocab_size=size)
+        outs = spec.generate(prompts, greedy)
+        drafted = sum(o.num_draft_tokens for o in outs)
+        accepted = sum(o.num_accepted_tokens for o in outs)
+        rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
+        figures[name] = {"draft_vocab_size": size, "alpha_greedy_k5": accepted / drafted,
+                         "alpha_per_token": accepted / (accepted + rejections), "drafted": drafted,
+                         "accepted": accepted, "prompts": len(prompts), "threads": threads, "torch": torch.__version__}
+        timed.setdefault("target", spec.engine.model)
+        timed[name] = spec.engine.runner.draft.model
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for model in timed.values():
         _decode_seconds_per_token(model, 16)  # warm-up
-    for _ in range(5):  # interleaved: target, draft, target, draft, ...
-        for name, model in models_timed.items():
+    for _ in range(5):  # interleaved: target, draft variants, target, ...
+        for name, model in timed.items():
             times[name].append(_decode_seconds_per_token(model))
-    t_target, t_draft = statistics.median(times["target"]), statistics.median(times["draft"])
-    return {"draft_vocab_size": draft_vocab_size, "alpha_greedy_k5": accepted / drafted,
-            "alpha_per_token": accepted / (accepted + rejections), "drafted": drafted, "accepted": accepted,
-            "prompts": len(prompts), "target_ms_per_token": t_target * 1e3, "draft_ms_per_token": t_draft * 1e3,
-            "c": t_draft / t_target, "threads": threads, "torch": torch.__version__}
+    t_target = statistics.median(times["target"])
+    for name, f in figures.items():
+        t_draft = statistics.median(times[name])
+        f.update(target_ms_per_token=t_target * 1e3, draft_ms_per_token=t_draft * 1e3, c=t_draft / t_target)
+    return figures
 
 
 def greedy_samples(models: Path, prompts: list[str], n: int = 3) -> list[tuple[str, str]]:
@@ -125,8 +132,7 @@ def greedy_samples(models: Path, prompts: list[str], n: int = 3) -> list[tuple[s
 def measure_both(models: Path, prompts: list[str]) -> dict:
     """The figures for the whole-vocabulary draft and for the engine's default restricted draft;
     written to models/measurements.json."""
-    figures = {"full_vocabulary": measure(models, prompts),
-               "restricted": measure(models, prompts, draft_vocab_size=RESTRICTED_VOCAB)}
+    figures = measure(models, prompts, {"full_vocabulary": None, "restricted": RESTRICTED_VOCAB})
     (models / "measurements.json").write_text(json.dumps(figures, indent=2))
     return figures
 
