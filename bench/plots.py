@@ -62,7 +62,7 @@ def plot_sweep(r: dict, out: Path) -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens/s")
-    ax.set_title("batch sweep: plain vs fixed-K speculation vs adaptive (greedy, code + edit prompts)")
+    ax.set_title("batch sweep: plain vs fixed-K vs adaptive\n(greedy, code + edit prompts)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
