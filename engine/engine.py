@@ -59,6 +59,8 @@ class LLMEngine:
         self._texts: dict[str, IncrementalText] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
+        self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
+        self.last_step_preemptions = 0
         # test-only fault injection: called with each request as its new tokens are processed
         self.fault_hook: Callable[[Request], None] | None = None
 
@@ -130,6 +132,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.last_step_preemptions = len(batch.preempted)
+        self.num_preemptions_total += len(batch.preempted)
         if batch.empty:
             return []
         new_tokens = self.runner.step(batch)

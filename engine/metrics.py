@@ -49,6 +49,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_decode_tokens_total", "counter", "Tokens produced by decode steps.", unit="tokens"),
     MetricSpec("specserve_generation_tokens_total", "counter", "Generated tokens (all, incl. first tokens).",
                unit="tokens"),
+    MetricSpec("specserve_preemptions_total", "counter",
+               "Requests preempted because the KV pool was full (their KV is freed and recomputed later).",
+               unit="requests"),
     MetricSpec("specserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", unit="tokens"),
     MetricSpec("specserve_requests_total", "counter", "Finished requests by finish reason and proposer.",
                ("model", "finish_reason", "proposer"), "requests"),
@@ -162,6 +165,8 @@ class StepMetrics:
         stats: DecodeStepStats | None = getattr(engine.runner, "last_decode", None)
         if stats is not None and stats.batch_size:
             self._on_decode(stats)
+        if engine.last_step_preemptions:
+            rec.inc("specserve_preemptions_total", engine.last_step_preemptions, base)
         rec.set("specserve_running_requests", engine.num_running(), base)
         rec.set("specserve_waiting_requests", engine.num_waiting(), base)
         for pool, fraction in engine.kv_usage_fractions().items():

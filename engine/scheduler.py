@@ -33,6 +33,9 @@ class KVAllocator(Protocol):
     def decode_tokens(self, request: Request) -> int:
         """Tokens one decode round of this request may write (1 plain; up to K+1 speculative)."""
 
+    def free_kv_tokens(self) -> int | None:
+        """Tokens the pools can still take (None: no shared limit, every slot holds a whole sequence)."""
+
 
 @dataclass
 class ScheduledBatch:
@@ -100,11 +103,25 @@ class Scheduler:
                 break
             if req.is_prefilling:
                 budget -= self._schedule_chunk(req, budget, batch)
-        # 3. admit waiting requests while slots, budget and KV allow
+        # 3. admit waiting requests while slots, budget and KV allow. Not in a step that had to
+        #    preempt, and a request only if the pools can take all of its tokens still to compute
+        #    and leave every running request room for one more decode round: else a request
+        #    preempted a moment ago is let back in at once and preempted again (thrashing, every
+        #    step recomputing a sequence).
+        if batch.preempted:
+            return batch
+        headroom = sum(self.kv.decode_tokens(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             if not self.kv.allocate(req):
                 break
+            free = self.kv.free_kv_tokens()
+            if free is not None and free < req.num_tokens - req.num_computed_tokens + headroom:
+                self.kv.free(req)
+                req.slot = None
+                req.num_computed_tokens = 0
+                break
+            headroom += self.kv.decode_tokens(req)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

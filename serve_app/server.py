@@ -237,6 +237,7 @@ class LLMServer:
         def collect(engine):
             runner = engine.runner
             out = {"running": engine.num_running(), "waiting": engine.num_waiting(),
+                   "preemptions_total": engine.num_preemptions_total,
                    "target_kv_used_blocks": getattr(runner.pool, "num_used_blocks", lambda: None)(),
                    "target_kv_used_slots": runner.pool.num_used_slots()}
             draft = getattr(runner, "draft", None)

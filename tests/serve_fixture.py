@@ -3,14 +3,21 @@
 The config is the repository's own serve_config.yaml with only the HTTP port changed (a free
 port) and an API key set, so the tests exercise exactly what `serve run serve_config.yaml`
 deploys. SPECSERVE_E2E_ENGINE (JSON) may override engine fields while developing.
+
+The same `serve run` also hosts a second application under /exact (`server.exact`): the same
+server and pair in float32, with a KV pool far smaller than its batch needs. Checks that a
+greedy output is unchanged by what else runs beside it (disconnect storms, KV exhaustion with
+preemption) use it: in bf16 the fused attention kernel rounds differently with batch shape, so
+a near-tie can flip a token; in float32 the outputs are token-identical.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -23,19 +30,44 @@ API_KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300
 
 
+EXACT_APP = "specserve-exact"
+EXACT_PREFIX = "/exact"
+EXACT_KV_BLOCKS = 192  # 3,072 tokens: a few long sequences, far fewer than max_batch_size
+
+
+def exact_app(app: dict) -> dict:
+    """The /exact application: `app` in float32, one replica with one thread and no CPU
+    reservation (so the main app can still autoscale to both cores), a small KV pool."""
+    app = copy.deepcopy(app)
+    app.update(name=EXACT_APP, route_prefix=EXACT_PREFIX)
+    app["args"]["served_model_name"] = EXACT_APP
+    app["args"]["engine"].update(dtype="float32", num_threads=1, num_kv_blocks=EXACT_KV_BLOCKS)
+    dep = app["deployments"][0]
+    dep.pop("autoscaling_config", None)
+    dep.update(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    return app
+
+
 @dataclass
 class Server:
-    url: str
+    url: str  # http://127.0.0.1:<port>
     config_path: Path
     config: dict
     log_path: Path
+    route_prefix: str = ""  # the application's route prefix ("" = the main app at /)
+    app_name: str = "specserve"
+
+    @property
+    def exact(self) -> Server:
+        """The float32 application in the same `serve run` (see the module docstring)."""
+        return replace(self, route_prefix=EXACT_PREFIX, app_name=EXACT_APP)
 
     @property
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {API_KEY}"}
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, **{"timeout": 120, **kw})
+        return httpx.Client(base_url=self.url + self.route_prefix, headers=self.headers, **{"timeout": 120, **kw})
 
     @property
     def max_seq_len(self) -> int:
@@ -66,5 +98,15 @@ def server(tmp_path_factory):
     overrides = os.environ.get("SPECSERVE_E2E_ENGINE")
     if overrides:
         app["args"]["engine"].update(json.loads(overrides))
+    cfg["applications"].append(exact_app(app))
     with local_server(cfg, tmp_path_factory.mktemp("serve"), START_TIMEOUT_S) as run:
-        yield Server(run.url, run.config_path, run.config, run.log_path)
+        server = Server(run.url, run.config_path, run.config, run.log_path)
+
+        def exact_healthy() -> bool:
+            try:
+                return httpx.get(run.url + EXACT_PREFIX + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        server.wait_until(exact_healthy, START_TIMEOUT_S, f"the {EXACT_APP} application to be healthy")
+        yield server

@@ -4,7 +4,8 @@
     python tools/make_default_pair.py --work DIR # where corpus, tokens and checkpoints live
 
 Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled on corpus windows) ->
-target generations -> draft fine-tuned on them (on-policy distillation) -> export (with the token
+target generations -> draft fine-tuned on them (on-policy distillation) -> a second round on
+fresh generations (new prompts, two thirds greedy) -> export (with the token
 frequency ranking the draft's restricted output layer uses) -> model card
 (measured with our engine; validation prompts saved to bench/data/code_val_prompts.jsonl).
 Every stage skips itself when its output exists and training resumes from its last checkpoint,
@@ -30,7 +31,7 @@ from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.prompts import write_all  # noqa: E402
 from pair.ranking import write_token_ranking  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
-from pair.train import DRAFT, DRAFT_ONPOLICY, TARGET, train_stage  # noqa: E402
+from pair.train import DRAFT, DRAFT_ONPOLICY, DRAFT_ONPOLICY2, TARGET, train_stage  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,11 @@ def main() -> None:
     draft = train_stage(args.work, DRAFT_ONPOLICY, tokenizer, teacher=target,
                         init_from=args.work / DRAFT.name / "final",
                         batches=mixed_batches(args.work, rows))
+    rows2 = generate_rows(args.work, args.out / "target", n_rows=2048, seed=11, name="generations2", sampled_every=3)
+    torch.set_num_threads(args.threads)
+    draft = train_stage(args.work, DRAFT_ONPOLICY2, tokenizer, teacher=target,
+                        init_from=args.work / DRAFT_ONPOLICY.name / "final",
+                        batches=mixed_batches(args.work, rows2))
     export_model(draft, tokenizer, args.out / "draft")
     write_token_ranking(args.work, len(tokenizer), args.out / "draft")
     prompts = write_all(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data")

@@ -21,8 +21,8 @@ def serve_status() -> dict:
     return yaml.safe_load(out.stdout) or {}
 
 
-def replica_states(status: dict) -> dict:
-    app = (status.get("applications") or {}).get("specserve") or {}
+def replica_states(status: dict, app_name: str = "specserve") -> dict:
+    app = (status.get("applications") or {}).get(app_name) or {}
     dep = (app.get("deployments") or {}).get("LLMServer") or {}
     return dep.get("replica_states") or {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.metrics import InMemoryRecorder, StepMetrics
 
 PROMPTS = [
     "def add(a, b):",
@@ -71,11 +72,46 @@ def test_preemption_by_recompute_finishes_everything_with_the_same_tokens(tiny_m
 def test_preemption_happens_and_is_counted(tiny_model):
     llm = make_llm(tiny_model[0], num_kv_blocks=40)
     eng = llm.engine
+    recorder = InMemoryRecorder()
+    metrics = StepMetrics(recorder, "m")
+    ids = [eng.add_request(p, greedy(40)) for p in PROMPTS]
+    while eng.has_unfinished_requests():
+        metrics.on_step(eng, eng.step())
+    per_request = sum(eng._requests[i].num_preemptions for i in ids)
+    assert per_request > 0
+    assert eng.num_preemptions_total == per_request
+    assert recorder.total("specserve_preemptions_total", model="m") == per_request
+    assert eng.runner.pool.num_used_blocks() == 0
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_preempted_request_waits_until_it_fits_with_room_to_decode(tiny_model, tiny_draft, spec):
+    """Admission leaves running requests room for a decode round, so a request preempted in one
+    step is never readmitted in that step, nor while the pool cannot hold it and the others' next
+    round (without that guard every step preempts and recomputes the same request)."""
+    kw = dict(use_speculative_decoding=True, draft_model=str(tiny_draft[0]), spec_policy="fixed",
+              spec_length=3) if spec else {}
+    llm = make_llm(tiny_model[0], num_kv_blocks=40, **kw)
+    eng = llm.engine
+    schedule, batches = eng.scheduler.schedule, []
+
+    def recording():
+        free_before = eng.runner.free_kv_tokens()
+        batch = schedule()
+        batches.append((batch, free_before))
+        return batch
+
+    eng.scheduler.schedule = recording
     ids = [eng.add_request(p, greedy(40)) for p in PROMPTS]
     while eng.has_unfinished_requests():
         eng.step()
-    assert sum(eng._requests[i].num_preemptions for i in ids) > 0
-    assert eng.runner.pool.num_used_blocks() == 0
+    assert eng.num_preemptions_total > 0
+    for batch, _ in batches:
+        admitted = {id(r) for r, _ in batch.prefill}
+        assert not any(id(r) in admitted for r in batch.preempted)
+    # the thrash it prevents: with 8 requests of ~50 tokens in 160 tokens of KV, admitting
+    # whatever fits preempted ~10x as often
+    assert eng.num_preemptions_total <= 2 * len(ids)
 
 
 def test_prefix_cache_prefills_only_the_uncached_tail(tiny_model):

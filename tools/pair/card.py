@@ -17,15 +17,21 @@ def _read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+DRAFT_STAGES = (("draft", "corpus"), ("draft_onpolicy", "on-policy"), ("draft_onpolicy2", "on-policy 2"))
+
+
 def draft_log(work: Path) -> list[dict]:
-    """The draft's two stages as one log: corpus distillation, then on-policy (steps, tokens and
-    time continue; each record says its stage)."""
-    first = [{**r, "stage": "corpus"} for r in _read_log(work / "draft" / "log.jsonl")]
-    end = first[-1] if first else {"step": 0, "tokens": 0, "elapsed_s": 0.0}
-    second = [{**r, "stage": "on-policy", "step": r["step"] + end["step"], "tokens": r["tokens"] + end["tokens"],
-               "elapsed_s": r["elapsed_s"] + end["elapsed_s"]}
-              for r in _read_log(work / "draft_onpolicy" / "log.jsonl")]
-    return first + second
+    """The draft's stages as one log: corpus distillation, then two on-policy rounds (steps, tokens
+    and time continue from stage to stage; each record says its stage)."""
+    out: list[dict] = []
+    end = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    for directory, stage in DRAFT_STAGES:
+        rows = [{**r, "stage": stage, "step": r["step"] + end["step"], "tokens": r["tokens"] + end["tokens"],
+                 "elapsed_s": r["elapsed_s"] + end["elapsed_s"]} for r in _read_log(work / directory / "log.jsonl")]
+        out += rows
+        if rows:
+            end = rows[-1]
+    return out
 
 
 def plot_losses(work: Path, out_png: Path) -> None:
@@ -40,10 +46,11 @@ def plot_losses(work: Path, out_png: Path) -> None:
         rows = draft_log(work) if stage == "draft" else _read_log(work / stage / "log.jsonl")
         if not rows:
             continue
-        switch = next((r["tokens"] / 1e6 for r in rows if r.get("stage") == "on-policy"), None)
-        if switch is not None:
-            ax.axvline(switch, color="gray", ls=":", lw=1)
-            ax.text(switch, ax.get_ylim()[1], " on-policy\n (target generations)", va="top", fontsize=8)
+        for stage_name in ("on-policy", "on-policy 2"):
+            switch = next((r["tokens"] / 1e6 for r in rows if r.get("stage") == stage_name), None)
+            if switch is not None:
+                ax.axvline(switch, color="gray", ls=":", lw=1)
+                ax.text(switch, ax.get_ylim()[1], f" {stage_name}\n (target generations)", va="top", fontsize=8)
         tokens = [r["tokens"] / 1e6 for r in rows]
         losses = [r["loss"] for r in rows]
         window = 25
@@ -207,7 +214,7 @@ def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
              "(byte-level BPE, 8,192 tokens). Both load unmodified with `transformers.AutoModelForCausalLM` /",
              "`AutoTokenizer` and are what `LLM()` and `serve_config.yaml` use by default.", "",
              "Reproduce everything (about 3 hours on 2 CPU cores; resumable):", "",
-             "```bash", "python tools/make_default_pair.py   # corpus -> tokenizer -> target -> draft (2 stages) -> export -> card",
+             "```bash", "python tools/make_default_pair.py   # corpus -> tokenizer -> target -> draft (3 stages) -> export -> card",
              "```", "", "## Architecture", "",
              "| model | parameters | hidden | layers | heads (kv) | MLP | tied embeddings | tokens seen | train time | validation loss |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -219,10 +226,12 @@ def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
     dv = rows[1][4]
     corpus_tokens = max((r["tokens"] for r in logs["draft"] if r["stage"] == "corpus"), default=0)
     lines += ["", "Validation loss is cross-entropy in nats per token on held-out files. The draft was trained only",
-              "on the target's output distributions (forward KL(target || draft)), in two stages: first on corpus",
+              "on the target's output distributions (forward KL(target || draft)), in three stages: first on corpus",
               f"windows ({corpus_tokens / 1e6:.1f} M tokens), then *on-policy* on 3,072 sequences the target wrote "
               "itself (64-token training-set prompts continued for 192 tokens, half greedy, half at temperature 0.8)",
-              "mixed 3:1 with corpus windows -- the text the draft has to predict when it proposes at serving time.",
+              "mixed 3:1 with corpus windows -- the text the draft has to predict when it proposes at serving time --",
+              "then a second on-policy round on 2,048 fresh sequences (new prompts, two thirds greedy) at half the",
+              "learning rate.",
               f"On validation corpus windows its argmax agrees with the target's on "
               f"{dv.get('val_argmax_agreement', float('nan')):.1%} of positions "
               f"(KL {dv.get('val_kl', float('nan')):.3f} nats/token).", "",

@@ -21,13 +21,19 @@ NEW_TOKENS = 192
 ROW = PROMPT_TOKENS + NEW_TOKENS
 
 
-def generate_rows(work: Path, target_dir: Path, n_rows: int = 3072, chunk: int = 256, seed: int = 7) -> Path:
-    """Writes work/generations/rows.u16 ([n_rows, ROW] uint16) and returns its path."""
+def generate_rows(work: Path, target_dir: Path, n_rows: int = 3072, chunk: int = 256, seed: int = 7,
+                  name: str = "generations", sampled_every: int = 2) -> Path:
+    """Writes work/<name>/rows.u16 ([n_rows, ROW] uint16) and returns its path.
+
+    Every `sampled_every`-th row is sampled at temperature 0.8, the others are greedy (2: half
+    and half; 3: two thirds greedy)."""
+    if sampled_every < 1:
+        raise ValueError(f"sampled_every must be >= 1, got {sampled_every}")
     from tqdm import tqdm
 
     from engine import LLM, SamplingParams
 
-    out_dir = work / "generations"
+    out_dir = work / name
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / "rows.u16"
     if final.exists():
@@ -43,7 +49,7 @@ def generate_rows(work: Path, target_dir: Path, n_rows: int = 3072, chunk: int =
         part = out_dir / f"part{c0 // chunk:04d}.npy"
         if not part.exists():
             prompts = [stream[s:s + PROMPT_TOKENS].astype(np.int64).tolist() for s in starts[c0:c0 + chunk]]
-            params = [SamplingParams(temperature=0.0 if (c0 + i) % 2 == 0 else 0.8, seed=seed * 100_000 + c0 + i,
+            params = [SamplingParams(temperature=0.8 if (c0 + i) % sampled_every == sampled_every - 1 else 0.0, seed=seed * 100_000 + c0 + i,
                                      max_tokens=NEW_TOKENS, ignore_eos=True) for i in range(len(prompts))]
             outs = llm.generate(prompts, params)
             rows = np.array([o.prompt_token_ids + o.token_ids for o in outs], dtype=np.uint16)  # [chunk, ROW]
@@ -59,12 +65,14 @@ def generate_rows(work: Path, target_dir: Path, n_rows: int = 3072, chunk: int =
     return final
 
 
-def mixed_batches(work: Path, rows_path: Path, batch: int = 16, generated: int = 12, seq: int = 256):
-    """A batch function for train_stage: `generated` rows of target generations plus
-    `batch - generated` random corpus windows (so the draft keeps the prompt-side distribution)."""
+def mixed_batches(work: Path, rows_paths: Path | list[Path], batch: int = 16, generated: int = 12, seq: int = 256):
+    """A batch function for train_stage: `generated` rows of target generations (drawn from all
+    of `rows_paths`) plus `batch - generated` random corpus windows (so the draft keeps the
+    prompt-side distribution)."""
     import torch
 
-    rows = np.fromfile(rows_path, dtype=np.uint16).reshape(-1, ROW)  # [n_rows, ROW]
+    paths = [rows_paths] if isinstance(rows_paths, Path) else list(rows_paths)
+    rows = np.concatenate([np.fromfile(p, dtype=np.uint16).reshape(-1, ROW) for p in paths])  # [n_rows, ROW]
     stream = np.memmap(work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
 
     def draw(rng: np.random.Generator) -> torch.Tensor:

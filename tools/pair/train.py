@@ -6,7 +6,7 @@ the uint16 token stream (seeded), AdamW with warmup + cosine decay, and a resuma
 
 The draft is trained only to imitate the target: its loss is the forward KL divergence
 KL(p_target || q_draft), which is what acceptance rewards -- first on corpus windows, then
-("draft_onpolicy") mostly on sequences the target generated itself (see generations.py), the
+("draft_onpolicy", then a second round "draft_onpolicy2") mostly on sequences the target generated itself (see generations.py), the
 distribution the draft meets when it proposes at serving time.
 """
 
@@ -68,6 +68,9 @@ DRAFT = StageConfig(
 )
 # continues DRAFT's weights (fresh optimizer) on target generations mixed with corpus windows
 DRAFT_ONPOLICY = StageConfig(name="draft_onpolicy", shape=DRAFT.shape, steps=1500, lr=1e-3, warmup=50)
+# a second on-policy round: continues DRAFT_ONPOLICY's weights on fresh target generations
+# (new prompts, two thirds greedy), at a lower learning rate
+DRAFT_ONPOLICY2 = StageConfig(name="draft_onpolicy2", shape=DRAFT.shape, steps=1200, lr=5e-4, warmup=50, seed=1)
 
 
 def llama_config(shape: ModelShape, tokenizer):
