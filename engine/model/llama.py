@@ -8,6 +8,7 @@ one code path serves prefill, decode, chunked prefill and the speculative verify
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,12 +26,32 @@ def _use_explicit_attention(batch: int, queries: int) -> bool:
     return batch > 1 and queries <= 16
 
 
-def _mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+def _float32_packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """Half-precision activations through float32 packed weights (the half-precision values
+    upcast exactly): the same products and float32 accumulation as a native bf16 GEMM."""
+    return _packed_linear(x.float(), packed_weight).to(x.dtype)
+
+
+@functools.cache
+def cpu_packing_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which oneDNN can pack `dtype` weights on this CPU, or None (plain F.linear).
+
+    bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; without them (AVX2 CPUs) plain bf16
+    matmuls cost about one row's time per row, so bf16 weights are upcast and packed in float32,
+    whose packed kernels exist everywhere oneDNN runs. Probed once per process on a tiny tensor."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    for candidate in (dtype, torch.float32):
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=candidate))
+        except RuntimeError:
+            continue
+        return candidate
+    return None
 
 
 @dataclass(frozen=True)
@@ -141,17 +162,21 @@ class Llama:
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
         self._linear = F.linear
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and _mkldnn_packing_available():
-            self._pack_for_cpu()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            packing = cpu_packing_dtype(self.dtype)
+            if packing is not None:
+                self._pack_for_cpu(packing)
 
-    def _pack_for_cpu(self) -> None:
+    def _pack_for_cpu(self, packing: torch.dtype) -> None:
         """Re-lays the matmul weights out for oneDNN (bit-identical results, 2-4x faster
-        small-batch bf16 matmuls on CPU). The embedding stays plain for the lookup."""
-        pack = torch.ops.mkldnn._reorder_linear_weight
+        small-batch bf16 matmuls on CPU), in `packing` dtype (see cpu_packing_dtype).
+        The embedding stays plain for the lookup."""
+        def pack(w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._reorder_linear_weight(w.to(packing))
         for lw in self.layers:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = _packed_linear
+        self._linear = _packed_linear if packing == self.dtype else _float32_packed_linear
 
     @property
     def num_parameters(self) -> int:

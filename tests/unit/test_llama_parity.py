@@ -95,3 +95,30 @@ def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     single = forward_chunks(ours, pool, slots[:1], [[ids[0, lengths[0] + 6].item()]], [lengths[0] + 6])
     torch.testing.assert_close(single[0], expected[0, lengths[0] + 6], atol=2e-4, rtol=1e-4)
+
+
+def test_bf16_weights_packed_in_float32_compute_the_same_model(tmp_path, tok_dir, monkeypatch):
+    """CPUs without bf16 oneDNN kernels (AVX2 only) pack bf16 weights upcast to float32. That
+    must still be the checkpoint's model: logits within bf16 rounding of a float32 forward over
+    the same (bf16-valued) weights. The fallback is forced here, whatever this CPU supports."""
+    from engine.model import llama as llama_module
+
+    if llama_module.cpu_packing_dtype(torch.float32) is None:
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    make_model(tmp_path, tok_dir, seed=5, dtype=torch.bfloat16)
+    reference = load_llama(tmp_path, "float32", "cpu", max_positions=256)  # plain F.linear
+    monkeypatch.setattr(llama_module, "cpu_packing_dtype", lambda dtype: torch.float32)
+    fallback = load_llama(tmp_path, "bfloat16", "cpu", max_positions=256)
+    assert fallback._linear is llama_module._float32_packed_linear
+    torch.manual_seed(1)
+    ids = torch.randint(0, reference.shape.vocab_size, (2, 40))
+    logits = []
+    for model, dtype in ((reference, "float32"), (fallback, "bfloat16")):
+        cfg = EngineConfig(model=str(tmp_path), dtype=dtype, max_batch_size=2, max_seq_len=128)
+        pool = build_pool(cfg, model)
+        slots = [pool.allocate_slot([])[0] for _ in range(2)]
+        logits.append(forward_chunks(model, pool, slots, ids.tolist(), [0, 0], all_logits=True))
+    expected, got = logits  # each [2, 40, vocab]
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
