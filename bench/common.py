@@ -25,7 +25,13 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    from engine.model.llama import cpu_packing_dtype
+
+    packing = cpu_packing_dtype(torch.bfloat16)
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # how bf16 matmuls run here: oneDNN-packed bf16, bf16 weights upcast to float32 (AVX2), or plain
+            "bf16_matmul": {torch.bfloat16: "bf16", torch.float32: "fp32-upcast"}.get(packing, "plain"),
+            "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

@@ -28,10 +28,17 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _host(m: dict) -> str:
+    """CPU model, plus its vector extensions and bf16 matmul path where the run recorded them."""
+    if "cpu_capability" not in m:
+        return m["cpu"]
+    return f"{m['cpu']} ({m['cpu_capability']}, bf16 matmuls: {m['bf16_matmul']})"
+
+
 def engine_vs_hf(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Plain decode, our engine vs transformers `generate`** — random-init {r['params_m']}M Llama, "
-             f"{r['dtype']}, {r['tokens']} new tokens, {m['cpu']}, {m['threads']} threads, torch {m['torch']} "
+             f"{r['dtype']}, {r['tokens']} new tokens, {_host(m)}, {m['threads']} threads, torch {m['torch']} "
              "(`python -m bench hf`):", "",
              "| batch | ours tok/s | transformers tok/s | ratio |", "| --- | --- | --- | --- |"]
     for b, row in r["results"].items():
@@ -46,7 +53,7 @@ def spec(r: dict) -> list[str]:
     lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
              f"interleaved runs; c = {costs['c']:.3f} ({costs['draft_T1']:.2f} ms draft step / "
-             f"{costs['target_T1']:.2f} ms target step), {m['cpu']}, {m['threads']} threads "
+             f"{costs['target_T1']:.2f} ms target step), {_host(m)}, {m['threads']} threads "
              f"(`python -m bench spec --workload {r['workload']}"
              f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
              "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) | measured ÷ theory |",

@@ -75,7 +75,9 @@ class Server:
 
     def stats(self) -> dict:
         with self.client() as c:
-            return c.get("/v1/engine/stats").json()
+            r = c.get("/v1/engine/stats")
+            r.raise_for_status()
+            return r.json()
 
     def wait_until(self, predicate, timeout_s: float, what: str):
         """Polls predicate() until true; fails after timeout_s (a bounded wait, not a sleep)."""
