@@ -25,12 +25,12 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    from engine.model.llama import cpu_packing_dtype
+    from engine.model.llama import compute_dtype, cpu_packs
 
-    packing = cpu_packing_dtype(torch.bfloat16)
+    bf16 = "float32 (no bf16 kernels)" if compute_dtype(torch.bfloat16, "cpu") == torch.float32 else \
+        "bf16" if cpu_packs(torch.bfloat16) else "bf16 (unpacked)"
     return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            # how bf16 matmuls run here: oneDNN-packed bf16, bf16 weights upcast to float32 (AVX2), or plain
-            "bf16_matmul": {torch.bfloat16: "bf16", torch.float32: "fp32-upcast"}.get(packing, "plain"),
+            "bf16_matmul": bf16,  # what a bfloat16 model computes in on this CPU (engine.model.llama.compute_dtype)
             "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -30,28 +30,31 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
-def _float32_packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """Half-precision activations through float32 packed weights (the half-precision values
-    upcast exactly): the same products and float32 accumulation as a native bf16 GEMM."""
-    return _packed_linear(x.float(), packed_weight).to(x.dtype)
-
-
 @functools.cache
-def cpu_packing_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype in which oneDNN can pack `dtype` weights on this CPU, or None (plain F.linear).
-
-    bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; without them (AVX2 CPUs) plain bf16
-    matmuls cost about one row's time per row, so bf16 weights are upcast and packed in float32,
-    whose packed kernels exist everywhere oneDNN runs. Probed once per process on a tiny tensor."""
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack `dtype` matmul weights on this CPU (probed once on a tiny tensor).
+    float32 packs wherever oneDNN runs; bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return None
-    for candidate in (dtype, torch.float32):
-        try:
-            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=candidate))
-        except RuntimeError:
-            continue
-        return candidate
-    return None
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype a model asked to run in `dtype` computes in on `device`.
+
+    On CPUs without bf16 matmul kernels (AVX2 only, e.g. AMD Zen 3) a bf16 matmul costs about
+    one single-row matmul per row, which would make a K-token verify pass K times a decode step
+    and speculation pointless; such a CPU computes bf16 checkpoints in float32 (weights upcast
+    exactly, activations and KV cache in float32): faster than emulated bf16, and a sequence's
+    greedy tokens then do not depend on its batch or on speculation."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not cpu_packs(torch.bfloat16) \
+            and cpu_packs(torch.float32):
+        return torch.float32
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -162,21 +165,18 @@ class Llama:
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
         self._linear = F.linear
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            packing = cpu_packing_dtype(self.dtype)
-            if packing is not None:
-                self._pack_for_cpu(packing)
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and cpu_packs(self.dtype):
+            self._pack_for_cpu()
 
-    def _pack_for_cpu(self, packing: torch.dtype) -> None:
-        """Re-lays the matmul weights out for oneDNN (bit-identical results, 2-4x faster
-        small-batch bf16 matmuls on CPU), in `packing` dtype (see cpu_packing_dtype).
+    def _pack_for_cpu(self) -> None:
+        """Re-lays the matmul weights out for oneDNN: small-batch matmuls 1.5-4x faster on CPU,
+        and each row's result is bit-identical whatever the number of rows in the call.
         The embedding stays plain for the lookup."""
-        def pack(w: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._reorder_linear_weight(w.to(packing))
+        pack = torch.ops.mkldnn._reorder_linear_weight
         for lw in self.layers:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = _packed_linear if packing == self.dtype else _float32_packed_linear
+        self._linear = _packed_linear
 
     @property
     def num_parameters(self) -> int:

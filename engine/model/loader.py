@@ -7,12 +7,15 @@ per layer, so peak memory stays near one copy of the model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
 
-from engine.model.llama import LayerWeights, Llama, LlamaShape
+from engine.model.llama import LayerWeights, Llama, LlamaShape, compute_dtype
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,7 +99,12 @@ def load_llama(path: Path, dtype: str, device: str, max_positions: int,
     """output_ids [V']: restrict the output layer to these token ids (see `Llama`)."""
     cfg = json.loads((path / "config.json").read_text())
     shape = LlamaShape.from_hf_config(cfg)
-    reader = _TensorReader(_weight_files(path), torch_dtype(dtype), device)
+    wanted = torch_dtype(dtype)
+    computed = compute_dtype(wanted, device)
+    if computed != wanted:
+        log.warning("%s: this CPU has no %s matmul kernels; computing in %s (weights upcast at load)",
+                    path.name, dtype, str(computed).removeprefix("torch."))
+    reader = _TensorReader(_weight_files(path), computed, device)
     layers = []
     for i in range(shape.num_layers):
         pre = f"model.layers.{i}."
