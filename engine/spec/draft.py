@@ -17,7 +17,7 @@ import torch
 from engine.kv import CachePool, OutOfKVCache
 from engine.model.llama import Llama
 from engine.request import Request
-from engine.runner import forward_chunks
+from engine.runner import forward_chunks, width_groups
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
 
 _LONG_CATCH_UP = 4  # catch-up chunks longer than this run in their own (prefill-like) forward
@@ -75,14 +75,15 @@ class DraftModelProposer:
         long_rows = [i for i, c in enumerate(chunks) if len(c) > _LONG_CATCH_UP]
         short_rows = [i for i, c in enumerate(chunks) if len(c) <= _LONG_CATCH_UP]
         logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)
-        long_seconds = 0.0
-        for rows in (long_rows, short_rows):
-            if rows:
-                t0 = time.perf_counter()
-                logits[rows] = forward_chunks(self.model, self.pool, [slots[i] for i in rows],
-                                              [chunks[i] for i in rows], [starts[i] for i in rows])
-                if rows is long_rows:
-                    long_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
+            rows = [long_rows[g] for g in group]
+            logits[rows] = forward_chunks(self.model, self.pool, [slots[i] for i in rows],
+                                          [chunks[i] for i in rows], [starts[i] for i in rows])
+        long_seconds = time.perf_counter() - t0 if long_rows else 0.0
+        if short_rows:
+            logits[short_rows] = forward_chunks(self.model, self.pool, [slots[i] for i in short_rows],
+                                                [chunks[i] for i in short_rows], [starts[i] for i in short_rows])
         return logits, long_seconds
 
     def propose(self, reqs: list[Request], ks: list[int], want_probs: bool) -> DraftProposal:

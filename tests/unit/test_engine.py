@@ -252,3 +252,15 @@ def test_a_failure_while_processing_one_request_fails_only_that_request(tiny_mod
     assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
     assert [outs[i].token_ids for i in (0, 2, 3)] == [ref[i] for i in (0, 2, 3)]
     assert eng.runner.pool.num_used_blocks() == 0
+
+
+def test_prefill_groups_pad_no_row_past_twice_its_length():
+    from engine.runner import width_groups
+
+    lengths = [40] * 50 + [200, 3, 1, 17, 16]
+    groups = width_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert all(longest < 2 * lengths[i] or longest == lengths[i] == 1 for i in g), (g, longest)
+    assert [sorted({lengths[i] for i in g}) for g in groups] == [[1], [3], [16], [17], [40], [200]]

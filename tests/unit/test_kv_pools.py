@@ -157,3 +157,32 @@ def test_slotted_slots_truncate_and_capacity():
     assert pool.num_used_slots() == 0
     with pytest.raises(ValueError):
         pool.free_slot(a)
+
+
+def test_large_gathers_per_head_read_what_the_single_gather_reads(monkeypatch):
+    """Gathers of PER_HEAD_GATHER_ROWS rows or more take one index_select per head; both paths
+    must return the same keys and values, laid out [kv_heads, B, L, head_dim]."""
+    from engine.kv import protocol
+
+    torch.manual_seed(0)
+    batch, length = 8, 300  # B * L = 8 * aligned_key_len(301) = 2,560 rows
+    pool = PagedKVPool(num_layers=1, num_kv_heads=2, head_dim=4, max_slots=batch, max_seq_len=320,
+                       dtype=torch.float32, device="cpu", block_size=16, num_blocks=8 * 20,
+                       enable_prefix_caching=False)
+    slots = [pool.allocate_slot([])[0] for _ in range(batch)]
+    for s in slots:
+        kv = torch.randn(1, length, 2, 4)
+        pool.chunk_view([s], [length]).write_and_read(0, kv, -kv)
+    reads = {}
+    for threshold in (protocol.PER_HEAD_GATHER_ROWS, 10**9):
+        monkeypatch.setattr(protocol, "PER_HEAD_GATHER_ROWS", threshold)
+        view = pool.decode_view(slots)
+        assert view.read_rows.numel() >= 2048
+        new = torch.randn(batch, 1, 2, 4)
+        reads[threshold] = view.write_and_read(0, new, -new)
+        for s in slots:
+            pool.truncate_to(s, length)
+    (k1, v1), (k2, v2) = reads.values()
+    assert k1.shape == (2, batch, aligned_key_len(length + 1), 4)
+    assert torch.equal(k1[:, :, :length], k2[:, :, :length]) and torch.equal(v1[:, :, :length], v2[:, :, :length])
+    assert torch.equal(v1[:, :, :length], -k1[:, :, :length])
