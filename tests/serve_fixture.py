@@ -69,6 +69,15 @@ class Server:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url + self.route_prefix, headers=self.headers, **{"timeout": 120, **kw})
 
+    def engine_kwargs(self) -> dict:
+        """This application's EngineConfig fields, as `LLM(**kwargs)` takes them (the embedded
+        pair where the config names no model)."""
+        app = next(a for a in self.config["applications"] if a["name"] == self.app_name)
+        kwargs = dict(app["args"]["engine"])
+        if "model" not in kwargs:
+            kwargs.update(model="embedded:target", draft_model="embedded:draft")
+        return kwargs
+
     @property
     def max_seq_len(self) -> int:
         return self.config["applications"][0]["args"]["engine"]["max_seq_len"]

@@ -24,10 +24,6 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
-def engine_kwargs(server) -> dict:
-    return dict(server.config["applications"][0]["args"]["engine"])
-
-
 @pytest.fixture(scope="module")
 def offline_reference(server):
     """Greedy outputs of the same engine configuration in-process (`LLM().generate`), one
@@ -37,10 +33,7 @@ def offline_reference(server):
     proven token for token in fp32 by the unit and integration suites."""
     from engine import LLM, SamplingParams
 
-    kwargs = engine_kwargs(server)
-    if "model" not in kwargs:
-        kwargs.update(model="embedded:target", draft_model="embedded:draft")
-    llm = LLM(**kwargs)
+    llm = LLM(**server.engine_kwargs())
     params = SamplingParams(temperature=0.0, max_tokens=48, spec_length=0)
     return {p: llm.generate(p, params)[0].text for p in PROMPTS}
 

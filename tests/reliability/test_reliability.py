@@ -259,10 +259,7 @@ def unpreempted_greedy(app, prompts: list[str], max_tokens: int) -> list[str]:
     speculation and with a KV pool that holds every sequence at once (nothing is preempted)."""
     from engine import LLM, SamplingParams
 
-    engine = next(a for a in app.config["applications"] if a["name"] == app.app_name)["args"]["engine"]
-    kwargs = {k: v for k, v in engine.items() if k not in ("num_kv_blocks", "num_threads")}
-    if "model" not in kwargs:
-        kwargs.update(model="embedded:target", draft_model="embedded:draft")
+    kwargs = {k: v for k, v in app.engine_kwargs().items() if k not in ("num_kv_blocks", "num_threads")}
     kwargs.update(use_speculative_decoding=False, max_batch_size=len(prompts))
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
