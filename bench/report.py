@@ -116,14 +116,19 @@ def llama_cpp(r: dict) -> list[str]:
 
 def sweep(r: dict) -> list[str]:
     names = list(r["variants"])
+    windowed = "tok_s_end_to_end" in next(iter(r["results"].values()))[names[0]]
+    measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
+               "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
-             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); tokens/s:", "",
-             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |",
-             "| --- |" + " --- |" * (len(names) + 2)]
+             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {measure}:", "",
+             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |"
+             + (" adaptive ÷ best, whole run |" if windowed else ""),
+             "| --- |" + " --- |" * (len(names) + 2 + windowed)]
     for b, row in r["results"].items():
         ks = ", ".join(f"K={k}: {n}" for k, n in row["draft adaptive"]["k_steps"].items())
         lines.append(f"| {b} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f}" for n in names)
-                     + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |")
+                     + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |"
+                     + (f" {row['adaptive_vs_best_end_to_end']:.3f} |" if windowed else ""))
     return lines + [""] + _img("sweep")
 
 
