@@ -1,8 +1,14 @@
 """Choosing K (tokens to propose) each step from measured costs and estimated acceptance.
 
 Paper §3.3-3.5 for one sequence: with acceptance rate a and K proposals a round yields
-E(K) = (1 - a^(K+1)) / (1 - a) tokens and costs K draft steps plus one verify pass. For a
-batch of B requests we maximise expected tokens per second:
+E(K) = (1 - a^(K+1)) / (1 - a) tokens and costs K draft steps plus one verify pass. That
+assumes every proposal is accepted independently with the same a. Measured on code it is not:
+a proposal that follows accepted ones is itself more likely to be accepted (the shipped pair,
+K = 8: 0.75 at the first position, 0.77, 0.76, 0.82, 0.84, 0.86, ...), so one pooled rate
+overrates short rounds against long ones. The policy therefore estimates, per request, the
+acceptance rate at each draft position given the earlier ones were accepted, h_1, h_2, ...,
+and E(K) = 1 + h_1 + h_1 h_2 + ... + h_1 ... h_K. For a batch of B requests we maximise
+expected tokens per second:
 
     goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + K * t_draft(B) + t_target(B, K + 1))
     goodput(0) = B / (t_step + t_target(B, 1))                          (plain decode)
@@ -20,6 +26,7 @@ estimates that were too pessimistic, or a workload that changed, are noticed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -32,29 +39,66 @@ class Costs(Protocol):
     def step_overhead(self) -> float: ...
 
 
-@dataclass
-class AcceptanceEstimate:
-    """Per-request estimate of the per-token acceptance rate a (rounds are truncated
-    geometric: a = accepted / (accepted + rejections)), shrunk towards a prior."""
+Acceptance = float | Sequence[float]  # one per-token rate, or rates by draft position h_1, h_2, ...
 
-    accepted: int = 0
-    rejections: int = 0
+
+class AcceptanceByPosition:
+    """Counts, at each draft position j, of proposals judged (all before j were accepted) and
+    accepted; `rates` turns them into h_j shrunk towards a prior. A round of k proposals with
+    a accepted judged positions 1..min(a + 1, k) and accepted 1..a. With decay < 1 older
+    rounds count less (each update scales the counts first)."""
+
+    def __init__(self, decay: float = 1.0):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self.judged: list[float] = []  # judged[j]: proposals judged at position j + 1
+        self.accepted: list[float] = []  # accepted[j]: of those, accepted
 
     def update(self, num_accepted: int, num_proposed: int) -> None:
-        self.accepted += num_accepted
-        self.rejections += int(num_accepted < num_proposed)
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"num_accepted must be in [0, {num_proposed}], got {num_accepted}")
+        if self.decay < 1.0:
+            self.judged = [n * self.decay for n in self.judged]
+            self.accepted = [n * self.decay for n in self.accepted]
+        judged = min(num_accepted + 1, num_proposed)
+        while len(self.judged) < judged:
+            self.judged.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(judged):
+            self.judged[j] += 1
+            self.accepted[j] += int(j < num_accepted)
 
-    def rate(self, prior: float, weight: float = 16.0) -> float:
-        return (self.accepted + prior * weight) / (self.accepted + self.rejections + weight)
+    def rates(self, prior: Sequence[float], weight: float, positions: int) -> tuple[float, ...]:
+        """h_1..h_positions: (accepted + weight * prior) / (judged + weight) at each position.
+        Positions past the end of `prior` are shrunk towards the rate just before them, so a
+        position never tried borrows the last one's rate instead of falling back to the prior."""
+        if not prior:
+            raise ValueError("prior needs at least one rate")
+        out: list[float] = []
+        for j in range(positions):
+            p = prior[j] if j < len(prior) else out[-1]
+            judged = self.judged[j] if j < len(self.judged) else 0.0
+            accepted = self.accepted[j] if j < len(self.accepted) else 0.0
+            out.append(p if judged + weight == 0 else (accepted + weight * p) / (judged + weight))
+        return tuple(out)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per round] with k proposals at acceptance alpha (includes the final token)."""
+def expected_tokens(acceptance: Acceptance, k: int) -> float:
+    """E[tokens per round] with k proposals, the final token included. `acceptance` is one
+    per-token rate a (E = (1 - a^(k+1)) / (1 - a)) or the rates by position h_1, h_2, ...
+    (E = 1 + h_1 + h_1 h_2 + ...; positions past its end reuse its last rate)."""
     if k <= 0:
         return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    if isinstance(acceptance, (int, float)):
+        if acceptance >= 1.0:
+            return k + 1.0
+        return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= acceptance[min(j, len(acceptance) - 1)]
+        total += reach
+    return total
 
 
 @dataclass(frozen=True)
@@ -67,19 +111,19 @@ class Choice:
 class SpecPolicy:
     def __init__(self, costs: Costs, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.05,
-                 prior_alpha: float = 0.6, probe_every: int = 32):
+                 probe_every: int = 32):
         self.costs = costs
         self.spec_length = spec_length
         self.mode = mode
         self.disable_batch_size = disable_batch_size
         self.hysteresis = hysteresis
-        self.prior_alpha = prior_alpha
         self._last_k = spec_length
         self.probe_every = probe_every
         self._plain_streak = 0  # consecutive adaptive choices of K = 0
 
-    def goodput(self, k: int, alphas: list[float], k_caps: list[int], draft_rows: int | None = None) -> float:
-        """Expected tokens/s; draft_rows = requests drafted by the draft model (default all;
+    def goodput(self, k: int, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> float:
+        """Expected tokens/s; alphas: each request's acceptance (see `expected_tokens`);
+        draft_rows = requests drafted by the draft model (default all;
         n-gram proposals cost no model forward)."""
         batch = len(alphas)
         overhead = self.costs.step_overhead()
@@ -90,8 +134,9 @@ class SpecPolicy:
         draft = k * self.costs.draft_time(draft_rows) if draft_rows else 0.0
         return tokens / (overhead + draft + self.costs.target_time(batch, k + 1))
 
-    def choose(self, alphas: list[float], k_caps: list[int], draft_rows: int | None = None) -> Choice:
-        """alphas: estimated acceptance per request; k_caps: most each request may propose;
+    def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> Choice:
+        """alphas: estimated acceptance per request (a rate, or rates by position);
+        k_caps: most each request may propose;
         draft_rows: how many of them the draft model would draft (None = all)."""
         batch = len(alphas)
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:

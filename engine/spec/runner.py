@@ -33,7 +33,7 @@ from engine.spec.costs import MeasuredCosts
 from engine.spec.draft import DraftModelProposer
 from engine.spec.draft_vocab import draft_output_ids
 from engine.spec.ngram import ngram_propose
-from engine.spec.policy import AcceptanceEstimate, Choice, SpecPolicy
+from engine.spec.policy import AcceptanceByPosition, Choice, SpecPolicy
 from engine.spec.rejection import verify, verify_greedy
 
 
@@ -61,9 +61,10 @@ class SpeculativeRunner(ContinuousRunner):
         self.costs = MeasuredCosts()
         self.policy = SpecPolicy(self.costs, config.spec_length, config.spec_policy,
                                  config.spec_disable_batch_size)
-        self._alpha: dict[str, AcceptanceEstimate] = {}
-        self._global_alpha = 0.6  # prior for new requests: decayed per-token acceptance of all
-        self._global_counts = (0.0, 0.0)  # decayed (accepted, accepted + rejections)
+        # acceptance by draft position: each request's, shrunk towards the recent rounds of all
+        # requests (decayed), which start from a prior rate
+        self._acceptance: dict[str, AcceptanceByPosition] = {}
+        self._recent_acceptance = AcceptanceByPosition(decay=0.98)
         self._model_seconds: float | None = None
         self.enabled = True
         if config.spec_policy == "adaptive":
@@ -133,7 +134,7 @@ class SpeculativeRunner(ContinuousRunner):
         super().free(request)
         if self.draft is not None:
             self.draft.free(request)
-        self._alpha.pop(request.request_id, None)
+        self._acceptance.pop(request.request_id, None)
 
     def decode_tokens(self, request: Request) -> int:
         return self.policy.spec_length + 1 if self.enabled else 1
@@ -210,7 +211,7 @@ class SpeculativeRunner(ContinuousRunner):
         if not self.enabled:
             choice = Choice(0, "disabled", {})
         else:
-            alphas = [self._alpha.get(r.request_id, AcceptanceEstimate()).rate(self._global_alpha) for r in reqs]
+            alphas = self._acceptance_rates(reqs)
             draft_rows = 0 if self.method == "ngram" else None  # hybrid: assume the draft may run for all
             choice = self.policy.choose(alphas, caps, draft_rows)
         stats.k, stats.reason = choice.k, choice.reason
@@ -263,11 +264,8 @@ class SpeculativeRunner(ContinuousRunner):
                 r.spec.proposed_per_round.append(k)
                 r.spec.proposers.add(sources[i])
                 stats.accepted_per_round.append(a)
-                self._alpha.setdefault(r.request_id, AcceptanceEstimate()).update(a, k)
-                # per-token acceptance (a round ends at its first rejection), decayed
-                self._global_counts = (0.98 * self._global_counts[0] + a,
-                                       0.98 * self._global_counts[1] + a + int(a < k))
-                self._global_alpha = self._global_counts[0] / self._global_counts[1]
+                self._acceptance.setdefault(r.request_id, AcceptanceByPosition()).update(a, k)
+                self._recent_acceptance.update(a, k)
                 for j in range(k):
                     stats.proposed_by_position[j] += 1
                     stats.accepted_by_position[j] += int(j < a)
@@ -279,6 +277,18 @@ class SpeculativeRunner(ContinuousRunner):
             stats.num_tokens += a + 1
         self.last_decode = stats
         return out
+
+    _PRIOR_RATE = 0.6  # acceptance assumed before any round was judged
+    _RECENT_WEIGHT = 2.0  # rounds' worth of evidence the prior is worth against recent rounds
+    _REQUEST_WEIGHT = 16.0  # ... and recent rounds against a request's own
+
+    def _acceptance_rates(self, reqs: list[Request]) -> list[tuple[float, ...]]:
+        """Each request's estimated acceptance rates at draft positions 1..spec_length."""
+        positions = self.policy.spec_length
+        recent = self._recent_acceptance.rates((self._PRIOR_RATE,), self._RECENT_WEIGHT, positions)
+        fresh = AcceptanceByPosition()
+        return [self._acceptance.get(r.request_id, fresh).rates(recent, self._REQUEST_WEIGHT, positions)
+                for r in reqs]
 
     def _probe_one(self, reqs: list[Request], ks: list[int]) -> list[int]:
         """A probe speculates for one request only, the one the draft has fallen least behind:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.spec.costs import TimingTable, batch_bucket
 from engine.spec.ngram import ngram_propose
-from engine.spec.policy import AcceptanceEstimate, SpecPolicy, expected_tokens
+from engine.spec.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
 
 
 class MemoryBoundCosts:
@@ -90,11 +90,48 @@ def test_fixed_mode_caps_and_hard_disable():
     assert (c.k, c.reason) == (0, "length_guard")
 
 
-def test_acceptance_estimate_is_accepted_over_accepted_plus_rejections():
-    est = AcceptanceEstimate()
-    est.update(3, 5)  # 3 accepted then a rejection
-    est.update(5, 5)  # all accepted: no rejection seen
-    assert abs(est.rate(prior=0.5, weight=0.0) - 8 / 9) < 1e-12
+def test_expected_tokens_by_position():
+    assert abs(expected_tokens((0.8,), 4) - expected_tokens(0.8, 4)) < 1e-12  # one rate: geometric
+    assert expected_tokens((0.5, 1.0), 3) == 1 + 0.5 + 0.5 + 0.5  # the last rate carries on
+    assert expected_tokens((0.5, 0.0, 1.0), 5) == 1.5
+
+
+def test_acceptance_by_position_counts_judged_and_accepted_proposals():
+    est = AcceptanceByPosition()
+    est.update(3, 5)  # positions 1-3 accepted, 4 rejected, 5 never judged
+    est.update(5, 5)  # all accepted
+    est.update(0, 2)  # the first rejected
+    assert est.judged == [3, 2, 2, 2, 1] and est.accepted == [2, 2, 2, 1, 1]
+    assert est.rates((0.5,), weight=0.0, positions=6) == (2 / 3, 1.0, 1.0, 0.5, 1.0, 1.0)
+    shrunk = est.rates((0.5, 0.5, 0.5, 0.5, 0.5, 0.1), weight=1.0, positions=6)
+    assert shrunk[0] == (2 + 0.5) / (3 + 1) and shrunk[5] == 0.1  # no evidence at 6: the prior
+
+
+def test_untried_positions_borrow_the_last_rate_and_decay_forgets():
+    est = AcceptanceByPosition()
+    for _ in range(10):
+        est.update(1, 1)
+    h = est.rates((0.6,), weight=2.0, positions=3)
+    assert h[0] == (10 + 2 * 0.6) / 12 and h[1] == h[2] == h[0]
+    decayed = AcceptanceByPosition(decay=0.5)
+    decayed.update(0, 1)
+    decayed.update(1, 1)  # the old rejection counts half
+    assert decayed.rates((0.6,), weight=0.0, positions=1) == (1 / 1.5,)
+    try:
+        est.update(3, 2)
+    except ValueError as e:
+        assert "num_accepted" in str(e)
+    else:
+        raise AssertionError("more accepted than proposed must be refused")
+
+
+def test_rates_rising_with_position_make_long_rounds_worth_more():
+    """One pooled rate 0.6 puts the best K at 3 here; the same first-position rate followed by
+    0.9s (acceptance runs in streaks) makes K = 5 best."""
+    flat = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0).choose([0.6], [100])
+    rising = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0).choose(
+        [(0.6, 0.9, 0.9, 0.9, 0.9)], [100])
+    assert flat.k == 3 and rising.k == 5
 
 
 def test_timing_table_interpolates_between_buckets():
