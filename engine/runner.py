@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv import CachePool, OutOfKVCache
+from engine.kv.protocol import power_of_two_at_least
 from engine.metrics import DecodeStepStats
 from engine.model.llama import Llama
 from engine.request import Request
@@ -19,12 +20,8 @@ from engine.scheduler import ScheduledBatch
 _UNPADDED_MAX = 16  # decode and verify passes keep their exact width
 
 
-def _power_of_two_at_least(t: int) -> int:
-    return 1 << (t - 1).bit_length()
-
-
 def padded_length(t: int) -> int:
-    return t if t <= _UNPADDED_MAX else _power_of_two_at_least(t)
+    return t if t <= _UNPADDED_MAX else power_of_two_at_least(t)
 
 
 def width_groups(lengths: list[int]) -> list[list[int]]:
@@ -35,7 +32,7 @@ def width_groups(lengths: list[int]) -> list[list[int]]:
     ~2,200 tokens). Passes over these groups pad no row to more than twice its length."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
-        groups.setdefault(_power_of_two_at_least(n), []).append(i)
+        groups.setdefault(power_of_two_at_least(n), []).append(i)
     return [groups[w] for w in sorted(groups)]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv.protocol import KVView
+from engine.kv.protocol import AttentionGroup, KVView
 
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
@@ -220,6 +220,18 @@ class Llama:
         out = torch.matmul(probs, v)  # [kv_heads, B, group * T, D]
         return out.transpose(0, 1).reshape(B, H, T, D)
 
+    def _grouped_attention(self, q: torch.Tensor, kv: KVView, layer: int,
+                           groups: list[AttentionGroup]) -> torch.Tensor:
+        """q [B, heads, T, D] -> [B, heads, T, D], each group attending over its own keys."""
+        if len(groups) == 1:
+            keys, values = kv.read(layer, groups[0].read_rows)  # each [kv_heads, B, L, head_dim]
+            return self._attention(q, keys, values, groups[0].mask)
+        out = torch.empty_like(q)  # [B, heads, T, D]
+        for g in groups:
+            keys, values = kv.read(layer, g.read_rows)  # each [kv_heads, b, L_g, head_dim]
+            out[g.index] = self._attention(q[g.index], keys, values, g.mask)
+        return out
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,7 +247,7 @@ class Llama:
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         cos = self.cos[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
         sin = self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
-        mask = kv.attention_mask(position_ids)  # [B, 1, T, L] bool, or None = attend to all L
+        groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for i, lw in enumerate(self.layers):
             x = self._rms_norm(h, lw.attn_norm)
@@ -244,8 +256,8 @@ class Llama:
             qk = self._rotate(qkv[..., :q_size + kv_size].view(B, T, heads, s.head_dim), cos, sin)
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
             v = qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim)
-            keys, values = kv.write_and_read(i, k, v)  # each [kv_heads, B, L, head_dim]
-            attn = self._attention(q.transpose(1, 2), keys, values, mask)
+            kv.write(i, k, v)
+            attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, head_dim]
             h = h + self._linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
             x = self._rms_norm(h, lw.mlp_norm)
             gate, up = self._linear(x, lw.gate_up).chunk(2, dim=-1)  # each [B, T, intermediate]

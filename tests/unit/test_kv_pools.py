@@ -186,3 +186,65 @@ def test_large_gathers_per_head_read_what_the_single_gather_reads(monkeypatch):
     assert k1.shape == (2, batch, aligned_key_len(length + 1), 4)
     assert torch.equal(k1[:, :, :length], k2[:, :, :length]) and torch.equal(v1[:, :, :length], v2[:, :, :length])
     assert torch.equal(v1[:, :, :length], -k1[:, :, :length])
+
+
+def test_views_over_very_different_lengths_read_keys_in_groups(monkeypatch):
+    """20 sequences of 10 tokens and 2 of 300 decoding together: the short ones read 64 keys,
+    the long ones 320, instead of all reading 320 (22 * 320 - (20 * 64 + 2 * 320) = 5,120 rows
+    spared). Each group's rows are the first L_g columns of the whole batch's."""
+    from engine.kv import protocol
+
+    lengths = [10] * 20 + [300] * 2
+    pool = PagedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, max_slots=len(lengths), max_seq_len=320,
+                       dtype=torch.float32, device="cpu", block_size=16, num_blocks=len(lengths) * 20,
+                       enable_prefix_caching=False)
+    slots = [pool.allocate_slot([])[0] for _ in lengths]
+    for s, n in zip(slots, lengths):
+        pool.chunk_view([s], [n]).write(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+    view = pool.decode_view(slots)
+    assert view.groups is not None
+    assert [g.key_len for g in view.groups] == [64, 320]
+    assert [g.index.tolist() for g in view.groups] == [list(range(20)), [20, 21]]
+    for g in view.groups:
+        assert torch.equal(g.read_rows, view.read_rows[g.index, :g.key_len])
+    masks = view.attention_groups(torch.tensor([[n] for n in lengths]))  # [B, 1] positions
+    assert masks[0].mask.shape == (20, 1, 1, 64) and masks[0].mask[0, 0, 0].sum() == 11
+    assert masks[1].mask.shape == (2, 1, 1, 320) and masks[1].mask[0, 0, 0].sum() == 301
+    for s, n in zip(slots, lengths):
+        pool.truncate_to(s, n)
+    # below the threshold of spared rows, one group as before
+    monkeypatch.setattr(protocol, "GROUPED_READ_MIN_SAVED_ROWS", 10**9)
+    assert pool.decode_view(slots).groups is None
+
+
+@pytest.mark.parametrize("verify_width", [1, 4])
+def test_grouped_attention_gives_the_logits_of_one_group(tiny_model, monkeypatch, verify_width):
+    """The model's output does not depend on whether keys were read in groups (decode and a
+    speculative-verify-like pass of several tokens per sequence)."""
+    from pathlib import Path
+
+    from engine.kv import make_pool, protocol
+    from engine.model.loader import load_llama
+    from engine.runner import forward_chunks
+
+    model = load_llama(Path(tiny_model[0]), "float32", "cpu", max_positions=512)
+    s = model.shape
+    lengths = [5, 7, 150]
+    logits = {}
+    for threshold in (1, 10**9):
+        monkeypatch.setattr(protocol, "GROUPED_READ_MIN_SAVED_ROWS", threshold)
+        pool = make_pool("paged", num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         max_slots=3, max_seq_len=256, dtype=model.dtype, device="cpu", block_size=16,
+                         num_blocks=None, enable_prefix_caching=False)
+        slots = [pool.allocate_slot([])[0] for _ in lengths]
+        for slot, n in zip(slots, lengths):
+            forward_chunks(model, pool, [slot], [[(7 * i) % 300 + 3 for i in range(n)]], [0])
+        view_groups = pool.view(slots, [verify_width] * 3).groups
+        assert (view_groups is not None) == (threshold == 1)
+        for slot, n in zip(slots, lengths):
+            pool.truncate_to(slot, n)
+        chunks = [[11 + j for j in range(verify_width)]] * 3
+        logits[threshold] = forward_chunks(model, pool, slots, chunks, lengths, all_logits=True)  # [3, T, V]
+    grouped, whole = logits.values()
+    torch.testing.assert_close(grouped, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped.argmax(-1), whole.argmax(-1))
