@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         best_fixed = max((n for n in row if n != "draft adaptive"), key=lambda n: row[n]["tok_s"]["median"])
         row["adaptive_vs_best"] = row["draft adaptive"]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
         row["best_fixed"] = best_fixed
-        best_e2e = max((row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != "draft adaptive"))
+        best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != "draft adaptive")
         row["adaptive_vs_best_end_to_end"] = row["draft adaptive"]["tok_s_end_to_end"]["median"] / best_e2e
         results[str(b)] = row
         print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
