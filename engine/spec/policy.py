@@ -94,11 +94,18 @@ def expected_tokens(acceptance: Acceptance, k: int) -> float:
         if acceptance >= 1.0:
             return k + 1.0
         return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-    total, reach = 1.0, 1.0
-    for j in range(k):
+    return expected_tokens_curve(acceptance, k)[k]
+
+
+def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
+    """[E(0), E(1), ..., E(k_max)] for one request, in one pass over the positions."""
+    if isinstance(acceptance, (int, float)):
+        return [expected_tokens(acceptance, k) for k in range(k_max + 1)]
+    curve, reach = [1.0], 1.0
+    for j in range(k_max):
         reach *= acceptance[min(j, len(acceptance) - 1)]
-        total += reach
-    return total
+        curve.append(curve[-1] + reach)
+    return curve
 
 
 @dataclass(frozen=True)
@@ -125,11 +132,16 @@ class SpecPolicy:
         """Expected tokens/s; alphas: each request's acceptance (see `expected_tokens`);
         draft_rows = requests drafted by the draft model (default all;
         n-gram proposals cost no model forward)."""
-        batch = len(alphas)
+        curves = [expected_tokens_curve(a, min(k, cap)) for a, cap in zip(alphas, k_caps)]
+        return self._goodput(k, curves, k_caps, draft_rows)
+
+    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None) -> float:
+        """`goodput` from each request's expected-tokens curve (curves[i][k] = E_i(k))."""
+        batch = len(curves)
         overhead = self.costs.step_overhead()
         if k == 0:
             return batch / (overhead + self.costs.target_time(batch, 1))
-        tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, k_caps))
+        tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
         draft_rows = batch if draft_rows is None else draft_rows
         draft = k * self.costs.draft_time(draft_rows) if draft_rows else 0.0
         return tokens / (overhead + draft + self.costs.target_time(batch, k + 1))
@@ -146,7 +158,8 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
-        scores = {k: self.goodput(k, alphas, k_caps, draft_rows) for k in range(k_max + 1)}
+        curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
+        scores = {k: self._goodput(k, curves, k_caps, draft_rows) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
         if scores[last] >= (1.0 - self.hysteresis) * scores[best]:
