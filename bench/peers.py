@@ -2,7 +2,10 @@
 
     python -m bench peers [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3]
 
-Batch 1, greedy, bf16, the shipped pair. Every variant decodes the same token-id prompts with
+Batch 1, greedy, bf16, the shipped pair. On a CPU without bf16 matmul kernels (AVX2 only) our
+engine computes the bf16 checkpoints in float32 (`engine.model.llama.compute_dtype`), and
+transformers gets the same weights in float32 too: emulated bf16 would make it several times
+slower and the comparison meaningless. Every variant decodes the same token-id prompts with
 EOS ignored (transformers: eos_token_id=None), so each produces exactly `tokens` new tokens; the
 variants are interleaved and repeated, medians reported. `same_as_plain` compares each variant's
 tokens with the same library's plain greedy run (ours: exact; transformers' assisted paths may
@@ -37,11 +40,13 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from engine import SamplingParams
+    from engine.model.llama import compute_dtype
     from engine.model.loader import resolve_model_path
 
     target_dir, draft_dir = resolve_model_path(args.target), resolve_model_path(args.draft)
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
+    dtype = compute_dtype(torch.bfloat16, "cpu")  # what our engine computes the bf16 pair in here
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
     for m in (hf_target, hf_draft):
         m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
     llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size)
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         results[workload] = {"results": table, "ours_plain_matches_transformers_plain":
                              ours_vs_hf / sum(map(len, base["ours"]))}
     path = write("peers", {"prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
-                           "dtype": "bfloat16", "batch": 1, "temperature": 0.0, "workloads": results})
+                           "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0, "workloads": results})
     print(f"wrote {path}")
 
 
