@@ -133,18 +133,30 @@ class SpecPolicy:
         draft_rows = requests drafted by the draft model (default all;
         n-gram proposals cost no model forward)."""
         curves = [expected_tokens_curve(a, min(k, cap)) for a, cap in zip(alphas, k_caps)]
-        return self._goodput(k, curves, k_caps, draft_rows)
+        return self._goodput(k, curves, k_caps, draft_rows, self._verify_times(len(alphas), k)[k])
 
-    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None) -> float:
-        """`goodput` from each request's expected-tokens curve (curves[i][k] = E_i(k))."""
+    def _verify_times(self, batch: int, k_max: int) -> list[float]:
+        """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
+        non-decreasing in K: a pass over more tokens never costs less, but an entry last
+        measured long ago (or only at calibration, over short contexts) can say it does, and
+        would then lure the policy to that K."""
+        times = [self.costs.target_time(batch, k + 1) for k in range(k_max + 1)]
+        for k in range(1, len(times)):
+            times[k] = max(times[k], times[k - 1])
+        return times
+
+    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
+                 verify_seconds: float) -> float:
+        """`goodput` from each request's expected-tokens curve (curves[i][k] = E_i(k)) and the
+        target pass time for k + 1 tokens per sequence."""
         batch = len(curves)
         overhead = self.costs.step_overhead()
         if k == 0:
-            return batch / (overhead + self.costs.target_time(batch, 1))
+            return batch / (overhead + verify_seconds)
         tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
         draft_rows = batch if draft_rows is None else draft_rows
         draft = k * self.costs.draft_time(draft_rows) if draft_rows else 0.0
-        return tokens / (overhead + draft + self.costs.target_time(batch, k + 1))
+        return tokens / (overhead + draft + verify_seconds)
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> Choice:
         """alphas: estimated acceptance per request (a rate, or rates by position);
@@ -159,7 +171,8 @@ class SpecPolicy:
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
         curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
-        scores = {k: self._goodput(k, curves, k_caps, draft_rows) for k in range(k_max + 1)}
+        verify = self._verify_times(batch, k_max)
+        scores = {k: self._goodput(k, curves, k_caps, draft_rows, verify[k]) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
         if scores[last] >= (1.0 - self.hysteresis) * scores[best]:

@@ -160,3 +160,20 @@ def test_ngram_rows_cost_no_draft_forward():
     with_draft = SpecPolicy(costs, spec_length=5, mode="adaptive").choose([0.6] * 4, [100] * 4)
     ngram_only = SpecPolicy(costs, spec_length=5, mode="adaptive").choose([0.6] * 4, [100] * 4, draft_rows=0)
     assert ngram_only.k > with_draft.k
+
+
+def test_a_stale_cheap_verify_entry_does_not_lure_the_policy():
+    """Verify times measured for K + 1 = 2, 3 and 5 tokens, and a stale entry for 4 (from
+    calibration over a short context) that is cheaper than 3: K = 3 must not look cheaper than
+    K = 2."""
+    class Stale(MemoryBoundCosts):
+        def target_time(self, batch, tokens_per_seq):
+            return {1: 7e-3, 2: 8.2e-3, 3: 9.0e-3, 4: 6.0e-3, 5: 10e-3}[tokens_per_seq]
+
+        def draft_time(self, batch):
+            return 1.8e-3
+
+    policy = SpecPolicy(Stale(), spec_length=4, mode="adaptive", hysteresis=0.0)
+    choice = policy.choose([0.6], [100])
+    assert choice.k == 1
+    assert abs(choice.goodput[3] - expected_tokens(0.6, 3) / (3 * 1.8e-3 + 9.0e-3)) < 1e-6
