@@ -50,17 +50,21 @@ class OutOfKVCache(RuntimeError):
 class KeyGroup(NamedTuple):
     """Sequences of a view that read their keys together.
 
-    index: [b] positions in the batch (None = the whole batch, in order); read_rows: [b, L]
-    storage rows of their key positions (None: the view's contiguous `read_slice`); key_len: L.
+    index: [b] positions in the batch; read_rows: [b, L] storage rows of their key positions;
+    key_len: L.
     """
 
-    index: torch.Tensor | None
-    read_rows: torch.Tensor | None
+    index: torch.Tensor
+    read_rows: torch.Tensor
     key_len: int
 
 
 class AttentionGroup(NamedTuple):
-    """A KeyGroup with the mask of its queries: [b, 1, T, L] bool, or None = attend to all L."""
+    """The sequences one attention call covers and the mask of their queries.
+
+    index: [b] positions in the batch (None = the whole batch, in order); read_rows: [b, L]
+    (None: the view's contiguous `read_slice`); mask: [b, 1, T, L] bool, or None = attend to all L.
+    """
 
     index: torch.Tensor | None
     read_rows: torch.Tensor | None
@@ -207,7 +211,8 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     device = storage.device
     scratch = storage.shape[3] - 1
     B, T = len(lengths), max(width or 0, max(chunk_lens))
-    longest = max(n + c for n, c in zip(lengths, chunk_lens))
+    totals = [n + c for n, c in zip(lengths, chunk_lens)]  # each sequence's key count after the pass
+    longest = max(totals)
     key_len = aligned_key_len(longest)  # L
     start = torch.tensor(lengths, device=device)  # [B]
     count = torch.tensor(chunk_lens, device=device)  # [B]
@@ -219,7 +224,6 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     write_rows = torch.where(write_ok, rows_at(torch.where(write_ok, write_pos, 0)), scratch)  # [B, T]
     read_rows = torch.where(read_ok, rows_at(torch.where(read_ok, keys, 0)), scratch)  # [B, L]
     unmasked = T == 1 and len(set(lengths)) == 1 and key_len == longest
-    totals = [n + c for n, c in zip(lengths, chunk_lens)]
     return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not unmasked,
                   groups=_key_groups(totals, read_rows, key_len))
 

@@ -128,13 +128,6 @@ class SpecPolicy:
         self.probe_every = probe_every
         self._plain_streak = 0  # consecutive adaptive choices of K = 0
 
-    def goodput(self, k: int, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> float:
-        """Expected tokens/s; alphas: each request's acceptance (see `expected_tokens`);
-        draft_rows = requests drafted by the draft model (default all;
-        n-gram proposals cost no model forward)."""
-        curves = [expected_tokens_curve(a, min(k, cap)) for a, cap in zip(alphas, k_caps)]
-        return self._goodput(k, curves, k_caps, draft_rows, self._verify_times(len(alphas), k)[k])
-
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
         """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
         non-decreasing in K: a pass over more tokens never costs less, but an entry last
@@ -147,8 +140,10 @@ class SpecPolicy:
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
                  verify_seconds: float) -> float:
-        """`goodput` from each request's expected-tokens curve (curves[i][k] = E_i(k)) and the
-        target pass time for k + 1 tokens per sequence."""
+        """Expected tokens/s with K = k, from each request's expected-tokens curve
+        (curves[i][k] = E_i(k)) and the target pass time for k + 1 tokens per sequence;
+        draft_rows = requests drafted by the draft model (None = all; n-gram proposals cost
+        no model forward)."""
         batch = len(curves)
         overhead = self.costs.step_overhead()
         if k == 0:
