@@ -26,6 +26,8 @@ class PagedKVPool(PoolViews):
         self._lengths: dict[int, int] = {}
         self._num_prefix_blocks: dict[int, int] = {}  # slot -> leading blocks shared via the cache
         self._rows: dict[int, torch.Tensor] = {}  # slot -> storage row of every position its blocks hold
+        # slot -> whether its blocks are consecutive, so its keys read as one slice of storage
+        self._consecutive: dict[int, bool] = {}
         self._block_rows = torch.arange(block_size, device=self.storage.device)  # [block_size]
 
     def _rows_of_blocks(self, blocks: list[int]) -> torch.Tensor:
@@ -48,6 +50,7 @@ class PagedKVPool(PoolViews):
         slot = self._free_slots.pop()
         self._tables[slot] = hits
         self._rows[slot] = self._rows_of_blocks(hits)
+        self._consecutive[slot] = _consecutive(hits)
         self._lengths[slot] = len(hits) * self.block_size
         self._num_prefix_blocks[slot] = len(hits)
         return slot, self._lengths[slot]
@@ -57,6 +60,7 @@ class PagedKVPool(PoolViews):
             raise ValueError(f"slot {slot} is not allocated")
         self.blocks.release(self._tables.pop(slot))
         del self._rows[slot]
+        del self._consecutive[slot]
         del self._lengths[slot]
         del self._num_prefix_blocks[slot]
         self._free_slots.append(slot)
@@ -77,6 +81,7 @@ class PagedKVPool(PoolViews):
         if missing > self.blocks.num_available():
             return False
         new_blocks = self.blocks.allocate(missing)
+        self._consecutive[slot] = self._consecutive[slot] and _consecutive(table[-1:] + new_blocks)
         table.extend(new_blocks)
         self._rows[slot] = torch.cat([self._rows[slot], self._rows_of_blocks(new_blocks)])
         return True
@@ -94,8 +99,13 @@ class PagedKVPool(PoolViews):
         if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
             rows = self._rows[slots[0]]
             n, c = lengths[0], chunk_lens[0]
-            view = KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
-                          needs_mask=c > 1)
+            if self._consecutive[slots[0]]:  # keys read as a slice of storage, not gathered
+                first = self._tables[slots[0]][0] * self.block_size
+                view = KVView(self.storage, rows[n:n + c], None, slice(first, first + n + c), n + c,
+                              needs_mask=c > 1)
+            else:
+                view = KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
+                              needs_mask=c > 1)
             return pad_single(view, width or c, c)
         max_blocks = max(len(self._tables[s]) for s in slots)
         table = torch.tensor([self._tables[s] + [0] * (max_blocks - len(self._tables[s])) for s in slots],
@@ -119,6 +129,7 @@ class PagedKVPool(PoolViews):
             self.blocks.release(table[keep:])
             del table[keep:]
             self._rows[slot] = self._rows[slot][:keep * self.block_size]
+            self._consecutive[slot] = self._consecutive[slot] or _consecutive(table)
         self._lengths[slot] = new_len
 
     def free_token_capacity(self) -> int | None:
@@ -144,3 +155,8 @@ class PagedKVPool(PoolViews):
 
     def usage_fraction(self) -> float:
         return self.blocks.num_in_use() / self.blocks.num_blocks
+
+
+def _consecutive(blocks: list[int]) -> bool:
+    """Whether blocks are numbered one after another (their rows form one range of storage)."""
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))

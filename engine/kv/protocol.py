@@ -76,8 +76,9 @@ class KVView:
 
     write_rows: [B * T] flat storage row for each new token (padding goes to the scratch row).
     read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row),
-      or None when `read_slice` gives one contiguous range (B == 1, slotted). Views over several
-      sequences have L = aligned_key_len(longest); keys past a sequence's end are masked.
+      or None when `read_slice` gives one contiguous range (B == 1, slotted or paged over
+      consecutive blocks). Views over several sequences have L = aligned_key_len(longest);
+      keys past a sequence's end are masked.
     groups: None (every sequence reads L keys), or a split of the batch into KeyGroups of
       similar length, each reading only as many keys as its longest member needs.
     """

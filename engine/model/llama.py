@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,27 @@ def _use_explicit_attention(batch: int, queries: int) -> bool:
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+def _transposed_linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight_t [in, out]: the weight stored transposed, contiguous."""
+    return torch.matmul(x, weight_t)
+
+
+# One-row passes of a draft model multiply small matrices (at most this many elements) with a
+# plain matmul over a transposed copy instead of the packed oneDNN kernel. Measured on CPU,
+# float32, one row: a packed call costs ~25 us however small the matrix (256x256: 32 us packed,
+# 8 us plain; 1408x256: 52 vs 32 us; 1024x512: 53 vs 49 us; 2816x512: 97 vs 120 us).
+SINGLE_ROW_PLAIN_MAX_ELEMENTS = 1 << 19
+
+
+class LayerKernels(NamedTuple):
+    """The matmul each of a layer's weights goes through: f(x [..., in], weight) -> [..., out]."""
+
+    qkv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @functools.cache
@@ -141,9 +164,15 @@ class Llama:
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int,
-                 output_ids: torch.Tensor | None = None):
+                 output_ids: torch.Tensor | None = None, row_invariant: bool = True):
         """output_ids [V'] (sorted, unique): score only these tokens; every other logit is -inf.
-        A draft model restricted to frequent tokens reads a fraction of its output layer."""
+        A draft model restricted to frequent tokens reads a fraction of its output layer.
+
+        row_invariant: every row's result is bit-identical whatever the number of rows in the
+        pass. A target must keep it (its greedy tokens under speculation, computed in verify
+        passes of K + 1 rows, must equal plain decoding's one-row passes). A draft may drop it:
+        its proposals only change how many tokens are accepted, never which, so its one-row
+        passes may take faster kernels whose rounding differs from the multi-row ones."""
         self.shape = shape
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
@@ -165,8 +194,14 @@ class Llama:
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
         self._linear = F.linear
+        self._kernels = LayerKernels(F.linear, F.linear, F.linear, F.linear)
+        # one-row passes (draft decode steps): their own weights and kernels, or None = as any pass
+        self._single_row: tuple[list[LayerWeights], LayerKernels] | None = None
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and cpu_packs(self.dtype):
+            transposed = self._small_matrices_transposed() if not row_invariant and self.dtype == torch.float32 else None
             self._pack_for_cpu()
+            if transposed and transposed[0]:
+                self._single_row = self._single_row_layers(transposed)
 
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls 1.5-4x faster on CPU,
@@ -177,6 +212,22 @@ class Llama:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
         self._linear = _packed_linear
+        self._kernels = LayerKernels(_packed_linear, _packed_linear, _packed_linear, _packed_linear)
+
+    def _small_matrices_transposed(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, transposed plain copies [in, out] of the matrices small enough that a plain
+        matmul beats the packed kernel on one row (SINGLE_ROW_PLAIN_MAX_ELEMENTS). Taken before
+        packing. Measured on float32 only, so used for float32 only."""
+        small = [n for n in LayerKernels._fields
+                 if getattr(self.layers[0], n).numel() <= SINGLE_ROW_PLAIN_MAX_ELEMENTS]
+        return [{n: getattr(lw, n).t().contiguous() for n in small} for lw in self.layers]
+
+    def _single_row_layers(self, transposed: list[dict[str, torch.Tensor]]) -> tuple[list[LayerWeights], LayerKernels]:
+        """The one-row passes' layers: the transposed small matrices, the packed large ones
+        and the norms shared with `self.layers`."""
+        plain = set(transposed[0])
+        kernels = LayerKernels(*(_transposed_linear if n in plain else _packed_linear for n in LayerKernels._fields))
+        return [LayerWeights(**{**vars(lw), **t}) for lw, t in zip(self.layers, transposed)], kernels
 
     @property
     def num_parameters(self) -> int:
@@ -249,19 +300,20 @@ class Llama:
         sin = self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
         groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        for i, lw in enumerate(self.layers):
+        layers, mm = (self.layers, self._kernels) if B * T > 1 or self._single_row is None else self._single_row
+        for i, lw in enumerate(layers):
             x = self._rms_norm(h, lw.attn_norm)
-            qkv = self._linear(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
+            qkv = mm.qkv(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
             heads = s.num_heads + s.num_kv_heads
             qk = self._rotate(qkv[..., :q_size + kv_size].view(B, T, heads, s.head_dim), cos, sin)
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
             v = qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim)
             kv.write(i, k, v)
             attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, head_dim]
-            h = h + self._linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
+            h = h + mm.o(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
             x = self._rms_norm(h, lw.mlp_norm)
-            gate, up = self._linear(x, lw.gate_up).chunk(2, dim=-1)  # each [B, T, intermediate]
-            h = h + self._linear(F.silu(gate) * up, lw.down)
+            gate, up = mm.gate_up(x, lw.gate_up).chunk(2, dim=-1)  # each [B, T, intermediate]
+            h = h + mm.down(F.silu(gate) * up, lw.down)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)

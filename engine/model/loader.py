@@ -95,8 +95,9 @@ class _TensorReader:
 
 
 def load_llama(path: Path, dtype: str, device: str, max_positions: int,
-               output_ids: torch.Tensor | None = None) -> Llama:
-    """output_ids [V']: restrict the output layer to these token ids (see `Llama`)."""
+               output_ids: torch.Tensor | None = None, row_invariant: bool = True) -> Llama:
+    """output_ids [V']: restrict the output layer to these token ids; row_invariant=False lets
+    a draft's one-row passes take faster kernels (both: see `Llama`)."""
     cfg = json.loads((path / "config.json").read_text())
     shape = LlamaShape.from_hf_config(cfg)
     wanted = torch_dtype(dtype)
@@ -123,4 +124,5 @@ def load_llama(path: Path, dtype: str, device: str, max_positions: int,
     lm_head = embed if tied else reader.get("lm_head.weight")
     if output_ids is not None:
         output_ids = output_ids.to(device)
-    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, output_ids)
+    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, output_ids,
+                 row_invariant)

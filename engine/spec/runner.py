@@ -83,7 +83,9 @@ class SpeculativeRunner(ContinuousRunner):
             if config.draft_vocab_size is not None:
                 output_ids = draft_output_ids(path, config.draft_vocab_size, model.shape.vocab_size,
                                               draft_tokenizer.eos_token_ids)
-            draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len, output_ids)
+            # a draft's rounding never reaches the output: its one-row steps may take faster kernels
+            draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len, output_ids,
+                                     row_invariant=False)
             check_compatible(tokenizer, draft_tokenizer, model, draft_model, config.model, config.draft_model)
             # the draft pool mirrors the target's shape (same slots, same block count); its
             # lazily filled KV is never shared, so it has no prefix cache

@@ -73,6 +73,29 @@ def test_paged_reads_back_what_was_written_across_blocks():
     assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 2, 2, 2]
 
 
+def test_paged_sequence_on_consecutive_blocks_reads_a_slice_and_others_gather():
+    """One sequence whose blocks follow each other reads its keys as a slice of storage; once
+    another sequence's block sits between two of its blocks it gathers them; truncating back
+    past that point makes it a slice again. Every read returns what was written."""
+    pool = paged(num_blocks=8, block_size=4)
+    a, _ = pool.allocate_slot([1])
+    b, _ = pool.allocate_slot([1])
+    assert write(pool, a, 6, 1.0)[0, 0, :, 0].tolist() == [1.0] * 6  # blocks 0, 1
+    assert pool.chunk_view([a], [1]).read_rows is None
+    pool.truncate_to(a, 6)
+    write(pool, b, 2, 5.0)  # block 2
+    keys = write(pool, a, 4, 2.0)  # a now holds blocks 0, 1, 3: not one range
+    assert pool.block_table(a) == [0, 1, 3]
+    assert keys[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] * 4
+    view = pool.chunk_view([a], [1])
+    assert view.read_rows is not None and view.read_slice is None
+    pool.truncate_to(a, 7)  # back to blocks 0, 1
+    assert pool.block_table(a) == [0, 1]
+    assert pool.chunk_view([a], [1]).read_rows is None
+    pool.truncate_to(a, 7)
+    assert write(pool, a, 1, 3.0)[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] + [3.0]
+
+
 def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
     pool = paged(num_blocks=8)
     prompt = list(range(11))  # 2 full blocks + 3 tokens

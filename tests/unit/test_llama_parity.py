@@ -137,3 +137,29 @@ def test_packed_float32_rows_do_not_depend_on_the_batch():
     full = llama_module._packed_linear(x, packed)  # [64, out]
     for rows in (1, 2, 5, 6, 9, 33):
         assert torch.equal(llama_module._packed_linear(x[:rows], packed), full[:rows])
+
+
+def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_kernels(tmp_path, tok_dir):
+    """A model loaded with row_invariant=False (a draft) runs one-row passes through plain
+    matmuls over transposed copies of its small matrices; its logits agree with the row-invariant
+    load to float32 rounding, and passes of several rows are bit-identical to it."""
+    from engine.model import llama as llama_module
+
+    if not llama_module.cpu_packs(torch.float32):
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    make_model(tmp_path, tok_dir, seed=4)
+    invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256)
+    draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False)
+    assert invariant._single_row is None and draft._single_row is not None
+    torch.manual_seed(2)
+    ids = torch.randint(0, invariant.shape.vocab_size, (40,)).tolist()
+    out = {}
+    for name, m in (("invariant", invariant), ("draft", draft)):
+        cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=1, max_seq_len=128)
+        pool = build_pool(cfg, m)
+        slot = pool.allocate_slot([])[0]
+        prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]
+        steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
+        out[name] = (prefill, torch.cat(steps))  # [10, vocab] one-row decode steps
+    assert torch.equal(out["draft"][0], out["invariant"][0])
+    torch.testing.assert_close(out["draft"][1], out["invariant"][1], atol=1e-4, rtol=1e-4)
