@@ -64,7 +64,10 @@ class BlockManager:
         return out
 
     def release(self, blocks: list[int]) -> None:
-        for block in blocks:
+        """Gives back one reference to each block. The last block goes back first, so a run
+        released together is taken again in its original order (a sequence rolled back and
+        extended keeps consecutive blocks), and a cached chain is evicted from its end."""
+        for block in reversed(blocks):
             if self.refcount[block] <= 0:
                 raise ValueError(f"block {block} released more often than it was taken")
             self.refcount[block] -= 1

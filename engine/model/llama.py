@@ -240,8 +240,15 @@ class Llama:
         return sum(t.numel() for t in tensors)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # one fused op; half-precision inputs are reduced in float32 inside it
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_norm_eps)
+        if x.dtype != torch.float32:  # half precision: reduced in float32 inside the fused op
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_norm_eps)
+        # float32: the same arithmetic (sum of squares, scale by 1/n, add eps, rsqrt, multiply)
+        # as a few in-place ops, which on CPU cost about half of F.rms_norm's composite
+        # (a draft decode step, with five norms, got ~8% faster); measured bit-identical to it
+        # at hidden sizes 256, 512 and 4096, and each row's result is independent of the batch
+        inv_rms = torch.mul(x, x).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]) \
+            .add_(self.shape.rms_norm_eps).rsqrt_()  # [..., 1]
+        return (x * inv_rms).mul_(weight)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

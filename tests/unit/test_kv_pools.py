@@ -96,6 +96,19 @@ def test_paged_sequence_on_consecutive_blocks_reads_a_slice_and_others_gather():
     assert write(pool, a, 1, 3.0)[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] + [3.0]
 
 
+def test_blocks_released_by_a_rollback_are_taken_again_in_order():
+    """A sequence cut back by several blocks and extended again gets its blocks back in order,
+    so it still reads its keys as one slice."""
+    pool = paged(num_blocks=8, block_size=4, prefix=False)
+    a, _ = pool.allocate_slot([1])
+    write(pool, a, 14, 1.0)
+    assert pool.block_table(a) == [0, 1, 2, 3]
+    pool.truncate_to(a, 3)
+    write(pool, a, 9, 2.0)
+    assert pool.block_table(a) == [0, 1, 2]
+    assert pool.chunk_view([a], [1]).read_rows is None
+
+
 def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
     pool = paged(num_blocks=8)
     prompt = list(range(11))  # 2 full blocks + 3 tokens

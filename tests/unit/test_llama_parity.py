@@ -163,3 +163,20 @@ def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_ker
         out[name] = (prefill, torch.cat(steps))  # [10, vocab] one-row decode steps
     assert torch.equal(out["draft"][0], out["invariant"][0])
     torch.testing.assert_close(out["draft"][1], out["invariant"][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hidden", [256, 512])
+def test_float32_rms_norm_matches_torch_and_rows_do_not_depend_on_the_batch(tmp_path, tok_dir, hidden):
+    """The hand-written float32 RMSNorm agrees with F.rms_norm, and a row's bits do not depend on
+    how many rows share the call (what exact greedy speculation needs from every op)."""
+    import torch.nn.functional as F
+
+    make_model(tmp_path, tok_dir, seed=4)
+    model = load_llama(tmp_path, "float32", "cpu", max_positions=64)
+    torch.manual_seed(0)
+    x = torch.randn(64, 7, hidden) * 3  # [B, T, hidden]
+    w = torch.randn(hidden)
+    full = model._rms_norm(x, w)
+    torch.testing.assert_close(full, F.rms_norm(x, (hidden,), w, eps=model.shape.rms_norm_eps), atol=1e-6, rtol=1e-6)
+    for b, t in ((1, 1), (1, 6), (5, 1), (33, 7)):
+        assert torch.equal(model._rms_norm(x[:b, :t], w), full[:b, :t])
