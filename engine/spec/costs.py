@@ -49,12 +49,15 @@ class TimingTable:
 
 
 class MeasuredCosts:
-    """Costs for the policy: target forward by (B, T), one batched draft step by B, and the
-    engine's per-step overhead outside the model passes (scheduling, output processing,
-    detokenisation): paid once per step whatever K is, so it favours longer rounds."""
+    """Costs for the policy: target forward by (B, T); a round's first draft pass by B (it
+    catches up on the tokens the draft has not seen, usually one or two per sequence, and gives
+    the first proposal) and each further one-token draft step by B; and the engine's per-step
+    overhead outside the model passes (scheduling, output processing, detokenisation): paid once
+    per step whatever K is, so it favours longer rounds."""
 
     def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
+        self.draft_first = TimingTable()
         self.draft = TimingTable()
         self.smoothing = smoothing
         self._overhead: float | None = None
@@ -74,3 +77,7 @@ class MeasuredCosts:
     def draft_time(self, batch: int) -> float:
         t = self.draft.estimate(batch, 1)
         return t if t is not None else 0.0
+
+    def draft_first_time(self, batch: int) -> float:
+        t = self.draft_first.estimate(batch, 1)
+        return t if t is not None else self.draft_time(batch)

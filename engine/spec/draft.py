@@ -27,6 +27,9 @@ class DraftProposal(NamedTuple):
     tokens: list[list[int]]  # tokens[i]: the ks[i] drafted tokens of request i
     q: torch.Tensor | None  # [N, max(ks), V] adjusted draft distributions (None unless asked)
     catch_up_seconds: float  # spent feeding long runs of unseen tokens (the lazy draft prefill)
+    first_pass_seconds: float  # the steady catch-up pass over a few unseen tokens, giving q_1
+    steps: int  # single-token draft forwards after it (max(ks) - 1, fewer if rows finish early)
+    steps_seconds: float  # spent on those steps, sampling included
 
 
 class DraftModelProposer:
@@ -66,9 +69,10 @@ class DraftModelProposer:
         return len(self._slots)
 
     # --- drafting ----------------------------------------------------------------------
-    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float]:
-        """Feeds each request's unseen tokens; returns the last logits [N, V] and the seconds
-        spent on long (prefill-like) catch-ups, which are no part of a steady draft step."""
+    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float, float]:
+        """Feeds each request's unseen tokens; returns the last logits [N, V], the seconds
+        spent on long (prefill-like) catch-ups, which are no part of a steady round, and the
+        seconds of the short ones' pass (a steady round's first draft pass)."""
         slots = [self._slots[r.request_id] for r in reqs]
         starts = [self.pool.seq_len(s) for s in slots]
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
@@ -80,11 +84,12 @@ class DraftModelProposer:
             rows = [long_rows[g] for g in group]
             logits[rows] = forward_chunks(self.model, self.pool, [slots[i] for i in rows],
                                           [chunks[i] for i in rows], [starts[i] for i in rows])
-        long_seconds = time.perf_counter() - t0 if long_rows else 0.0
+        t1 = time.perf_counter()
+        long_seconds = t1 - t0 if long_rows else 0.0
         if short_rows:
             logits[short_rows] = forward_chunks(self.model, self.pool, [slots[i] for i in short_rows],
                                                 [chunks[i] for i in short_rows], [starts[i] for i in short_rows])
-        return logits, long_seconds
+        return logits, long_seconds, time.perf_counter() - t1 if short_rows else 0.0
 
     def propose(self, reqs: list[Request], ks: list[int], want_probs: bool) -> DraftProposal:
         """Drafts ks[i] tokens for reqs[i] (all ks > 0), with q [N, max(ks), V] when want_probs."""
@@ -95,8 +100,9 @@ class DraftModelProposer:
             seen = context_mask([r.all_token_ids for r in reqs], self.model.shape.vocab_size, self.model.device)
         tokens: list[list[int]] = [[] for _ in reqs]
         q_steps: list[torch.Tensor] = []
-        logits, catch_up_seconds = self._catch_up(reqs)  # [N, V]
+        logits, catch_up_seconds, first_pass_seconds = self._catch_up(reqs)  # [N, V]
         active = list(range(len(reqs)))
+        steps, t0 = 0, time.perf_counter()
         for step in range(k_max):
             if rows is None:
                 drawn = logits.argmax(dim=-1).tolist()
@@ -122,5 +128,7 @@ class DraftModelProposer:
                                          [self.pool.seq_len(self._slots[reqs[i].request_id]) for i in active])
             logits = logits.clone()
             logits[active] = step_logits
+            steps += 1
+        steps_seconds = time.perf_counter() - t0
         q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
-        return DraftProposal(tokens, q_all, catch_up_seconds)
+        return DraftProposal(tokens, q_all, catch_up_seconds, first_pass_seconds, steps, steps_seconds)

@@ -35,7 +35,8 @@ Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guar
 
 class Costs(Protocol):
     def target_time(self, batch: int, tokens_per_seq: int) -> float: ...
-    def draft_time(self, batch: int) -> float: ...
+    def draft_time(self, batch: int) -> float: ...  # one single-token draft step
+    def draft_first_time(self, batch: int) -> float: ...  # a round's first draft pass (catch-up)
     def step_overhead(self) -> float: ...
 
 
@@ -150,7 +151,10 @@ class SpecPolicy:
             return batch / (overhead + verify_seconds)
         tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
         draft_rows = batch if draft_rows is None else draft_rows
-        draft = k * self.costs.draft_time(draft_rows) if draft_rows else 0.0
+        # K proposals: the round's first pass (which catches up on unseen tokens, so it costs
+        # more than a step) gives the first, K - 1 single-token steps the rest
+        draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) \
+            if draft_rows else 0.0
         return tokens / (overhead + draft + verify_seconds)
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> Choice:

@@ -158,7 +158,8 @@ class SpeculativeRunner(ContinuousRunner):
 
     # --- calibration -------------------------------------------------------------------
     def calibrate(self, repeats: int = 3) -> None:
-        """Times target passes for T = 1..K+1 and draft steps, at power-of-two batch sizes.
+        """Times target passes for T = 1..K+1 and draft passes (a round's first, which catches
+        up on unseen tokens, and the one-token steps after it), at power-of-two batch sizes.
 
         Each shape runs once untimed first: its first call pays one-off costs (kernel creation,
         cold caches) several times the steady-state step, and a policy fed those would judge
@@ -167,27 +168,33 @@ class SpeculativeRunner(ContinuousRunner):
         batch = 1
         while True:
             b = min(batch, self.config.max_batch_size)
-            models = [(self.model, self.pool, range(1, max(self.config.spec_length, 8) + 2), self.costs.target)]
+            # (model, pool, tokens per sequence, table, row of the table): target passes are
+            # verify passes (every position's logits); draft tables keep one row
+            passes = [(self.model, self.pool, t, self.costs.target, t)
+                      for t in range(1, max(self.config.spec_length, 8) + 2)]
             if self.draft is not None:
-                models.append((self.draft.model, self.draft.pool, [1], self.costs.draft))
-            for model, pool, token_counts, table in models:
-                for t in token_counts:
-                    slots = [pool.allocate_slot([])[0] for _ in range(b)]
-                    try:
-                        chunks = [[i % vocab] * 8 for i in range(b)]
-                        forward_chunks(model, pool, slots, chunks, [0] * b)  # context to attend to
-                        times = []
-                        for i in range(repeats + 1):  # the first run warms up, untimed
-                            t0 = time.perf_counter()
-                            forward_chunks(model, pool, slots, [[1] * t] * b, [8] * b, all_logits=t > 1)
-                            if i:
-                                times.append(time.perf_counter() - t0)
-                            for s in slots:
-                                pool.truncate_to(s, 8)
-                        table.observe(b, t, statistics.median(times))
-                    finally:
+                # a round's first draft pass catches up on one or two tokens (two after a fully
+                # accepted round); the steps after it feed one token each
+                passes += [(self.draft.model, self.draft.pool, 2, self.costs.draft_first, 1),
+                           (self.draft.model, self.draft.pool, 1, self.costs.draft, 1)]
+            for model, pool, t, table, row in passes:
+                slots = [pool.allocate_slot([])[0] for _ in range(b)]
+                try:
+                    chunks = [[i % vocab] * 8 for i in range(b)]
+                    forward_chunks(model, pool, slots, chunks, [0] * b)  # context to attend to
+                    times = []
+                    for i in range(repeats + 1):  # the first run warms up, untimed
+                        t0 = time.perf_counter()
+                        forward_chunks(model, pool, slots, [[1] * t] * b, [8] * b,
+                                       all_logits=table is self.costs.target and t > 1)
+                        if i:
+                            times.append(time.perf_counter() - t0)
                         for s in slots:
-                            pool.free_slot(s)
+                            pool.truncate_to(s, 8)
+                    table.observe(b, row, statistics.median(times))
+                finally:
+                    for s in slots:
+                        pool.free_slot(s)
             if b >= self.config.max_batch_size:
                 break
             batch *= 2
@@ -228,7 +235,7 @@ class SpeculativeRunner(ContinuousRunner):
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
         t0 = time.perf_counter()
-        proposals, q, sources, catch_up_seconds = self._propose(reqs, ks)
+        proposals, q, sources, drafted = self._propose(reqs, ks)
         stats.draft_seconds = time.perf_counter() - t0
         ks = [len(p) for p in proposals]
         if max(ks) == 0:
@@ -246,9 +253,12 @@ class SpeculativeRunner(ContinuousRunner):
         stats.verify_seconds = time.perf_counter() - t1
         self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
         self._model_seconds = stats.draft_seconds + stats.verify_seconds
-        if self.draft is not None and any(s == "draft" for s in sources):
-            draft_rows = sum(s == "draft" for s in sources)  # a steady draft step excludes lazy prefill
-            self.costs.draft.observe(draft_rows, 1, (stats.draft_seconds - catch_up_seconds) / k_max)
+        if drafted is not None:  # a round's draft cost: first pass + steps (lazy prefill excluded)
+            draft_rows = len(drafted.tokens)
+            if drafted.first_pass_seconds > 0:
+                self.costs.draft_first.observe(draft_rows, 1, drafted.first_pass_seconds)
+            if drafted.steps:
+                self.costs.draft.observe(draft_rows, 1, drafted.steps_seconds / drafted.steps)
         stats.accepted_by_position = [0] * k_max
         stats.proposed_by_position = [0] * k_max
         out = []
@@ -327,20 +337,19 @@ class SpeculativeRunner(ContinuousRunner):
                     if proposals[i]:
                         sources[i] = "ngram"
         q = None
-        catch_up_seconds = 0.0
+        drafted = None
         want_probs = not all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in reqs)
         if self.method in ("draft", "hybrid"):
             rows = [i for i in range(n) if ks[i] > 0 and not proposals[i]]
             if rows:
-                drafted, q_rows, catch_up_seconds = self.draft.propose([reqs[i] for i in rows],
-                                                                       [ks[i] for i in rows], want_probs)
+                drafted = self.draft.propose([reqs[i] for i in rows], [ks[i] for i in rows], want_probs)
                 for j, i in enumerate(rows):
-                    proposals[i] = drafted[j]
+                    proposals[i] = drafted.tokens[j]
                     sources[i] = "draft"
-                if q_rows is not None:
+                if drafted.q is not None:
                     k_max = max(len(p) for p in proposals)
                     q = torch.zeros(n, k_max, self.model.shape.vocab_size, device=self.model.device)
-                    q[rows, :q_rows.shape[1]] = q_rows
+                    q[rows, :drafted.q.shape[1]] = drafted.q
         if want_probs:
             k_max = max((len(p) for p in proposals), default=0)
             if q is None:
@@ -348,7 +357,7 @@ class SpeculativeRunner(ContinuousRunner):
             for i, p in enumerate(proposals):
                 if sources[i] == "ngram":
                     q[i, torch.arange(len(p)), torch.tensor(p)] = 1.0  # one-hot: q(t) = 1
-        return proposals, q, sources, catch_up_seconds
+        return proposals, q, sources, drafted
 
     def _accept(self, reqs, proposals, ks, q, logits):
         """logits [N, K+1, V] -> (num_accepted list, final token list)."""

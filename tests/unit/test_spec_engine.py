@@ -177,7 +177,7 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 
-def test_draft_reports_its_lazy_prefill_apart_from_steady_steps(tiny_model, tiny_draft):
+def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
     """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: propose
     says how long the long catch-up took, and a steady round has none."""
     llm = spec_llm(tiny_model[0], tiny_draft[0])
@@ -191,3 +191,5 @@ def test_draft_reports_its_lazy_prefill_apart_from_steady_steps(tiny_model, tiny
     req.output_token_ids.append(first.tokens[0][0])  # one new token to catch up on
     steady = draft.propose([req], [2], want_probs=False)
     assert steady.catch_up_seconds == 0.0
+    # a steady round: one short first pass (giving the first token), then one single-token step
+    assert first.first_pass_seconds == 0.0 and steady.first_pass_seconds > 0 and steady.steps == 1

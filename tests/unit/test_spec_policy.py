@@ -19,6 +19,9 @@ class MemoryBoundCosts:
     def draft_time(self, batch):
         return self.draft + 0.01e-3 * batch
 
+    def draft_first_time(self, batch):
+        return self.draft_time(batch)
+
     def step_overhead(self):
         return self.overhead
 
@@ -177,3 +180,28 @@ def test_a_stale_cheap_verify_entry_does_not_lure_the_policy():
     choice = policy.choose([0.6], [100])
     assert choice.k == 1
     assert abs(choice.goodput[3] - expected_tokens(0.6, 3) / (3 * 1.8e-3 + 9.0e-3)) < 1e-6
+
+
+def test_the_first_draft_pass_is_paid_once_per_round():
+    """A round's first draft pass (catch-up on unseen tokens) costs more than the one-token steps
+    after it, but only once: K = k costs first + (k - 1) steps, so a costly first pass favours
+    longer rounds instead of making every draft token look expensive."""
+    class CostlyFirstPass(MemoryBoundCosts):
+        def draft_first_time(self, batch):
+            return 3e-3
+
+        def draft_time(self, batch):
+            return 0.5e-3
+
+    class AveragedFirstPass(MemoryBoundCosts):  # the same 3-token round, charged per token
+        def draft_time(self, batch):
+            return (3e-3 + 2 * 0.5e-3) / 3
+
+    rates = [0.8] * 8
+    costly = SpecPolicy(CostlyFirstPass(), spec_length=8, mode="adaptive", hysteresis=0.0)
+    choice = costly.choose([rates], [100])
+    verify = CostlyFirstPass().target_time(1, 4)
+    assert abs(choice.goodput[3] - expected_tokens(0.8, 3) / (3e-3 + 2 * 0.5e-3 + verify)) < 1e-6
+    averaged = SpecPolicy(AveragedFirstPass(), spec_length=8, mode="adaptive", hysteresis=0.0).choose([rates], [100])
+    assert abs(averaged.goodput[3] - choice.goodput[3]) < 1e-6  # same cost where they agree
+    assert choice.k > averaged.k

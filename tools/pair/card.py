@@ -187,6 +187,12 @@ def figures_section(figures: dict) -> list[str]:
               f"{best['c']:.3f} {'meets' if best['c'] <= 0.15 else 'misses'} it. The draft's forward pass is "
               "bound by per-operation overhead, which swings more with the host's load than the target's "
               "weight reads do, so c moves between runs: see the range column.", "",
+              "The draft's one-row steps multiply its small matrices with plain matmuls over transposed "
+              "copies instead of the packed oneDNN kernel, whose fixed cost is ~25 µs per call (the engine "
+              "loads drafts with `row_invariant=False`; the target keeps kernels whose rows do not depend on "
+              "the batch). On this host that took the draft step from ~1.5 to ~1.2 ms; c was 0.175 before "
+              "it. The output layer (8,192 × 256, 58% of the draft's weights) is now about a third of a "
+              "draft step.", "",
               "Compute precision moves these figures a little: on an AVX-512 host computing in bf16 the same "
               "pair measured α 0.7499 and c 0.189 (range 0.157 to 0.238); AVX2 hosts compute in float32 "
               "(README, \"CPUs\").", "",
