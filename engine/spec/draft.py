@@ -126,8 +126,11 @@ class DraftModelProposer:
                                          [self._slots[reqs[i].request_id] for i in active],
                                          [[tokens[i][-1]] for i in active],
                                          [self.pool.seq_len(self._slots[reqs[i].request_id]) for i in active])
-            logits = logits.clone()
-            logits[active] = step_logits
+            if len(active) == len(reqs):
+                logits = step_logits  # [N, V]
+            else:
+                logits = logits.clone()
+                logits[active] = step_logits
             steps += 1
         steps_seconds = time.perf_counter() - t0
         q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
