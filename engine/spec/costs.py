@@ -61,6 +61,7 @@ class MeasuredCosts:
         self.draft = TimingTable()
         self.smoothing = smoothing
         self._overhead: float | None = None
+        self._catch_up_per_token: float | None = None
 
     def observe_overhead(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
@@ -77,6 +78,17 @@ class MeasuredCosts:
     def draft_time(self, batch: int) -> float:
         t = self.draft.estimate(batch, 1)
         return t if t is not None else 0.0
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A long (prefill-like) draft catch-up over `tokens` tokens took `seconds`."""
+        per_token = seconds / tokens
+        old = self._catch_up_per_token
+        self._catch_up_per_token = per_token if old is None else (1 - self.smoothing) * old + self.smoothing * per_token
+
+    def catch_up_time(self, tokens: int) -> float:
+        """Estimated seconds for the draft to catch up on `tokens` unseen tokens (0 until one
+        catch-up has been measured)."""
+        return tokens * (self._catch_up_per_token or 0.0)
 
     def draft_first_time(self, batch: int) -> float:
         t = self.draft_first.estimate(batch, 1)

@@ -27,6 +27,7 @@ class DraftProposal(NamedTuple):
     tokens: list[list[int]]  # tokens[i]: the ks[i] drafted tokens of request i
     q: torch.Tensor | None  # [N, max(ks), V] adjusted draft distributions (None unless asked)
     catch_up_seconds: float  # spent feeding long runs of unseen tokens (the lazy draft prefill)
+    catch_up_tokens: int  # how many tokens those long runs held
     first_pass_seconds: float  # the steady catch-up pass over a few unseen tokens, giving q_1
     steps: int  # single-token draft forwards after it (max(ks) - 1, fewer if rows finish early)
     steps_seconds: float  # spent on those steps, sampling included
@@ -69,9 +70,15 @@ class DraftModelProposer:
         return len(self._slots)
 
     # --- drafting ----------------------------------------------------------------------
-    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float, float]:
-        """Feeds each request's unseen tokens; returns the last logits [N, V], the seconds
-        spent on long (prefill-like) catch-ups, which are no part of a steady round, and the
+    def unseen_in_long_runs(self, reqs: list[Request]) -> int:
+        """Tokens the next round must feed in long (prefill-like) catch-ups: a new request's
+        prompt, or what plain steps produced while the draft sat idle."""
+        unseen = (r.num_tokens - self.pool.seq_len(self._slots[r.request_id]) for r in reqs)
+        return sum(n for n in unseen if n > _LONG_CATCH_UP)
+
+    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float, int, float]:
+        """Feeds each request's unseen tokens; returns the last logits [N, V], the seconds and
+        tokens of long (prefill-like) catch-ups, which are no part of a steady round, and the
         seconds of the short ones' pass (a steady round's first draft pass)."""
         slots = [self._slots[r.request_id] for r in reqs]
         starts = [self.pool.seq_len(s) for s in slots]
@@ -89,7 +96,8 @@ class DraftModelProposer:
         if short_rows:
             logits[short_rows] = forward_chunks(self.model, self.pool, [slots[i] for i in short_rows],
                                                 [chunks[i] for i in short_rows], [starts[i] for i in short_rows])
-        return logits, long_seconds, time.perf_counter() - t1 if short_rows else 0.0
+        long_tokens = sum(len(chunks[i]) for i in long_rows)
+        return logits, long_seconds, long_tokens, time.perf_counter() - t1 if short_rows else 0.0
 
     def propose(self, reqs: list[Request], ks: list[int], want_probs: bool) -> DraftProposal:
         """Drafts ks[i] tokens for reqs[i] (all ks > 0), with q [N, max(ks), V] when want_probs."""
@@ -100,7 +108,7 @@ class DraftModelProposer:
             seen = context_mask([r.all_token_ids for r in reqs], self.model.shape.vocab_size, self.model.device)
         tokens: list[list[int]] = [[] for _ in reqs]
         q_steps: list[torch.Tensor] = []
-        logits, catch_up_seconds, first_pass_seconds = self._catch_up(reqs)  # [N, V]
+        logits, catch_up_seconds, catch_up_tokens, first_pass_seconds = self._catch_up(reqs)  # [N, V]
         active = list(range(len(reqs)))
         steps, t0 = 0, time.perf_counter()
         for step in range(k_max):
@@ -134,4 +142,5 @@ class DraftModelProposer:
             steps += 1
         steps_seconds = time.perf_counter() - t0
         q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
-        return DraftProposal(tokens, q_all, catch_up_seconds, first_pass_seconds, steps, steps_seconds)
+        return DraftProposal(tokens, q_all, catch_up_seconds, catch_up_tokens, first_pass_seconds, steps,
+                             steps_seconds)

@@ -10,11 +10,17 @@ acceptance rate at each draft position given the earlier ones were accepted, h_1
 and E(K) = 1 + h_1 + h_1 h_2 + ... + h_1 ... h_K. For a batch of B requests we maximise
 expected tokens per second:
 
-    goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + K * t_draft(B) + t_target(B, K + 1))
+    goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1))
     goodput(0) = B / (t_step + t_target(B, 1))                          (plain decode)
+    t_draft(B, K) = t_first(B) + (K - 1) t_one(B) + t_catch_up(U) / CATCH_UP_HORIZON_STEPS
 
 with t_* read from a `CostModel` of measured forward times and t_step the engine's measured
-per-step overhead outside the model passes. Because the verify pass stops
+per-step overhead outside the model passes. A round's first draft pass (t_first) feeds the
+tokens the draft has not seen yet, so it costs more than the one-token steps after it. When
+the draft is U tokens behind in long runs (a new prompt, or the tokens of plain steps taken
+while it sat idle), speculating means catching up on them first: that cost is spread over a
+few steps, so a near tie between plain and speculative decoding does not flip to speculation
+and pay a batch-wide catch-up every time. Because the verify pass stops
 being nearly free as B grows (compute-bound), the best K falls to 0 at large batches by
 itself and, since goodput is compared continuously, there is no cliff at a threshold. A
 hysteresis margin keeps K from flipping between near-equal choices step to step.
@@ -30,6 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+# A long draft catch-up is charged to the step that triggers it as if spread over this many
+# steps: speculation must win by more than the catch-up costs over a short stretch.
+CATCH_UP_HORIZON_STEPS = 8
+
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard", "no_proposal", "disabled"]
 
 
@@ -37,6 +47,7 @@ class Costs(Protocol):
     def target_time(self, batch: int, tokens_per_seq: int) -> float: ...
     def draft_time(self, batch: int) -> float: ...  # one single-token draft step
     def draft_first_time(self, batch: int) -> float: ...  # a round's first draft pass (catch-up)
+    def catch_up_time(self, tokens: int) -> float: ...  # long draft catch-ups over this many tokens
     def step_overhead(self) -> float: ...
 
 
@@ -140,11 +151,11 @@ class SpecPolicy:
         return times
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
-                 verify_seconds: float) -> float:
+                 verify_seconds: float, catch_up_tokens: int = 0) -> float:
         """Expected tokens/s with K = k, from each request's expected-tokens curve
         (curves[i][k] = E_i(k)) and the target pass time for k + 1 tokens per sequence;
         draft_rows = requests drafted by the draft model (None = all; n-gram proposals cost
-        no model forward)."""
+        no model forward); catch_up_tokens: unseen tokens the draft must feed first."""
         batch = len(curves)
         overhead = self.costs.step_overhead()
         if k == 0:
@@ -153,14 +164,18 @@ class SpecPolicy:
         draft_rows = batch if draft_rows is None else draft_rows
         # K proposals: the round's first pass (which catches up on unseen tokens, so it costs
         # more than a step) gives the first, K - 1 single-token steps the rest
-        draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) \
-            if draft_rows else 0.0
+        draft = 0.0
+        if draft_rows:
+            draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) \
+                + self.costs.catch_up_time(catch_up_tokens) / CATCH_UP_HORIZON_STEPS
         return tokens / (overhead + draft + verify_seconds)
 
-    def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None) -> Choice:
+    def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
+               catch_up_tokens: int = 0) -> Choice:
         """alphas: estimated acceptance per request (a rate, or rates by position);
         k_caps: most each request may propose;
-        draft_rows: how many of them the draft model would draft (None = all)."""
+        draft_rows: how many of them the draft model would draft (None = all);
+        catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose."""
         batch = len(alphas)
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:
             return Choice(0, "disabled_batch_size", {})
@@ -171,7 +186,8 @@ class SpecPolicy:
             return Choice(k_max, "fixed", {})
         curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
         verify = self._verify_times(batch, k_max)
-        scores = {k: self._goodput(k, curves, k_caps, draft_rows, verify[k]) for k in range(k_max + 1)}
+        scores = {k: self._goodput(k, curves, k_caps, draft_rows, verify[k], catch_up_tokens)
+                  for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
         if scores[last] >= (1.0 - self.hysteresis) * scores[best]:

@@ -222,7 +222,8 @@ class SpeculativeRunner(ContinuousRunner):
         else:
             alphas = self._acceptance_rates(reqs)
             draft_rows = 0 if self.method == "ngram" else None  # hybrid: assume the draft may run for all
-            choice = self.policy.choose(alphas, caps, draft_rows)
+            behind = self.draft.unseen_in_long_runs(reqs) if draft_rows is None else 0
+            choice = self.policy.choose(alphas, caps, draft_rows, behind)
         stats.k, stats.reason = choice.k, choice.reason
         if choice.k == 0:
             t0 = time.perf_counter()
@@ -253,8 +254,10 @@ class SpeculativeRunner(ContinuousRunner):
         stats.verify_seconds = time.perf_counter() - t1
         self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
         self._model_seconds = stats.draft_seconds + stats.verify_seconds
-        if drafted is not None:  # a round's draft cost: first pass + steps (lazy prefill excluded)
+        if drafted is not None:  # a round's draft cost: first pass + steps (lazy prefill apart)
             draft_rows = len(drafted.tokens)
+            if drafted.catch_up_tokens:
+                self.costs.observe_catch_up(drafted.catch_up_tokens, drafted.catch_up_seconds)
             if drafted.first_pass_seconds > 0:
                 self.costs.draft_first.observe(draft_rows, 1, drafted.first_pass_seconds)
             if drafted.steps:

@@ -164,7 +164,7 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
     llm = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive")
     runner = llm.engine.runner
-    runner.policy.choose = lambda alphas, caps, draft_rows=None: Choice(2, "probe", {})
+    runner.policy.choose = lambda alphas, caps, draft_rows=None, catch_up_tokens=0: Choice(2, "probe", {})
     eng = llm.engine
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     speculating_rows = []

@@ -22,6 +22,9 @@ class MemoryBoundCosts:
     def draft_first_time(self, batch):
         return self.draft_time(batch)
 
+    def catch_up_time(self, tokens):
+        return 0.0
+
     def step_overhead(self):
         return self.overhead
 
@@ -205,3 +208,26 @@ def test_the_first_draft_pass_is_paid_once_per_round():
     averaged = SpecPolicy(AveragedFirstPass(), spec_length=8, mode="adaptive", hysteresis=0.0).choose([rates], [100])
     assert abs(averaged.goodput[3] - choice.goodput[3]) < 1e-6  # same cost where they agree
     assert choice.k > averaged.k
+
+
+def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
+    """Speculation slightly ahead of plain decoding is taken when the draft is current, but not
+    when it would first have to catch up on many tokens (plain steps taken while it sat idle)."""
+    from engine.spec.policy import CATCH_UP_HORIZON_STEPS
+
+    class WithCatchUp(MemoryBoundCosts):
+        def catch_up_time(self, tokens):
+            return tokens * 0.1e-3
+
+    costs = WithCatchUp(draft=1e-3)
+    current = SpecPolicy(costs, spec_length=4, mode="adaptive", hysteresis=0.0).choose([0.7] * 8, [100] * 8)
+    assert current.k > 0
+    gain = current.goodput[current.k] / current.goodput[0] - 1
+    assert 0 < gain < 1  # a real but modest margin
+    behind = SpecPolicy(costs, spec_length=4, mode="adaptive", hysteresis=0.0).choose(
+        [0.7] * 8, [100] * 8, catch_up_tokens=8 * 300)
+    assert behind.k == 0
+    charged = costs.catch_up_time(8 * 300) / CATCH_UP_HORIZON_STEPS
+    k = current.k
+    tokens = current.goodput[k] * (costs.draft_time(8) * k + costs.target_time(8, k + 1))
+    assert abs(behind.goodput[k] - tokens / (costs.draft_time(8) * k + costs.target_time(8, k + 1) + charged)) < 1e-6
