@@ -12,15 +12,17 @@ expected tokens per second:
 
     goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1))
     goodput(0) = B / (t_step + t_target(B, 1))                          (plain decode)
-    t_draft(B, K) = t_first(B) + (K - 1) t_one(B) + t_catch_up(U) / CATCH_UP_HORIZON_STEPS
+    t_draft(B, K) = t_first(B) + (K - 1) t_one(B) + t_catch_up(U) / S(K)
 
 with t_* read from a `CostModel` of measured forward times and t_step the engine's measured
 per-step overhead outside the model passes. A round's first draft pass (t_first) feeds the
 tokens the draft has not seen yet, so it costs more than the one-token steps after it. When
 the draft is U tokens behind in long runs (a new prompt, or the tokens of plain steps taken
-while it sat idle), speculating means catching up on them first: that cost is spread over a
-few steps, so a near tie between plain and speculative decoding does not flip to speculation
-and pay a batch-wide catch-up every time. Because the verify pass stops
+while it sat idle), speculating means catching up on them first. That cost is spread over
+S(K), the steps the batch has left at K (the requests' remaining token budgets over the
+tokens a step yields): a near tie between plain and speculative decoding does not flip to
+speculation and pay a batch-wide catch-up every time, and requests near their end do not
+restart the draft for a handful of tokens, while long generations hardly notice the charge. Because the verify pass stops
 being nearly free as B grows (compute-bound), the best K falls to 0 at large batches by
 itself and, since goodput is compared continuously, there is no cliff at a threshold. A
 hysteresis margin keeps K from flipping between near-equal choices step to step.
@@ -35,10 +37,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
-
-# A long draft catch-up is charged to the step that triggers it as if spread over this many
-# steps: speculation must win by more than the catch-up costs over a short stretch.
-CATCH_UP_HORIZON_STEPS = 8
 
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard", "no_proposal", "disabled"]
 
@@ -166,8 +164,10 @@ class SpecPolicy:
         # more than a step) gives the first, K - 1 single-token steps the rest
         draft = 0.0
         if draft_rows:
-            draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) \
-                + self.costs.catch_up_time(catch_up_tokens) / CATCH_UP_HORIZON_STEPS
+            draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows)
+            if catch_up_tokens:
+                steps_left = max(1.0, sum(cap + 1 for cap in k_caps) / tokens)  # at `tokens` a step
+                draft += self.costs.catch_up_time(catch_up_tokens) / steps_left
         return tokens / (overhead + draft + verify_seconds)
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,

@@ -211,23 +211,26 @@ def test_the_first_draft_pass_is_paid_once_per_round():
 
 
 def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
-    """Speculation slightly ahead of plain decoding is taken when the draft is current, but not
-    when it would first have to catch up on many tokens (plain steps taken while it sat idle)."""
-    from engine.spec.policy import CATCH_UP_HORIZON_STEPS
-
+    """Speculation slightly ahead of plain decoding is taken when the draft is current, and when
+    it is behind but the requests have many tokens left to spread its catch-up over; not when
+    they have few left."""
     class WithCatchUp(MemoryBoundCosts):
         def catch_up_time(self, tokens):
             return tokens * 0.1e-3
 
     costs = WithCatchUp(draft=1e-3)
-    current = SpecPolicy(costs, spec_length=4, mode="adaptive", hysteresis=0.0).choose([0.7] * 8, [100] * 8)
-    assert current.k > 0
-    gain = current.goodput[current.k] / current.goodput[0] - 1
-    assert 0 < gain < 1  # a real but modest margin
-    behind = SpecPolicy(costs, spec_length=4, mode="adaptive", hysteresis=0.0).choose(
-        [0.7] * 8, [100] * 8, catch_up_tokens=8 * 300)
-    assert behind.k == 0
-    charged = costs.catch_up_time(8 * 300) / CATCH_UP_HORIZON_STEPS
+
+    def choose(caps, behind):
+        return SpecPolicy(costs, spec_length=4, mode="adaptive", hysteresis=0.0).choose(
+            [0.7] * 8, caps, catch_up_tokens=behind)
+
+    current = choose([1000] * 8, 0)
     k = current.k
-    tokens = current.goodput[k] * (costs.draft_time(8) * k + costs.target_time(8, k + 1))
-    assert abs(behind.goodput[k] - tokens / (costs.draft_time(8) * k + costs.target_time(8, k + 1) + charged)) < 1e-6
+    assert k > 0 and 0 < current.goodput[k] / current.goodput[0] - 1 < 1  # a real, modest margin
+    assert choose([1000] * 8, 8 * 300).k > 0  # 1,000 tokens left each: the catch-up hardly counts
+    near_end = choose([40] * 8, 8 * 300)
+    assert near_end.k == 0
+    tokens = 8 * expected_tokens(0.7, k)
+    step = costs.draft_time(8) * k + costs.target_time(8, k + 1)
+    charged = costs.catch_up_time(8 * 300) / (8 * 41 / tokens)
+    assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
