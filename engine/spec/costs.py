@@ -17,15 +17,30 @@ def batch_bucket(batch: int) -> int:
 
 
 class TimingTable:
-    def __init__(self, smoothing: float = 0.2):
+    """weight(batch, T): how much an entry is to be trusted against the other T of its batch
+    bucket: every observation in the bucket decays the bucket's weights by `weight_decay` and
+    adds 1 to the observed entry's, so entries measured recently and often outweigh those
+    last measured long ago (at start-up calibration, over a short context)."""
+
+    def __init__(self, smoothing: float = 0.2, weight_decay: float = 0.98):
         self.smoothing = smoothing
+        self.weight_decay = weight_decay
         self._ema: dict[int, dict[int, float]] = defaultdict(dict)  # tokens_per_seq -> bucket -> s
+        self._weight: dict[int, dict[int, float]] = defaultdict(dict)  # bucket -> tokens_per_seq -> weight
 
     def observe(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         row = self._ema[tokens_per_seq]
         b = batch_bucket(batch)
         old = row.get(b)
         row[b] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        weights = self._weight[b]
+        for t in weights:
+            weights[t] *= self.weight_decay
+        weights[tokens_per_seq] = weights.get(tokens_per_seq, 0.0) + 1.0
+
+    def weight(self, batch: int, tokens_per_seq: int) -> float:
+        """The entry's decayed observation count in batch's bucket (0 if never observed there)."""
+        return self._weight.get(batch_bucket(batch), {}).get(tokens_per_seq, 0.0)
 
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
@@ -74,6 +89,9 @@ class MeasuredCosts:
     def target_time(self, batch: int, tokens_per_seq: int) -> float:
         t = self.target.estimate(batch, tokens_per_seq)
         return t if t is not None else 1.0
+
+    def target_weight(self, batch: int, tokens_per_seq: int) -> float:
+        return self.target.weight(batch, tokens_per_seq)
 
     def draft_time(self, batch: int) -> float:
         t = self.draft.estimate(batch, 1)

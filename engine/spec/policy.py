@@ -43,6 +43,7 @@ Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guar
 
 class Costs(Protocol):
     def target_time(self, batch: int, tokens_per_seq: int) -> float: ...
+    def target_weight(self, batch: int, tokens_per_seq: int) -> float: ...  # trust in that entry
     def draft_time(self, batch: int) -> float: ...  # one single-token draft step
     def draft_first_time(self, batch: int) -> float: ...  # a round's first draft pass (catch-up)
     def catch_up_time(self, tokens: int) -> float: ...  # long draft catch-ups over this many tokens
@@ -118,6 +119,20 @@ def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     return curve
 
 
+def non_decreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
+    violators): each run of values that falls is replaced by its weighted mean."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, length]
+    for v, w in zip(values, weights):
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, weight, length = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += weight
+            blocks[-1][2] += length
+    return [total / weight for total, weight, length in blocks for _ in range(int(length))]
+
+
 @dataclass(frozen=True)
 class Choice:
     k: int
@@ -140,13 +155,13 @@ class SpecPolicy:
 
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
         """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
-        non-decreasing in K: a pass over more tokens never costs less, but an entry last
-        measured long ago (or only at calibration, over short contexts) can say it does, and
-        would then lure the policy to that K."""
+        non-decreasing in K: a pass over more tokens never costs less. Entries that disagree
+        are pooled by how much each is trusted (recent, frequent measurements over old ones),
+        so a stale entry, cheap or dear, neither lures the policy to its K nor drives it
+        away from the K above it."""
         times = [self.costs.target_time(batch, k + 1) for k in range(k_max + 1)]
-        for k in range(1, len(times)):
-            times[k] = max(times[k], times[k - 1])
-        return times
+        weights = [max(self.costs.target_weight(batch, k + 1), 1e-6) for k in range(k_max + 1)]
+        return non_decreasing_fit(times, weights)
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
                  verify_seconds: float, catch_up_tokens: int = 0) -> float:

@@ -25,6 +25,9 @@ class MemoryBoundCosts:
     def catch_up_time(self, tokens):
         return 0.0
 
+    def target_weight(self, batch, tokens_per_seq):
+        return 1.0
+
     def step_overhead(self):
         return self.overhead
 
@@ -179,10 +182,37 @@ def test_a_stale_cheap_verify_entry_does_not_lure_the_policy():
         def draft_time(self, batch):
             return 1.8e-3
 
+        def target_weight(self, batch, tokens_per_seq):
+            return 0.01 if tokens_per_seq == 4 else 1.0  # last measured long ago
+
     policy = SpecPolicy(Stale(), spec_length=4, mode="adaptive", hysteresis=0.0)
     choice = policy.choose([0.6], [100])
     assert choice.k == 1
-    assert abs(choice.goodput[3] - expected_tokens(0.6, 3) / (3 * 1.8e-3 + 9.0e-3)) < 1e-6
+    pooled = (9.0e-3 + 0.01 * 6.0e-3) / 1.01  # K = 2 and 3 share the trusted entry, barely moved
+    assert abs(choice.goodput[3] - expected_tokens(0.6, 3) / (3 * 1.8e-3 + pooled)) < 1e-6
+
+
+def test_a_stale_dear_verify_entry_does_not_drive_the_policy_off_the_k_above_it():
+    """The opposite case: an old entry for 4 tokens measured dear (a slow moment) while the
+    pass over 6 tokens, in use every step, costs less. K = 5 must be judged by its own fresh
+    measurement, not by the stale K = 3 entry."""
+    times = {1: 9.2e-3, 2: 9.7e-3, 3: 10.9e-3, 4: 15.0e-3, 5: 15.0e-3, 6: 11.3e-3}
+
+    class Fresh6(MemoryBoundCosts):
+        def target_time(self, batch, tokens_per_seq):
+            return times[tokens_per_seq]
+
+        def draft_time(self, batch):
+            return 1.1e-3
+
+        def target_weight(self, batch, tokens_per_seq):
+            return 40.0 if tokens_per_seq == 6 else 0.3
+
+    rates = (0.8, 0.85, 0.85, 0.85, 0.85)
+    choice = SpecPolicy(Fresh6(), spec_length=5, mode="adaptive", hysteresis=0.0).choose([rates], [100])
+    assert choice.k == 5
+    verify_5 = expected_tokens(rates, 5) / choice.goodput[5] - 5 * 1.1e-3
+    assert verify_5 < 11.8e-3  # near its own 11.3 ms, far from the stale 15 ms
 
 
 def test_the_first_draft_pass_is_paid_once_per_round():
@@ -234,3 +264,12 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     step = costs.draft_time(8) * k + costs.target_time(8, k + 1)
     charged = costs.catch_up_time(8 * 300) / (8 * 41 / tokens)
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
+
+
+def test_non_decreasing_fit_pools_falling_runs_by_weight():
+    from engine.spec.policy import non_decreasing_fit
+
+    assert non_decreasing_fit([1, 3, 2, 4], [1, 1, 1, 1]) == [1, 2.5, 2.5, 4]
+    assert non_decreasing_fit([1, 3, 2, 4], [1, 3, 1, 1]) == [1, 2.75, 2.75, 4]
+    assert non_decreasing_fit([5, 4, 3], [1, 1, 1]) == [4, 4, 4]
+    assert non_decreasing_fit([1, 2, 3], [1, 1, 1]) == [1, 2, 3]
