@@ -193,8 +193,8 @@ def figures_section(figures: dict) -> list[str]:
               "the batch). On an AVX2 host that change alone took a draft step from 1.46 to 1.34 ms and "
               "from 1.37 to 1.11 ms in two runs (each against the packed kernels in the same run), and "
               "the card's c from 0.175 (the previous card) to 0.147. A cheaper float32 RMSNorm then sped "
-              "up both models; two runs of that code measured c 0.158 and 0.138 (in that order, the same "
-              "host, an hour apart). The output layer "
+              "up both models; three runs of that code measured c 0.158, 0.138 and 0.133 (in that order, "
+              "the same host, over two hours; the last is this table). The output layer "
               "(8,192 × 256, 58% of the draft's weights) is about 30% of a draft step and the other eight "
               "matmuls another 30%: the draft's weights are read from memory, not cache, at every step.", "",
               "Compute precision moves these figures a little: on an AVX-512 host computing in bf16 the same "
