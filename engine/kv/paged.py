@@ -99,13 +99,11 @@ class PagedKVPool(PoolViews):
         if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
             rows = self._rows[slots[0]]
             n, c = lengths[0], chunk_lens[0]
+            read_rows, read_slice = rows[:n + c].view(1, n + c), None
             if self._consecutive[slots[0]]:  # keys read as a slice of storage, not gathered
                 first = self._tables[slots[0]][0] * self.block_size
-                view = KVView(self.storage, rows[n:n + c], None, slice(first, first + n + c), n + c,
-                              needs_mask=c > 1)
-            else:
-                view = KVView(self.storage, rows[n:n + c], rows[:n + c].view(1, n + c), None, n + c,
-                              needs_mask=c > 1)
+                read_rows, read_slice = None, slice(first, first + n + c)
+            view = KVView(self.storage, rows[n:n + c], read_rows, read_slice, n + c, needs_mask=c > 1)
             return pad_single(view, width or c, c)
         max_blocks = max(len(self._tables[s]) for s in slots)
         table = torch.tensor([self._tables[s] + [0] * (max_blocks - len(self._tables[s])) for s in slots],

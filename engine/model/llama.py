@@ -194,7 +194,6 @@ class Llama:
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
         self._linear = F.linear
-        self._kernels = LayerKernels(F.linear, F.linear, F.linear, F.linear)
         # one-row passes (draft decode steps): their own weights and kernels, or None = as any pass
         self._single_row: tuple[list[LayerWeights], LayerKernels] | None = None
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and cpu_packs(self.dtype):
@@ -202,6 +201,8 @@ class Llama:
             self._pack_for_cpu()
             if transposed and transposed[0]:
                 self._single_row = self._single_row_layers(transposed)
+        # the layers' matmuls in every pass (a draft's one-row passes take `_single_row`'s)
+        self._kernels = LayerKernels(*[self._linear] * len(LayerKernels._fields))
 
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls 1.5-4x faster on CPU,
@@ -212,7 +213,6 @@ class Llama:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
         self._linear = _packed_linear
-        self._kernels = LayerKernels(_packed_linear, _packed_linear, _packed_linear, _packed_linear)
 
     def _small_matrices_transposed(self) -> list[dict[str, torch.Tensor]]:
         """Per layer, transposed plain copies [in, out] of the matrices small enough that a plain

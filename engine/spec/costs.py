@@ -12,6 +12,11 @@ import bisect
 from collections import defaultdict
 
 
+def smoothed(old: float | None, new: float, smoothing: float) -> float:
+    """Exponential moving average step: `new` alone when there is no `old` yet."""
+    return new if old is None else (1 - smoothing) * old + smoothing * new
+
+
 def batch_bucket(batch: int) -> int:
     return 1 << max(0, (batch - 1).bit_length())
 
@@ -31,8 +36,7 @@ class TimingTable:
     def observe(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         row = self._ema[tokens_per_seq]
         b = batch_bucket(batch)
-        old = row.get(b)
-        row[b] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        row[b] = smoothed(row.get(b), seconds, self.smoothing)
         weights = self._weight[b]
         for t in weights:
             weights[t] *= self.weight_decay
@@ -79,9 +83,7 @@ class MeasuredCosts:
         self._catch_up_per_token: float | None = None
 
     def observe_overhead(self, seconds: float) -> None:
-        seconds = max(seconds, 0.0)
-        old = self._overhead
-        self._overhead = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self._overhead = smoothed(self._overhead, max(seconds, 0.0), self.smoothing)
 
     def step_overhead(self) -> float:
         return self._overhead or 0.0
@@ -99,9 +101,7 @@ class MeasuredCosts:
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A long (prefill-like) draft catch-up over `tokens` tokens took `seconds`."""
-        per_token = seconds / tokens
-        old = self._catch_up_per_token
-        self._catch_up_per_token = per_token if old is None else (1 - self.smoothing) * old + self.smoothing * per_token
+        self._catch_up_per_token = smoothed(self._catch_up_per_token, seconds / tokens, self.smoothing)
 
     def catch_up_time(self, tokens: int) -> float:
         """Estimated seconds for the draft to catch up on `tokens` unseen tokens (0 until one

@@ -33,6 +33,13 @@ class DraftProposal(NamedTuple):
     steps_seconds: float  # spent on those steps, sampling included
 
 
+class CatchUp(NamedTuple):
+    logits: torch.Tensor  # [N, V] at each request's last known token: q_1 before adjustment
+    long_seconds: float  # long (prefill-like) runs of unseen tokens: no part of a steady round
+    long_tokens: int
+    short_seconds: float  # the pass over short runs: a steady round's first draft pass
+
+
 class DraftModelProposer:
     name = "draft"
 
@@ -76,10 +83,8 @@ class DraftModelProposer:
         unseen = (r.num_tokens - self.pool.seq_len(self._slots[r.request_id]) for r in reqs)
         return sum(n for n in unseen if n > _LONG_CATCH_UP)
 
-    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, float, int, float]:
-        """Feeds each request's unseen tokens; returns the last logits [N, V], the seconds and
-        tokens of long (prefill-like) catch-ups, which are no part of a steady round, and the
-        seconds of the short ones' pass (a steady round's first draft pass)."""
+    def _catch_up(self, reqs: list[Request]) -> CatchUp:
+        """Feeds each request's unseen tokens, long runs apart from short ones."""
         slots = [self._slots[r.request_id] for r in reqs]
         starts = [self.pool.seq_len(s) for s in slots]
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
@@ -96,8 +101,8 @@ class DraftModelProposer:
         if short_rows:
             logits[short_rows] = forward_chunks(self.model, self.pool, [slots[i] for i in short_rows],
                                                 [chunks[i] for i in short_rows], [starts[i] for i in short_rows])
-        long_tokens = sum(len(chunks[i]) for i in long_rows)
-        return logits, long_seconds, long_tokens, time.perf_counter() - t1 if short_rows else 0.0
+        return CatchUp(logits, long_seconds, sum(len(chunks[i]) for i in long_rows),
+                       time.perf_counter() - t1 if short_rows else 0.0)
 
     def propose(self, reqs: list[Request], ks: list[int], want_probs: bool) -> DraftProposal:
         """Drafts ks[i] tokens for reqs[i] (all ks > 0), with q [N, max(ks), V] when want_probs."""
@@ -108,7 +113,8 @@ class DraftModelProposer:
             seen = context_mask([r.all_token_ids for r in reqs], self.model.shape.vocab_size, self.model.device)
         tokens: list[list[int]] = [[] for _ in reqs]
         q_steps: list[torch.Tensor] = []
-        logits, catch_up_seconds, catch_up_tokens, first_pass_seconds = self._catch_up(reqs)  # [N, V]
+        caught_up = self._catch_up(reqs)
+        logits = caught_up.logits  # [N, V]
         active = list(range(len(reqs)))
         steps, t0 = 0, time.perf_counter()
         for step in range(k_max):
@@ -142,5 +148,5 @@ class DraftModelProposer:
             steps += 1
         steps_seconds = time.perf_counter() - t0
         q_all = torch.stack(q_steps, dim=1) if q_steps else None  # [N, k_max, V]
-        return DraftProposal(tokens, q_all, catch_up_seconds, catch_up_tokens, first_pass_seconds, steps,
-                             steps_seconds)
+        return DraftProposal(tokens, q_all, caught_up.long_seconds, caught_up.long_tokens, caught_up.short_seconds,
+                             steps, steps_seconds)

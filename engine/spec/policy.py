@@ -22,10 +22,12 @@ while it sat idle), speculating means catching up on them first. That cost is sp
 S(K), the steps the batch has left at K (the requests' remaining token budgets over the
 tokens a step yields): a near tie between plain and speculative decoding does not flip to
 speculation and pay a batch-wide catch-up every time, and requests near their end do not
-restart the draft for a handful of tokens, while long generations hardly notice the charge. Because the verify pass stops
-being nearly free as B grows (compute-bound), the best K falls to 0 at large batches by
-itself and, since goodput is compared continuously, there is no cliff at a threshold. A
-hysteresis margin keeps K from flipping between near-equal choices step to step.
+restart the draft for a handful of tokens, while long generations hardly notice the charge.
+
+Because the verify pass stops being nearly free as B grows (compute-bound), the best K falls
+to 0 at large batches by itself and, since goodput is compared continuously, there is no
+cliff at a threshold. A hysteresis margin keeps K from flipping between near-equal choices
+step to step.
 
 Plain decode produces no new evidence about the proposer (its cost, its acceptance), so after
 `probe_every` consecutive plain steps the policy takes one step with the best K > 0 ("probe"):

@@ -222,7 +222,8 @@ class SpeculativeRunner(ContinuousRunner):
         else:
             alphas = self._acceptance_rates(reqs)
             draft_rows = 0 if self.method == "ngram" else None  # hybrid: assume the draft may run for all
-            behind = self.draft.unseen_in_long_runs(reqs) if draft_rows is None else 0
+            adaptive_draft = draft_rows is None and self.policy.mode == "adaptive"
+            behind = self.draft.unseen_in_long_runs(reqs) if adaptive_draft else 0
             choice = self.policy.choose(alphas, caps, draft_rows, behind)
         stats.k, stats.reason = choice.k, choice.reason
         if choice.k == 0:
