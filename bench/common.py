@@ -104,3 +104,24 @@ def batch1_llm(target: str, draft: str, vocab_size: int | None):
 
     return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
                max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size)
+
+
+PHASES = ("prefill", "draft", "target", "other")  # engine.metrics.PhaseSeconds
+
+
+def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
+    """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
+    wall time went (engine.metrics.PhaseSeconds). Returns the outputs and seconds per phase."""
+    eng = llm.engine
+    seconds = dict.fromkeys(PHASES, 0.0)
+    outs = []
+    for prompt in prompts:
+        rid = eng.add_request(prompt, params)
+        while eng.has_unfinished_requests():
+            eng.step()
+            for phase, s in eng.last_step_phases.items():
+                seconds[phase] += s
+        outs.append(eng.get_output(rid))
+        eng.release(rid)
+    return outs, seconds
+

@@ -25,10 +25,40 @@ def _plt():
     return plt
 
 
+def _plot_phases(ax, r: dict) -> None:
+    """Milliseconds per generated token by engine phase, stacked, for plain and each method's
+    adaptive and fastest fixed K."""
+    res = r["results"]
+    names = ["plain"]
+    for m in sorted({n.split("/")[0] for n in res if "/" in n}):
+        fixed = [n for n in res if n.startswith(f"{m}/K=")]
+        if fixed:
+            names.append(max(fixed, key=lambda n: res[n]["speedup"]))
+        if f"{m}/adaptive" in res:
+            names.append(f"{m}/adaptive")
+    names = [n for n in names if "ms_per_token" in res.get(n, {})]
+    left = [0.0] * len(names)
+    for phase, color in (("target", "C0"), ("draft", "C1"), ("prefill", "C2"), ("other", "C7")):
+        widths = [res[n]["ms_per_token"][phase] for n in names]
+        ax.barh(names, widths, left=left, color=color, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per generated token")
+    ax.set_title("where the time goes")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="x")
+
+
 def plot_spec(r: dict, out: Path) -> None:
-    """Speedup over plain by K, one line per method, adaptive as a marker; theory for the draft."""
+    """Speedup over plain by K, one line per method, adaptive as a marker; theory for the draft;
+    beside it, where the time per token goes (when the results carry phase times)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    with_phases = "ms_per_token" in r["results"].get("plain", {})
+    fig, axes = plt.subplots(1, 2 if with_phases else 1, figsize=(12 if with_phases else 7, 4.2),
+                             gridspec_kw={"width_ratios": [1.4, 1]} if with_phases else None)
+    ax = axes[0] if with_phases else axes
+    if with_phases:
+        _plot_phases(axes[1], r)
     methods = sorted({name.split("/")[0] for name in r["results"] if "/" in name})
     for i, m in enumerate(methods):
         ks = sorted(int(n.split("=")[1]) for n in r["results"] if n.startswith(f"{m}/K="))

@@ -56,17 +56,24 @@ def spec(r: dict) -> list[str]:
              f"{costs['target_T1']:.2f} ms target step), {_host(m)}, {m['threads']} threads "
              f"(`python -m bench spec --workload {r['workload']}"
              f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
-             "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) | measured ÷ theory |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) "
+             "| measured ÷ theory | ÷ theory with measured verify cost | ms per token: draft / target / rest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in r["results"].items():
         acc = f"{e['acceptance']:.3f}" if e["acceptance"] is not None else "-"
         mal = f"{e['mean_accepted_length']:.2f}" if e["mean_accepted_length"] is not None else "-"
         theo = f"{e['theoretical_speedup']:.2f}x" if "theoretical_speedup" in e else "-"
         ratio = f"{e['measured_over_theoretical']:.0%}" if "measured_over_theoretical" in e else "-"
+        ratio_v = f"{e['measured_over_theoretical_verify_cost']:.0%}" \
+            if "measured_over_theoretical_verify_cost" in e else "-"
         same = "-" if e["identical_to_plain"] is None else f"{e['identical_to_plain']:.0%}"
+        ms = e.get("ms_per_token")
+        split = "-" if ms is None else \
+            f"{ms['draft']:.2f} / {ms['target']:.2f} / {ms['prefill'] + ms['other']:.2f}"
         lines.append(f"| {name} | {e['tok_s']['median']:.0f} | {e['speedup']:.2f}x | {acc} | {mal} | {same} | "
-                     f"{theo} | {ratio} |")
-    return lines + [""]
+                     f"{theo} | {ratio} | {ratio_v} | {split} |")
+    return lines + ["", "Rest = prefill + the engine's own work per step (scheduling, KV bookkeeping, "
+                    "detokenizing); the three add up to the time per generated token.", ""]
 
 
 def costs_table(r: dict) -> list[str]:

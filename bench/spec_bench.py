@@ -6,7 +6,11 @@
 
 Every configuration runs in one engine (reconfigured between runs, same weights), the
 configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
-Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)).
+Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)), which
+counts a verify pass of K + 1 tokens as costing one decode step; the same bound with the measured
+verify cost v (target pass of K + 1 tokens / of 1 token) is (1 - a^(K+1)) / ((1 - a)(K c + v)).
+Each configuration's time per generated token is split by engine phase (draft passes, target
+passes, prefill, the engine's own bookkeeping): where the time goes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 
 import torch
 
-from bench.common import add_model_options, interleave, summarize, write
+from bench.common import PHASES, add_model_options, generate_each, interleave, summarize, write
 from bench.workloads import load_prompts
 
 
@@ -54,11 +58,11 @@ def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, 
     return out
 
 
-def theoretical(alpha: float, k: int, c: float) -> float:
+def theoretical(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     if k == 0:
         return 1.0
     tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    return tokens / (k * c + verify_cost)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         def go():
             runner.reconfigure(**cfg)
             t0 = time.perf_counter()
-            outs = [llm.generate(p, params)[0] for p in prompts]
+            outs, phase_seconds = generate_each(llm, prompts, params)
             dt = time.perf_counter() - t0
             n = sum(len(o.token_ids) for o in outs)
             drafted = sum(o.num_draft_tokens for o in outs)
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
             # per-token acceptance (the paper's alpha): rounds end at the first rejection
             rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
             return {"tok_s": n / dt, "tokens": [o.token_ids for o in outs], "drafted": drafted,
-                    "accepted": accepted, "rounds": rounds, "rejections": rejections}
+                    "accepted": accepted, "rounds": rounds, "rejections": rejections,
+                    "ms_per_token": {ph: sec * 1e3 / n for ph, sec in phase_seconds.items()}}
         return go
 
     runs = interleave({name: run(cfg) for name, cfg in configs.items()}, args.repeats, f"{args.workload} configs")
@@ -127,10 +132,17 @@ def main(argv: list[str] | None = None) -> None:
                  "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
                  # share of (prompt, repeat) greedy outputs equal to plain's, token for token
                  "identical_to_plain": statistics.fmean(a == b for r in rs for a, b in zip(r["tokens"], reference))
-                 if args.temperature == 0 else None}
+                 if args.temperature == 0 else None,
+                 # median over repeats of each phase's milliseconds per generated token
+                 "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
         if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
             entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
+            verify_cost = costs["1"]["verify_ratio"].get(k + 1)
+            if verify_cost is not None:
+                entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, c, verify_cost)
+                entry["measured_over_theoretical_verify_cost"] = \
+                    entry["speedup"] / entry["theoretical_speedup_verify_cost"]
         table[name] = entry
         theo = f"  theory {entry['theoretical_speedup']:.2f}x ({entry['measured_over_theoretical']:.0%})" \
             if "theoretical_speedup" in entry else ""

@@ -54,6 +54,13 @@ PANELS = [
     ("Current K", "short",
      [(f"max by (replica)(ray_specserve_spec_k{SEL})", "{{replica}}")],
      "Proposed tokens per round chosen by the policy for the last decode step (0 = plain decode)."),
+    ("Engine time by phase", "percentunit",
+     [(f"{rate('specserve_engine_seconds_total', 'phase')} / scalar(count(count by (replica)"
+       f"(ray_specserve_running_requests{SEL})))", "{{phase}}")],
+     "Share of each replica's wall time its engine steps spent per phase (averaged over replicas): "
+     "draft passes, target decode/verify passes, prefill, and the engine's own bookkeeping. Below 100% "
+     "in all = idle. Where speculation's time goes: a large draft share with low acceptance says "
+     "K is too high."),
     ("Time to first token", "s",
      [(quantile(q, "specserve_time_to_first_token_seconds"), f"p{int(q * 100)}") for q in (0.5, 0.95, 0.99)],
      "Arrival to first token, quantiles over the rate window."),

@@ -13,6 +13,7 @@ from engine.config import EngineConfig, SamplingParams, with_embedded_defaults
 from engine.detokenize import IncrementalText
 from engine.kernel_caches import bound_kernel_caches
 from engine.kv import make_pool
+from engine.metrics import PhaseSeconds
 from engine.model.llama import Llama
 from engine.model.loader import load_llama, resolve_model_path
 from engine.model.tokenizer import Tokenizer
@@ -61,6 +62,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
         self.last_step_preemptions = 0
+        self.last_step_phases = PhaseSeconds()  # where the last step's wall time went
         # test-only fault injection: called with each request as its new tokens are processed
         self.fault_hook: Callable[[Request], None] | None = None
 
@@ -134,6 +136,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.last_step_preemptions = len(batch.preempted)
         self.num_preemptions_total += len(batch.preempted)
+        self.last_step_phases = PhaseSeconds()
         if batch.empty:
             return []
         new_tokens = self.runner.step(batch)
@@ -151,9 +154,13 @@ class LLMEngine:
                 if not req.is_finished:
                     req.error = f"{type(exc).__name__}: {exc}"
                     outputs.append(self._finish(req, "error", ""))
+        seconds = time.perf_counter() - t0
+        phases = self.runner.last_phases
+        phases.other = max(0.0, seconds - phases.prefill - phases.draft - phases.target)
+        self.last_step_phases = phases
         observe = getattr(self.runner, "observe_step_seconds", None)
         if observe is not None:  # the adaptive policy's per-step overhead
-            observe(time.perf_counter() - t0)
+            observe(seconds)
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:

@@ -73,6 +73,10 @@ METRICS: tuple[MetricSpec, ...] = (
                ("model", "pool")),
     MetricSpec("specserve_spec_k", "gauge", "Tokens proposed per round chosen for the last decode step (0 = plain).",
                unit="tokens"),
+    MetricSpec("specserve_engine_seconds_total", "counter",
+               "Engine step wall time by phase: prefill (prompt passes), draft (proposing, the draft's catch-up "
+               "included), target (decode or verify pass with sampling and acceptance), other (scheduling, KV "
+               "bookkeeping, detokenizing, stop checks).", ("model", "phase"), "seconds"),
 )
 METRIC_BY_NAME = {m.name: m for m in METRICS}
 
@@ -97,8 +101,23 @@ class DecodeStepStats:
     accepted_per_round: list[int] = field(default_factory=list)  # one entry per speculating request
     rows_without_proposal: int = 0
     num_tokens: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+
+
+Phase = Literal["prefill", "draft", "target", "other"]
+
+
+@dataclass
+class PhaseSeconds:
+    """Where one engine step's wall time went (filled by the runner; `other` is what the engine
+    adds: the step's wall time minus the phases the runner timed)."""
+
+    prefill: float = 0.0  # target prompt passes and their first-token sampling
+    draft: float = 0.0  # proposing: draft passes (catch-up and lazy prefill included), n-gram lookups
+    target: float = 0.0  # the target's decode or verify pass, sampling and acceptance
+    other: float = 0.0
+
+    def items(self) -> list[tuple[Phase, float]]:
+        return [("prefill", self.prefill), ("draft", self.draft), ("target", self.target), ("other", self.other)]
 
 
 class InMemoryRecorder:
@@ -165,6 +184,9 @@ class StepMetrics:
         stats: DecodeStepStats | None = getattr(engine.runner, "last_decode", None)
         if stats is not None and stats.batch_size:
             self._on_decode(stats)
+        for phase, seconds in engine.last_step_phases.items():
+            if seconds > 0:
+                rec.inc("specserve_engine_seconds_total", seconds, self._labels(phase=phase))
         if engine.last_step_preemptions:
             rec.inc("specserve_preemptions_total", engine.last_step_preemptions, base)
         rec.set("specserve_running_requests", engine.num_running(), base)

@@ -7,11 +7,13 @@ the scheduler's `KVAllocator`; the speculative runner extends it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.kv import CachePool, OutOfKVCache
 from engine.kv.protocol import power_of_two_at_least
-from engine.metrics import DecodeStepStats
+from engine.metrics import DecodeStepStats, PhaseSeconds
 from engine.model.llama import Llama
 from engine.request import Request
 from engine.sampling import greedy_or_sample
@@ -74,6 +76,7 @@ class ContinuousRunner:
         self.pool = pool
         self.device = model.device
         self.last_decode: DecodeStepStats | None = None  # what the last step's decode did
+        self.last_phases = PhaseSeconds()  # where the last step's time went (the engine fills `other`)
 
     # --- KVAllocator -------------------------------------------------------------------
     def allocate(self, request: Request) -> bool:
@@ -101,8 +104,11 @@ class ContinuousRunner:
         """Runs one scheduled batch; returns the new tokens of each request, in order."""
         out: list[tuple[Request, list[int]]] = []
         self.last_decode = None
+        self.last_phases = PhaseSeconds()
         if batch.prefill:
+            t0 = time.perf_counter()
             out.extend(self._prefill(batch.prefill))
+            self.last_phases.prefill = time.perf_counter() - t0
         if batch.decode:
             out.extend(self._decode(batch.decode))
         return out
@@ -129,6 +135,7 @@ class ContinuousRunner:
         return [(r, [t]) for r, t in zip(done, tokens)]
 
     def _decode(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        t0 = time.perf_counter()
         logits = forward_chunks(self.model, self.pool, [r.slot for r in reqs],
                                      [[r.output_token_ids[-1]] for r in reqs],
                                      [r.num_computed_tokens for r in reqs])  # [B, vocab]
@@ -136,6 +143,7 @@ class ContinuousRunner:
             r.num_computed_tokens += 1
         tokens = greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
                                   [r.generator for r in reqs])
+        self.last_phases.target += time.perf_counter() - t0
         self.last_decode = DecodeStepStats(batch_size=len(reqs), num_tokens=len(reqs))
         return [(r, [t]) for r, t in zip(reqs, tokens)]
 

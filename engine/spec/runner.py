@@ -238,7 +238,8 @@ class SpeculativeRunner(ContinuousRunner):
             ks = self._probe_one(reqs, ks)
         t0 = time.perf_counter()
         proposals, q, sources, drafted = self._propose(reqs, ks)
-        stats.draft_seconds = time.perf_counter() - t0
+        draft_seconds = time.perf_counter() - t0
+        self.last_phases.draft += draft_seconds
         ks = [len(p) for p in proposals]
         if max(ks) == 0:
             out = super()._decode(reqs)
@@ -252,9 +253,10 @@ class SpeculativeRunner(ContinuousRunner):
                                 starts, all_logits=True)  # [N, T, V], T = max(ks) + 1
         k_max = max(ks)
         num_accepted, final = self._accept(reqs, proposals, ks, q, logits)
-        stats.verify_seconds = time.perf_counter() - t1
-        self.costs.target.observe(len(reqs), k_max + 1, stats.verify_seconds)
-        self._model_seconds = stats.draft_seconds + stats.verify_seconds
+        verify_seconds = time.perf_counter() - t1
+        self.last_phases.target += verify_seconds
+        self.costs.target.observe(len(reqs), k_max + 1, verify_seconds)
+        self._model_seconds = draft_seconds + verify_seconds
         if drafted is not None:  # a round's draft cost: first pass + steps (lazy prefill apart)
             draft_rows = len(drafted.tokens)
             if drafted.catch_up_tokens:

@@ -119,6 +119,37 @@ def test_cli_flags_map_to_config():
             args.spec_policy) == (True, "d", 3, "hybrid", "fixed")
 
 
+def _phase_totals(rec) -> dict[str, float]:
+    return {p: rec.total("specserve_engine_seconds_total", phase=p) for p in ("prefill", "draft", "target", "other")}
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
+    """Every step's wall time lands in exactly one phase; drafting shows up only when speculating."""
+    import time
+
+    from engine.metrics import InMemoryRecorder, StepMetrics
+
+    llm = spec_llm(tiny_model[0], tiny_draft[0], use_speculative_decoding=speculative)
+    eng = llm.engine
+    rec = InMemoryRecorder()
+    metrics = StepMetrics(rec, "m")
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    outer = 0.0
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        outer += time.perf_counter() - t0
+        step = dict(eng.last_step_phases.items())
+        assert all(v >= 0 for v in step.values())
+        metrics.on_step(eng, outs)
+    totals = _phase_totals(rec)
+    assert totals["prefill"] > 0 and totals["target"] > 0 and totals["other"] > 0
+    assert (totals["draft"] > 0) == speculative
+    assert sum(totals.values()) <= outer  # the phases partition each step's own wall time
+
+
 def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
     from engine.metrics import METRIC_BY_NAME, InMemoryRecorder, StepMetrics
 
