@@ -22,7 +22,7 @@ from collections import Counter
 
 import torch
 
-from bench.common import interleave, parser, summarize, write
+from bench.common import PHASES, interleave, parser, summarize, write
 from bench.workloads import load_prompts
 
 VARIANTS = {
@@ -42,6 +42,7 @@ def run_batch(llm, prompts: list[str], params) -> dict:
     seen = engine.runner.last_decode
     started: set[str] = set()  # requests with their first token
     window_tokens, window_seconds, window_steps = 0, 0.0, 0
+    window_phases = dict.fromkeys(PHASES, 0.0)  # where the window's step time went
     window = "before"  # "before" the last first token, "open" while all are in flight, "closed"
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -52,6 +53,8 @@ def run_batch(llm, prompts: list[str], params) -> dict:
             window_tokens += len(outputs)
             window_seconds += seconds
             window_steps += 1
+            for phase, sec in engine.last_step_phases.items():
+                window_phases[phase] += sec
         if any(o.finished for o in outputs):
             window = "closed"
         elif window == "before":
@@ -70,6 +73,8 @@ def run_batch(llm, prompts: list[str], params) -> dict:
     total = sum(len(o.token_ids) for o in outs)
     return {"tok_s": window_tokens / window_seconds if window_seconds else total / dt,
             "tok_s_end_to_end": total / dt, "window_steps": window_steps, "k_steps": dict(ks),
+            "window_ms_per_token": {ph: sec * 1e3 / window_tokens for ph, sec in window_phases.items()}
+            if window_tokens else None,
             "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
             "tokens": [o.token_ids for o in outs]}
 
@@ -113,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             row[name] = {"tok_s": s, "vs_plain": s["median"] / plain, "tok_s_end_to_end": end_to_end,
                          "window_steps": statistics.median(r["window_steps"] for r in rs),
                          "acceptance": rs[0]["acceptance"],
+                         "window_ms_per_token": {ph: statistics.median(r["window_ms_per_token"][ph] for r in rs)
+                                                 for ph in PHASES} if all(r["window_ms_per_token"] for r in rs)
+                         else None,
                          "k_steps": {str(k): n for k, n in sorted(ks.items())},
                          "identical_to_plain": statistics.fmean(
                              a == b for r in rs for a, b in zip(r["tokens"], runs["plain"][0]["tokens"]))}
