@@ -6,7 +6,9 @@
 
 Every configuration runs in one engine (reconfigured between runs, same weights), the
 configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
-Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)), which
+Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)), with c
+the draft's forward time over the target's at batch 1 (re-measured between the configurations
+of every repeat; medians), which
 counts a verify pass of K + 1 tokens as costing one decode step; the same bound with the measured
 verify cost v (target pass of K + 1 tokens / of 1 token) is (1 - a^(K+1)) / ((1 - a)(K c + v)).
 Each configuration's time per generated token is split by engine phase (draft passes, target
@@ -56,6 +58,19 @@ def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, 
         row["verify_ratio"] = {t: row[f"target_T{t}"] / row["target_T1"] for t in range(1, max_t + 1)}
         out[str(b)] = row
     return out
+
+
+COSTS = "forward costs"  # the interleaved cost measurement among the configurations
+
+
+def interleaved_costs(rows: list[dict]) -> dict:
+    """Medians over repeats of the batch-1 costs measured between configurations: c (with its
+    range), the target and draft step times (ms) and the verify cost by T."""
+    cs = [r["c"] for r in rows]
+    return {"c": {"median": statistics.median(cs), "min": min(cs), "max": max(cs), "n": len(cs)},
+            "target_T1": statistics.median(r["target_T1"] for r in rows),
+            "draft_T1": statistics.median(r["draft_T1"] for r in rows),
+            "verify_ratio": {t: statistics.median(r["verify_ratio"][t] for r in rows) for t in rows[0]["verify_ratio"]}}
 
 
 def theoretical(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
@@ -117,10 +132,20 @@ def main(argv: list[str] | None = None) -> None:
                     "ms_per_token": {ph: sec * 1e3 / n for ph, sec in phase_seconds.items()}}
         return go
 
-    runs = interleave({name: run(cfg) for name, cfg in configs.items()}, args.repeats, f"{args.workload} configs")
+    def forward_costs():
+        return measure_costs(llm, batch_sizes=(1,), repeats=9)["1"]
+
+    # the batch-1 forward costs are re-measured between the configurations of every repeat: the
+    # theory's c and verify costs come from the same stretch of time as the speeds they judge
+    # (one measurement at the start can catch a slow moment of a shared host)
+    variants = {COSTS: forward_costs, **{name: run(cfg) for name, cfg in configs.items()}}
+    runs = interleave(variants, args.repeats, f"{args.workload} configs")
+    in_run = interleaved_costs(runs.pop(COSTS))
     plain = summarize(runs["plain"], "tok_s")["median"]
     reference = runs["plain"][0]["tokens"]
-    c = costs["1"]["c"]
+    c = in_run["c"]["median"]
+    print(f"batch 1, measured between configurations: c = {c:.3f} (range {in_run['c']['min']:.3f} to "
+          f"{in_run['c']['max']:.3f}), target T=1 {in_run['target_T1']:.2f} ms, draft step {in_run['draft_T1']:.2f} ms")
     table = {}
     for name, rs in runs.items():
         s = summarize(rs, "tok_s")
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
             entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
-            verify_cost = costs["1"]["verify_ratio"].get(k + 1)
+            verify_cost = in_run["verify_ratio"].get(k + 1)
             if verify_cost is not None:
                 entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, c, verify_cost)
                 entry["measured_over_theoretical_verify_cost"] = \
@@ -150,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "costs": costs, "results": table})
+        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "results": table})
     print(f"wrote {path}")
 
 
