@@ -31,7 +31,10 @@ step to step.
 
 Plain decode produces no new evidence about the proposer (its cost, its acceptance), so after
 `probe_every` consecutive plain steps the policy takes one step with the best K > 0 ("probe"):
-estimates that were too pessimistic, or a workload that changed, are noticed.
+estimates that were too pessimistic, or a workload that changed, are noticed. A probe is not
+free (the whole batch's target pass widens to K + 1 tokens for one request's proposals), so
+each probe that leaves the verdict at plain decoding doubles the wait before the next one, up
+to `MAX_PROBE_BACKOFF` times `probe_every`; a step that speculates on its merits resets it.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ class Choice:
 
 
 class SpecPolicy:
+    MAX_PROBE_BACKOFF = 8  # probes at least every probe_every * this many plain steps
+
     def __init__(self, costs: Costs, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.05,
                  probe_every: int = 32):
@@ -153,6 +158,7 @@ class SpecPolicy:
         self.hysteresis = hysteresis
         self._last_k = spec_length
         self.probe_every = probe_every
+        self._probe_wait = probe_every  # plain steps before the next probe (doubles per fruitless probe)
         self._plain_streak = 0  # consecutive adaptive choices of K = 0
 
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
@@ -212,10 +218,12 @@ class SpecPolicy:
         self._last_k = best
         if best == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:
+            if self._plain_streak >= self._probe_wait:
                 self._plain_streak = 0
+                self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.probe_every)
                 probe = max(range(1, k_max + 1), key=scores.get)
                 return Choice(probe, "probe", scores)
         else:
             self._plain_streak = 0
+            self._probe_wait = self.probe_every
         return Choice(best, "policy", scores)

@@ -50,16 +50,20 @@ def test_speculates_when_verify_is_nearly_free_and_falls_back_when_expensive():
     assert low_alpha.k <= 1
 
 
-def test_a_long_run_of_plain_steps_is_broken_by_one_probe():
-    """K = 0 brings no new evidence about the proposer, so the policy probes now and then."""
+def test_a_long_run_of_plain_steps_is_broken_by_probes_further_and_further_apart():
+    """K = 0 brings no new evidence about the proposer, so the policy probes now and then; each
+    probe that leaves the verdict at plain decoding doubles the wait, up to a bound."""
     policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=4)
-    choices = [policy.choose([0.05], [100]) for _ in range(9)]
-    assert [c.k == 0 for c in choices] == [True, True, True, False, True, True, True, False, True]
+    choices = [policy.choose([0.05], [100]) for _ in range(4 + 8 + 16 + 32 + 32 + 1)]
+    probes = [i for i, c in enumerate(choices) if c.k > 0]
+    assert probes == [3, 11, 27, 59, 91]  # waits 4, 8, 16, 32 and 32 (4 * MAX_PROBE_BACKOFF)
+    assert SpecPolicy.MAX_PROBE_BACKOFF == 8
     probe = choices[3]
     assert probe.reason == "probe" and probe.k == max(range(1, 6), key=probe.goodput.get)
-    # a step that speculates on its merits resets the count
+    # a step that speculates on its merits resets the count and the wait
     assert policy.choose([0.95], [100]).k > 0
-    assert [policy.choose([0.05], [100]).reason for _ in range(3)] == ["policy"] * 3
+    after = [policy.choose([0.05], [100]) for _ in range(4)]
+    assert [c.reason for c in after] == ["policy"] * 3 + ["probe"]
 
 
 def test_per_step_overhead_favours_longer_rounds():
