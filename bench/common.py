@@ -106,12 +106,11 @@ def batch1_llm(target: str, draft: str, vocab_size: int | None):
                max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size)
 
 
-PHASES = ("prefill", "draft", "target", "other")  # engine.metrics.PhaseSeconds
-
-
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
     wall time went (engine.metrics.PhaseSeconds). Returns the outputs and seconds per phase."""
+    from engine.metrics import PHASES
+
     eng = llm.engine
     seconds = dict.fromkeys(PHASES, 0.0)
     outs = []

@@ -49,14 +49,10 @@ def engine_vs_hf(r: dict) -> list[str]:
 
 def spec(r: dict) -> list[str]:
     m = r["machine"]
-    if "costs_interleaved" in r:  # measured between the configurations of every repeat
-        costs = r["costs_interleaved"]
-        c = (f"c = {costs['c']['median']:.3f}, range {costs['c']['min']:.3f} to {costs['c']['max']:.3f} over "
-             f"the repeats ({costs['draft_T1']:.2f} ms draft step / {costs['target_T1']:.2f} ms target step, "
-             "forward passes alone, measured between the configurations)")
-    else:
-        costs = r["costs"]["1"]
-        c = f"c = {costs['c']:.3f} ({costs['draft_T1']:.2f} ms draft step / {costs['target_T1']:.2f} ms target step)"
+    costs = r["costs_interleaved"]  # batch 1, measured between the configurations of every repeat
+    c = (f"c = {costs['c']['median']:.3f}, range {costs['c']['min']:.3f} to {costs['c']['max']:.3f} over "
+         f"the repeats ({costs['draft_T1']:.2f} ms draft step / {costs['target_T1']:.2f} ms target step, "
+         "forward passes alone, measured between the configurations)")
     lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
              f"interleaved runs; {c}, {_host(m)}, {m['threads']} threads "

@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from bench.common import PHASES, add_model_options, generate_each, interleave, summarize, write
+from bench.common import add_model_options, generate_each, interleave, summarize, write
 from bench.workloads import load_prompts
+from engine.metrics import PHASES
 
 
 def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 15) -> dict:

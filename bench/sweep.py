@@ -22,8 +22,9 @@ from collections import Counter
 
 import torch
 
-from bench.common import PHASES, interleave, parser, summarize, write
+from bench.common import interleave, parser, summarize, write
 from bench.workloads import load_prompts
+from engine.metrics import PHASES
 
 VARIANTS = {
     "plain": {"enabled": False},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -104,6 +104,7 @@ class DecodeStepStats:
 
 
 Phase = Literal["prefill", "draft", "target", "other"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class PhaseSeconds:
     other: float = 0.0
 
     def items(self) -> list[tuple[Phase, float]]:
-        return [("prefill", self.prefill), ("draft", self.draft), ("target", self.target), ("other", self.other)]
+        return [(phase, getattr(self, phase)) for phase in PHASES]
 
 
 class InMemoryRecorder:
