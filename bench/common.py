@@ -81,6 +81,8 @@ def add_model_options(ap) -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="the draft scores only this many of its most frequent tokens (the engine's "
                          "draft_vocab_size; default: the whole vocabulary)")
+    ap.add_argument("--draft-quantization", choices=["int8", "none"], default="int8",
+                    help="the draft's narrow passes on int8 weight copies (the engine's draft_quantization)")
 
 
 def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
@@ -97,13 +99,14 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     return go
 
 
-def batch1_llm(target: str, draft: str, vocab_size: int | None):
+def batch1_llm(target: str, draft: str, vocab_size: int | None, quantization: str = "int8"):
     """Our engine with both models for batch-1 comparisons (prefix caching off: repeats of the
     same prompt must not get cheaper)."""
     from engine import LLM
 
     return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
-               max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size)
+               max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size,
+               draft_quantization=quantization)
 
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:

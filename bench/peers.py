@@ -33,6 +33,8 @@ OURS_VARIANTS = {
     "ours hybrid (adaptive)": {"enabled": True, "method": "hybrid", "spec_length": 8, "policy": "adaptive"},
 }
 
+FLOAT_DRAFT_VARIANT = "ours draft (adaptive, float draft)"  # draft_quantization="none"
+
 
 def main(argv: list[str] | None = None) -> None:
     args = parser("peers", __doc__, tokens=96, workloads=True).parse_args(argv)
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
     for m in (hf_target, hf_draft):
         m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
-    llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size)
+    llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size, args.draft_quantization)
+    # the draft as transformers runs it (float weights), to separate that gain from the engine's
+    float_llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size, "none") \
+        if args.draft_quantization != "none" else None
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
             return go
 
         variants = {name: ours_variant(llm, cfg, prompts, params) for name, cfg in OURS_VARIANTS.items()}
+        if float_llm is not None:
+            variants[FLOAT_DRAFT_VARIANT] = ours_variant(float_llm, OURS_VARIANTS["ours draft (adaptive)"], prompts, params)
         variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
         for fn in variants.values():  # warm-up: kernels, prefix-free caches
             fn()
@@ -94,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         results[workload] = {"results": table, "ours_plain_matches_transformers_plain":
                              ours_vs_hf / sum(map(len, base["ours"]))}
     path = write("peers", {"prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
-                           "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0, "workloads": results})
+                           "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0,
+                           "draft_quantization": args.draft_quantization, "workloads": results})
     print(f"wrote {path}")
 
 

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
+              draft_quantization=args.draft_quantization,
               use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
     costs = measure_costs(llm)
     for b, row in costs.items():
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "results": table})
+        "repeats": args.repeats, "draft_quantization": args.draft_quantization, "costs": costs, "costs_interleaved": in_run, "results": table})
     print(f"wrote {path}")
 
 

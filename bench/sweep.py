@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if max(args.batches) > len(pool):
         raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
     llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
+              draft_quantization=args.draft_quantization,
               use_speculative_decoding=True,
               max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row['draft adaptive']['k_steps']}")
     path = write("sweep", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
-                           "variants": VARIANTS, "results": results})
+                           "draft_quantization": args.draft_quantization, "variants": VARIANTS, "results": results})
     print(f"wrote {path}")
 
 

@@ -18,6 +18,7 @@ BatchingMode = Literal["continuous", "static"]
 SpecMethod = Literal["draft", "ngram", "hybrid"]
 SpecPolicy = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
+DraftQuantization = Literal["none", "int8"]
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -73,6 +74,10 @@ class EngineConfig:
     # the draft scores only this many of the most frequent tokens (ranking: token_ranking.json
     # beside the draft checkpoint); None scores the whole vocabulary. Exact either way.
     draft_vocab_size: int | None = None
+    # "int8": the draft's narrow passes (its steps at small batches) read int8 copies of its
+    # weights where the kernel exists (CPU): cheaper steps, slightly lower acceptance. Exact
+    # either way: only the target's pass and the rejection sampler decide the output.
+    draft_quantization: DraftQuantization = "int8"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -101,6 +106,7 @@ class EngineConfig:
         _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         if self.draft_vocab_size is not None:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
+        _check_choice("draft_quantization", self.draft_quantization, ("none", "int8"))
         if self.use_speculative_decoding:
             if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
                 raise ValueError(

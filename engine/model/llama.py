@@ -12,12 +12,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from engine.kv.protocol import AttentionGroup, KVView
+from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
 
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
@@ -42,6 +43,13 @@ def _transposed_linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 # float32, one row: a packed call costs ~25 us however small the matrix (256x256: 32 us packed,
 # 8 us plain; 1408x256: 52 vs 32 us; 1024x512: 53 vs 49 us; 2816x512: 97 vs 120 us).
 SINGLE_ROW_PLAIN_MAX_ELEMENTS = 1 << 19
+
+
+# Draft passes over at most this many rows (batch x tokens) run on int8 weights when asked
+# (Llama's int8_few_rows). Measured in place on an AVX2 CPU (the shipped draft, a target verify
+# pass between draft passes), int8 / float32 time: 1 row 0.69, 2 rows 0.66-0.73, 4 rows
+# 0.77-0.80, 6 rows 0.91, 8 rows 0.94, 16 rows 1.09: wide passes are compute-bound.
+INT8_MAX_ROWS = 8
 
 
 class LayerKernels(NamedTuple):
@@ -159,12 +167,24 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
 
 
+class FewRowPath(NamedTuple):
+    """What passes over at most `max_rows` rows (batch x tokens) multiply with: per-layer weights
+    (norms shared with the model's own layers), the kernel for each, and the output layer."""
+
+    max_rows: int
+    layers: list[LayerWeights]
+    kernels: LayerKernels
+    lm_head: Any  # a tensor, or an Int8Weight
+    lm_head_kernel: Callable[[torch.Tensor, Any], torch.Tensor]
+
+
 class Llama:
     """Functional Llama over explicit weights. Thread-compatible, holds no per-request state."""
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int,
-                 output_ids: torch.Tensor | None = None, row_invariant: bool = True):
+                 output_ids: torch.Tensor | None = None, row_invariant: bool = True,
+                 int8_few_rows: bool = False):
         """output_ids [V'] (sorted, unique): score only these tokens; every other logit is -inf.
         A draft model restricted to frequent tokens reads a fraction of its output layer.
 
@@ -172,7 +192,11 @@ class Llama:
         pass. A target must keep it (its greedy tokens under speculation, computed in verify
         passes of K + 1 rows, must equal plain decoding's one-row passes). A draft may drop it:
         its proposals only change how many tokens are accepted, never which, so its one-row
-        passes may take faster kernels whose rounding differs from the multi-row ones."""
+        passes may take faster kernels whose rounding differs from the multi-row ones.
+
+        int8_few_rows (needs row_invariant=False): passes over at most INT8_MAX_ROWS rows (a
+        draft's steps and a round's first pass) multiply int8 copies of the weights (see
+        engine.model.int8), where the kernel exists (CPU); other passes keep the full weights."""
         self.shape = shape
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
@@ -193,15 +217,21 @@ class Llama:
         self.sin = signed.to(self.dtype).to(self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
         self._num_parameters = self._count_parameters()
+        if int8_few_rows and row_invariant:
+            raise ValueError("int8_few_rows needs row_invariant=False: only a draft may run on int8 weights")
         self._linear = F.linear
-        # one-row passes (draft decode steps): their own weights and kernels, or None = as any pass
-        self._single_row: tuple[list[LayerWeights], LayerKernels] | None = None
+        # passes over few rows (draft steps): their own weights and kernels, or None = as any pass
+        self._few_rows: FewRowPath | None = None
+        int8 = int8_few_rows and int8_matmul_available(self.device.type)
+        if int8:
+            self._few_rows = self._int8_path()
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and cpu_packs(self.dtype):
-            transposed = self._small_matrices_transposed() if not row_invariant and self.dtype == torch.float32 else None
+            transposed = self._small_matrices_transposed() \
+                if not row_invariant and not int8 and self.dtype == torch.float32 else None
             self._pack_for_cpu()
             if transposed and transposed[0]:
-                self._single_row = self._single_row_layers(transposed)
-        # the layers' matmuls in every pass (a draft's one-row passes take `_single_row`'s)
+                self._few_rows = self._single_row_path(transposed)
+        # the layers' matmuls in every pass (a draft's few-row passes take `_few_rows`')
         self._kernels = LayerKernels(*[self._linear] * len(LayerKernels._fields))
 
     def _pack_for_cpu(self) -> None:
@@ -222,12 +252,21 @@ class Llama:
                  if getattr(self.layers[0], n).numel() <= SINGLE_ROW_PLAIN_MAX_ELEMENTS]
         return [{n: getattr(lw, n).t().contiguous() for n in small} for lw in self.layers]
 
-    def _single_row_layers(self, transposed: list[dict[str, torch.Tensor]]) -> tuple[list[LayerWeights], LayerKernels]:
-        """The one-row passes' layers: the transposed small matrices, the packed large ones
-        and the norms shared with `self.layers`."""
+    def _single_row_path(self, transposed: list[dict[str, torch.Tensor]]) -> FewRowPath:
+        """The one-row passes: the transposed small matrices, the packed large ones and the
+        norms shared with `self.layers`; the packed output layer."""
         plain = set(transposed[0])
         kernels = LayerKernels(*(_transposed_linear if n in plain else _packed_linear for n in LayerKernels._fields))
-        return [LayerWeights(**{**vars(lw), **t}) for lw, t in zip(self.layers, transposed)], kernels
+        layers = [LayerWeights(**{**vars(lw), **t}) for lw, t in zip(self.layers, transposed)]
+        return FewRowPath(1, layers, kernels, self.lm_head, _packed_linear)
+
+    def _int8_path(self) -> FewRowPath:
+        """Passes of up to INT8_MAX_ROWS rows on int8 copies of every matmul weight (taken
+        before packing), the output layer included."""
+        layers = [LayerWeights(**{**vars(lw), **{n: quantize_int8(getattr(lw, n)) for n in LayerKernels._fields}})
+                  for lw in self.layers]
+        kernels = LayerKernels(*[int8_linear] * len(LayerKernels._fields))
+        return FewRowPath(INT8_MAX_ROWS, layers, kernels, quantize_int8(self.lm_head), int8_linear)
 
     @property
     def num_parameters(self) -> int:
@@ -307,7 +346,8 @@ class Llama:
         sin = self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
         groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        layers, mm = (self.layers, self._kernels) if B * T > 1 or self._single_row is None else self._single_row
+        few = self._few_rows if self._few_rows is not None and B * T <= self._few_rows.max_rows else None
+        layers, mm = (self.layers, self._kernels) if few is None else (few.layers, few.kernels)
         for i, lw in enumerate(layers):
             x = self._rms_norm(h, lw.attn_norm)
             qkv = mm.qkv(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
@@ -324,7 +364,8 @@ class Llama:
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)
-        logits = self._linear(h, self.lm_head).float()  # [B, (T,) vocab], or [B, (T,) V'] if restricted
+        head, head_kernel = (self.lm_head, self._linear) if few is None else (few.lm_head, few.lm_head_kernel)
+        logits = head_kernel(h, head).float()  # [B, (T,) vocab], or [B, (T,) V'] if restricted
         if self.output_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], s.vocab_size), float("-inf"))  # [B, (T,) vocab]

@@ -215,6 +215,8 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
         EngineConfig(use_speculative_decoding=True, draft_model="x", batching_mode="static")
     with pytest.raises(ValueError, match="spec_length"):
         EngineConfig(spec_length=0)
+    with pytest.raises(ValueError, match="draft_quantization"):
+        EngineConfig(draft_quantization="int4")
     with pytest.raises(FileNotFoundError, match="Hugging Face cache"):
         LLMEngine(EngineConfig(model="no-such-org/no-such-model"))
     # a bad request does not disturb the ones already queued

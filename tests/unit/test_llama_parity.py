@@ -150,7 +150,7 @@ def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_ker
     make_model(tmp_path, tok_dir, seed=4)
     invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256)
     draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False)
-    assert invariant._single_row is None and draft._single_row is not None
+    assert invariant._few_rows is None and draft._few_rows is not None and draft._few_rows.max_rows == 1
     torch.manual_seed(2)
     ids = torch.randint(0, invariant.shape.vocab_size, (40,)).tolist()
     out = {}
@@ -180,3 +180,60 @@ def test_float32_rms_norm_matches_torch_and_rows_do_not_depend_on_the_batch(tmp_
     torch.testing.assert_close(full, F.rms_norm(x, (hidden,), w, eps=model.shape.rms_norm_eps), atol=1e-6, rtol=1e-6)
     for b, t in ((1, 1), (1, 6), (5, 1), (33, 7)):
         assert torch.equal(model._rms_norm(x[:b, :t], w), full[:b, :t])
+
+
+def test_int8_weights_round_trip_and_multiply_like_the_float_weights():
+    """Per-output-channel int8: every weight within half a step of its channel's scale, and the
+    int8 matmul (bf16 activations) close to the float product."""
+    from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
+
+    if not int8_matmul_available("cpu"):
+        pytest.skip("this torch has no int8 weight-only matmul on CPU")
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * torch.linspace(0.01, 3.0, 96)[:, None]  # [out, in], channels of very different size
+    q = quantize_int8(w)
+    assert q.q.dtype == torch.int8 and q.q.shape == (96, 64) and q.scales.shape == (96,)
+    dequant = q.q.float() * q.scales.float()[:, None]  # [out, in]
+    step = q.scales.float()[:, None]
+    assert ((dequant - w).abs() <= 0.5 * step + 1e-3 * w.abs()).all()
+    x = torch.randn(3, 5, 64)  # [..., in]
+    out = int8_linear(x, q)
+    assert out.shape == (3, 5, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ dequant.T, atol=0.05 * (x @ dequant.T).abs().max().item(), rtol=0.0)
+
+
+def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path, tok_dir):
+    """A draft loaded with int8_few_rows: passes of at most INT8_MAX_ROWS rows take the int8
+    weights (logits near the float ones, same greedy token); wider passes keep the float
+    weights, bit-identical to the row-invariant load. A target cannot ask for int8."""
+    from engine.model import llama as llama_module
+    from engine.model.int8 import Int8Weight, int8_matmul_available
+
+    if not int8_matmul_available("cpu"):
+        pytest.skip("this torch has no int8 weight-only matmul on CPU")
+    make_model(tmp_path, tok_dir, seed=4)
+    with pytest.raises(ValueError, match="int8_few_rows needs row_invariant=False"):
+        load_llama(tmp_path, "float32", "cpu", max_positions=256, int8_few_rows=True)
+    exact = load_llama(tmp_path, "float32", "cpu", max_positions=256)
+    draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False, int8_few_rows=True)
+    few = draft._few_rows
+    assert few is not None and few.max_rows == llama_module.INT8_MAX_ROWS
+    assert isinstance(few.lm_head, Int8Weight) and all(isinstance(lw.qkv, Int8Weight) for lw in few.layers)
+    torch.manual_seed(2)
+    ids = torch.randint(0, exact.shape.vocab_size, (40,)).tolist()
+    out = {}
+    for name, m in (("exact", exact), ("draft", draft)):
+        cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=1, max_seq_len=128)
+        pool = build_pool(cfg, m)
+        slot = pool.allocate_slot([])[0]
+        prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]: 30 rows
+        steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
+        out[name] = (prefill, torch.cat(steps))  # [10, vocab] one-row steps
+    assert torch.equal(out["draft"][0], out["exact"][0])
+    exact_steps, int8_steps = out["exact"][1], out["draft"][1]
+    assert not torch.equal(int8_steps, exact_steps)  # the int8 weights were used
+    scale = exact_steps.abs().max().item()
+    torch.testing.assert_close(int8_steps, exact_steps, atol=0.05 * scale, rtol=0.0)
+    top2 = exact_steps.topk(2, dim=-1).values  # [10, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale  # steps whose greedy token is not a near tie
+    assert torch.equal(int8_steps.argmax(-1)[clear], exact_steps.argmax(-1)[clear])

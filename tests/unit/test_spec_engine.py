@@ -22,7 +22,7 @@ def spec_llm(target, draft, **kw):
 
 def test_one_step_emits_several_outputs_per_request_in_order(tiny_model):
     path = str(tiny_model[0])
-    llm = spec_llm(path, path)  # draft == target: everything accepted
+    llm = spec_llm(path, path, draft_quantization="none")  # draft == target: everything accepted
     eng = llm.engine
     rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     first = eng.step()  # prefill -> first token

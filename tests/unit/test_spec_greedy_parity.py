@@ -29,12 +29,14 @@ def reference(tiny_model):
 
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("method,quantization", [("draft", "int8"), ("draft", "none"), ("ngram", "int8"),
+                                                 ("hybrid", "int8")])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, policy):
+def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, quantization, policy):
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
               speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
-              kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8)
+              kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
+              draft_quantization=quantization)
     alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
     batched = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in alone] == reference
@@ -54,7 +56,7 @@ def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, back
 def test_draft_identical_to_target_accepts_everything(tiny_model):
     path = str(tiny_model[0])
     llm = LLM(model=path, draft_model=path, use_speculative_decoding=True, spec_policy="fixed",
-              spec_length=4, dtype="float32", max_seq_len=160)
+              spec_length=4, dtype="float32", max_seq_len=160, draft_quantization="none")
     out = llm.generate(PROMPTS[0], greedy(21))[0]
     assert out.acceptance_rate == 1.0
     assert out.accepted_per_round == [4, 4, 4, 4]  # 4 rounds x 5 tokens, then 1 left: plain
