@@ -159,6 +159,9 @@ def rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
 
 @dataclass
 class LayerWeights:
+    """One decoder layer's weights (a FewRowPath's int8 copy holds Int8Weights in the four
+    matmul fields)."""
+
     attn_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
