@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from bench.common import RESULTS
+from engine.model.llama import INT8_MAX_ROWS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -35,6 +36,12 @@ def _host(m: dict) -> str:
     return f"{m['cpu']} ({m['cpu_capability']}, bf16 matmuls: {m['bf16_matmul']})"
 
 
+def _draft_weights(r: dict) -> str:
+    """Which weights the draft's narrow passes read (runs before the option was recorded: float)."""
+    q = r.get("draft_quantization", "none")
+    return "draft steps on int8 weights" if q == "int8" else "draft on float weights"
+
+
 def engine_vs_hf(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Plain decode, our engine vs transformers `generate`** — random-init {r['params_m']}M Llama, "
@@ -55,7 +62,7 @@ def spec(r: dict) -> list[str]:
          "forward passes alone, measured between the configurations)")
     lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
-             f"interleaved runs; {c}, {_host(m)}, {m['threads']} threads "
+             f"interleaved runs; {c}; {_draft_weights(r)}; {_host(m)}, {m['threads']} threads "
              f"(`python -m bench spec --workload {r['workload']}"
              f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
              "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) "
@@ -96,7 +103,9 @@ def peers(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Peers on the same weights** — the shipped pair in bf16, batch 1, greedy, {r['tokens']} new tokens, "
              f"{r['prompts']} held-out prompts per workload, medians of {r['repeats']} interleaved runs, "
-             f"{m['threads']} threads (`python -m bench peers`):", "",
+             f"{m['threads']} threads; ours: {_draft_weights(r)}"
+             f"{', except the float draft row' if r.get('draft_quantization') == 'int8' else ''} "
+             "(`python -m bench peers`):", "",
              "| workload | variant | tok/s | vs transformers plain | vs transformers assisted | same tokens as own plain |",
              "| --- | --- | --- | --- | --- | --- |"]
     for w, block in r["workloads"].items():
@@ -129,7 +138,9 @@ def sweep(r: dict) -> list[str]:
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
                "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
-             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {measure}:", "",
+             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {_draft_weights(r)}"
+             f"{f' (passes of up to {INT8_MAX_ROWS} rows: batch {INT8_MAX_ROWS} and below)' if r.get('draft_quantization') == 'int8' else ''}"
+             f"; {measure}:", "",
              "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |"
              + (" adaptive ÷ best, whole run |" if windowed else ""),
              "| --- |" + " --- |" * (len(names) + 2 + windowed)]
