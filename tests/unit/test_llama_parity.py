@@ -139,6 +139,19 @@ def test_packed_float32_rows_do_not_depend_on_the_batch():
         assert torch.equal(llama_module._packed_linear(x[:rows], packed), full[:rows])
 
 
+def _prefill_then_steps(model_dir, m) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same 40 random tokens through `m`: a 30-token prefill pass (all its logits,
+    [1, 30, vocab]) and then ten one-row decode steps ([10, vocab])."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, m.shape.vocab_size, (40,)).tolist()
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=1, max_seq_len=128)
+    pool = build_pool(cfg, m)
+    slot = pool.allocate_slot([])[0]
+    prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]
+    steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
+    return prefill, torch.cat(steps)  # [10, vocab]
+
+
 def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_kernels(tmp_path, tok_dir):
     """A model loaded with row_invariant=False (a draft) runs one-row passes through plain
     matmuls over transposed copies of its small matrices; its logits agree with the row-invariant
@@ -151,16 +164,7 @@ def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_ker
     invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256)
     draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False)
     assert invariant._few_rows is None and draft._few_rows is not None and draft._few_rows.max_rows == 1
-    torch.manual_seed(2)
-    ids = torch.randint(0, invariant.shape.vocab_size, (40,)).tolist()
-    out = {}
-    for name, m in (("invariant", invariant), ("draft", draft)):
-        cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=1, max_seq_len=128)
-        pool = build_pool(cfg, m)
-        slot = pool.allocate_slot([])[0]
-        prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]
-        steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
-        out[name] = (prefill, torch.cat(steps))  # [10, vocab] one-row decode steps
+    out = {name: _prefill_then_steps(tmp_path, m) for name, m in (("invariant", invariant), ("draft", draft))}
     assert torch.equal(out["draft"][0], out["invariant"][0])
     torch.testing.assert_close(out["draft"][1], out["invariant"][1], atol=1e-4, rtol=1e-4)
 
@@ -219,16 +223,7 @@ def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path
     few = draft._few_rows
     assert few is not None and few.max_rows == llama_module.INT8_MAX_ROWS
     assert isinstance(few.lm_head, Int8Weight) and all(isinstance(lw.qkv, Int8Weight) for lw in few.layers)
-    torch.manual_seed(2)
-    ids = torch.randint(0, exact.shape.vocab_size, (40,)).tolist()
-    out = {}
-    for name, m in (("exact", exact), ("draft", draft)):
-        cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=1, max_seq_len=128)
-        pool = build_pool(cfg, m)
-        slot = pool.allocate_slot([])[0]
-        prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]: 30 rows
-        steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
-        out[name] = (prefill, torch.cat(steps))  # [10, vocab] one-row steps
+    out = {name: _prefill_then_steps(tmp_path, m) for name, m in (("exact", exact), ("draft", draft))}
     assert torch.equal(out["draft"][0], out["exact"][0])
     exact_steps, int8_steps = out["exact"][1], out["draft"][1]
     assert not torch.equal(int8_steps, exact_steps)  # the int8 weights were used
