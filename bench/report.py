@@ -117,6 +117,25 @@ def peers(r: dict) -> list[str]:
     return lines + _img("peers")
 
 
+def draft_weights(r: dict) -> list[str]:
+    m = r["machine"]
+    res = r["results"]
+    lines = [f"**Int8 vs float32 draft weights** (`draft_quantization`) — workload `{r['workload']}`, "
+             f"{r['prompts']} held-out prompts, {r['tokens']} new tokens, batch 1, greedy, {r['repeats']} interleaved "
+             f"runs, {m['threads']} threads (`python -m bench draftq`); plain decoding: "
+             f"{res['plain']['tok_s']['median']:.0f} tok/s:", "",
+             "| setting | float32 draft tok/s | int8 draft tok/s | int8 ÷ float32 (median of per-run ratios, range) "
+             "| drafting, ms per token: float32 → int8 | acceptance float32 → int8 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for setting, ratio in r["int8_over_float"].items():
+        f, i = res[f"{setting} none"], res[f"{setting} int8"]
+        lines.append(f"| {setting} | {f['tok_s']['median']:.0f} | {i['tok_s']['median']:.0f} | "
+                     f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}) | "
+                     f"{f['ms_per_token']['draft']:.2f} → {i['ms_per_token']['draft']:.2f} | "
+                     f"{f['acceptance']:.3f} → {i['acceptance']:.3f} |")
+    return lines + [""]
+
+
 def llama_cpp(r: dict) -> list[str]:
     if r.get("status") != "measured":
         return [f"**llama.cpp**: {r.get('status')}", ""]
@@ -237,7 +256,8 @@ def build() -> str:
             first_spec = first_spec or r
     if first_spec is not None:
         out += costs_table(first_spec)
-    for name, fn in (("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep), ("http_load", http_load)):
+    for name, fn in (("peers", peers), ("draft_weights", draft_weights), ("llama_cpp", llama_cpp), ("sweep", sweep),
+                     ("http_load", http_load)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)
