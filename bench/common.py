@@ -81,21 +81,28 @@ def add_model_options(ap) -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="the draft scores only this many of its most frequent tokens (the engine's "
                          "draft_vocab_size; default: the whole vocabulary)")
-    ap.add_argument("--draft-quantization", choices=["int8", "none"], default="int8",
+    from typing import get_args
+
+    from engine.config import DraftQuantization
+
+    ap.add_argument("--draft-quantization", choices=get_args(DraftQuantization), default="int8",
                     help="the draft's narrow passes on int8 weight copies (the engine's draft_quantization)")
 
 
 def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     """One benchmark run of our engine: reconfigure speculation, decode the prompts one by one
-    (batch 1). Returns tokens/s, the tokens, and the acceptance rate (None without drafts)."""
+    (batch 1). Returns tokens/s, the tokens, the acceptance rate (None without drafts) and ms per
+    generated token in each engine phase (`generate_each`)."""
     def go() -> dict:
         llm.engine.runner.reconfigure(**spec)
         t0 = time.perf_counter()
-        outs = [llm.generate(p, params)[0] for p in prompts]
+        outs, seconds = generate_each(llm, prompts, params)
         dt = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
         drafted = sum(o.num_draft_tokens for o in outs)
-        return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tokens": [o.token_ids for o in outs],
-                "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None}
+        return {"tok_s": tokens / dt, "tokens": [o.token_ids for o in outs],
+                "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
+                "ms_per_token": {k: v / tokens * 1e3 for k, v in seconds.items()}}
     return go
 
 

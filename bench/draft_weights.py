@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from bench.common import batch1_llm, generate_each, interleave, parser, summarize, write
+from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
 from bench.workloads import load_prompts
 from engine.metrics import PHASES
 
@@ -28,24 +28,6 @@ SETTINGS = {
     "adaptive": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
 }
 WEIGHTS = ("none", "int8")  # draft_quantization values
-
-
-def variant(llm, spec: dict, prompts: list, params):
-    """One run: reconfigure, decode the prompts one by one; tokens/s, the tokens, the acceptance
-    rate and ms per generated token in each engine phase (drafting apart from the rest)."""
-    import time
-
-    def go() -> dict:
-        llm.engine.runner.reconfigure(**spec)
-        t0 = time.perf_counter()
-        outs, seconds = generate_each(llm, prompts, params)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(o.token_ids) for o in outs)
-        drafted = sum(o.num_draft_tokens for o in outs)
-        return {"tok_s": tokens / dt, "tokens": [o.token_ids for o in outs],
-                "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
-                "ms_per_token": {k: v / tokens * 1e3 for k, v in seconds.items()}}
-    return go
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,10 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     llms = {q: batch1_llm(args.target, args.draft, args.draft_vocab_size, q) for q in WEIGHTS}
     prompts = [llms["none"].engine.tokenizer.encode(p) for p in load_prompts(args.workload, args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    variants = {"plain": variant(llms["none"], {"enabled": False}, prompts, params)}
+    variants = {"plain": ours_variant(llms["none"], {"enabled": False}, prompts, params)}
     for setting, spec in SETTINGS.items():
         for q in WEIGHTS:
-            variants[f"{setting} {q}"] = variant(llms[q], spec, prompts, params)
+            variants[f"{setting} {q}"] = ours_variant(llms[q], spec, prompts, params)
     for fn in variants.values():  # warm-up: kernels, the adaptive policy's first measurements
         fn()
     runs = interleave(variants, args.repeats, f"draft weights ({args.workload})")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 DEFAULT_MODEL = "embedded:target"
 DEFAULT_DRAFT_MODEL = "embedded:draft"
@@ -106,7 +106,7 @@ class EngineConfig:
         _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         if self.draft_vocab_size is not None:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
-        _check_choice("draft_quantization", self.draft_quantization, ("none", "int8"))
+        _check_choice("draft_quantization", self.draft_quantization, get_args(DraftQuantization))
         if self.use_speculative_decoding:
             if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
                 raise ValueError(
