@@ -71,6 +71,9 @@ class EngineConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match only this long, else draft
+    # a prompt-lookup match of a single token proposes at most this many tokens (weak evidence;
+    # engine/spec/ngram.py says how 2 was chosen); set it to spec_length to disable the cut
+    ngram_one_token_match_max: int = 2
     # the draft scores only this many of the most frequent tokens (ranking: token_ranking.json
     # beside the draft checkpoint); None scores the whole vocabulary. Exact either way.
     draft_vocab_size: int | None = None
@@ -104,6 +107,7 @@ class EngineConfig:
         _check_int("ngram_max", self.ngram_max, 1, 64)
         _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
+        _check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
         if self.draft_vocab_size is not None:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
         _check_choice("draft_quantization", self.draft_quantization, get_args(DraftQuantization))

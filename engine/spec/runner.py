@@ -339,7 +339,8 @@ class SpeculativeRunner(ContinuousRunner):
             min_n = self.config.hybrid_ngram_min if self.method == "hybrid" else self.config.ngram_min
             for i, r in enumerate(reqs):
                 if ks[i] > 0:
-                    proposals[i] = ngram_propose(r.all_token_ids, ks[i], self.config.ngram_max, min_n)
+                    proposals[i] = ngram_propose(r.all_token_ids, ks[i], self.config.ngram_max, min_n,
+                                                 self.config.ngram_one_token_match_max)
                     if proposals[i]:
                         sources[i] = "ngram"
         q = None

@@ -97,6 +97,8 @@ def test_spec_config_validation():
         EngineConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="spec_policy"):
         EngineConfig(spec_policy="sometimes")
+    with pytest.raises(ValueError, match="ngram_one_token_match_max"):
+        EngineConfig(ngram_one_token_match_max=0)
 
 
 def test_reconfigure_changes_method_and_validates(tiny_model, tiny_draft):

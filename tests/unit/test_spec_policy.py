@@ -168,6 +168,14 @@ def test_ngram_prompt_lookup():
     assert ngram_propose(seq, 1, max_n=1, min_n=1) == [6]
 
 
+def test_ngram_cuts_what_follows_a_one_token_match():
+    seq = [5, 1, 2, 3, 4, 9, 8, 7, 5]  # only the last token (5) recurs
+    assert ngram_propose(seq, 5, max_n=4, min_n=1) == [1, 2, 3, 4, 9]
+    assert ngram_propose(seq, 5, max_n=4, min_n=1, one_token_match_max=2) == [1, 2]
+    seq = [5, 6, 1, 2, 3, 4, 9, 5, 6]  # a two-token match keeps its full length
+    assert ngram_propose(seq, 4, max_n=4, min_n=1, one_token_match_max=2) == [1, 2, 3, 4]
+
+
 def test_ngram_rows_cost_no_draft_forward():
     costs = MemoryBoundCosts(draft=5e-3)  # an expensive draft model
     with_draft = SpecPolicy(costs, spec_length=5, mode="adaptive").choose([0.6] * 4, [100] * 4)
