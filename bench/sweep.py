@@ -128,12 +128,17 @@ def main(argv: list[str] | None = None) -> None:
                              a == b for r in rs for a, b in zip(r["tokens"], runs["plain"][0]["tokens"]))}
         best_fixed = max((n for n in row if n != "draft adaptive"), key=lambda n: row[n]["tok_s"]["median"])
         row["adaptive_vs_best"] = row["draft adaptive"]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
+        # paired: each repeat's adaptive run over the same repeat's run of that best variant (the
+        # two ran minutes apart, not a whole sweep apart), so slow drifts of the host cancel
+        row["adaptive_vs_best_paired"] = summarize(
+            [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs["draft adaptive"], runs[best_fixed])], "r")
         row["best_fixed"] = best_fixed
         best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != "draft adaptive")
         row["adaptive_vs_best_end_to_end"] = row["draft adaptive"]["tok_s_end_to_end"]["median"] / best_e2e
         results[str(b)] = row
         print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
-              + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f}; "
+              + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
+              f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row['draft adaptive']['k_steps']}")
     path = write("sweep", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,

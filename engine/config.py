@@ -61,6 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     use_cuda_graphs: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    # the target's passes over one sequence (batch-1 decode and verify) on the hand-written CPU
+    # kernel (engine/model/kernels) where it builds; False keeps oneDNN's for every pass
+    cpu_one_sequence_kernels: bool = True
     # speculative decoding
     use_speculative_decoding: bool = False
     draft_model: str | None = None
@@ -99,6 +102,8 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
+        if not isinstance(self.cpu_one_sequence_kernels, bool):
+            raise ValueError(f"cpu_one_sequence_kernels must be a bool, got {self.cpu_one_sequence_kernels!r}")
         _check_choice("speculative_method", self.speculative_method, ("draft", "ngram", "hybrid"))
         _check_int("spec_length", self.spec_length, 1, 64)
         _check_choice("spec_policy", self.spec_policy, ("fixed", "adaptive"))

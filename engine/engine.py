@@ -46,7 +46,8 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         config.model = str(model_path)
         self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
-        self.model = load_llama(model_path, config.dtype, config.device, config.max_seq_len)
+        self.model = load_llama(model_path, config.dtype, config.device, config.max_seq_len,
+                                one_sequence_kernels=config.cpu_one_sequence_kernels)
         if config.max_seq_len > self.model.shape.max_position_embeddings:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's "
                              f"max_position_embeddings {self.model.shape.max_position_embeddings}")

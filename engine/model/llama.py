@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
+from engine.model.kernels import one_sequence
 
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
@@ -50,6 +51,14 @@ SINGLE_ROW_PLAIN_MAX_ELEMENTS = 1 << 19
 # pass between draft passes), int8 / float32 time: 1 row 0.69, 2 rows 0.66-0.73, 4 rows
 # 0.77-0.80, 6 rows 0.91, 8 rows 0.94, 16 rows 1.09: wide passes are compute-bound.
 INT8_MAX_ROWS = 8
+
+
+# A target's passes over one sequence of at most this many tokens (decode steps, speculative
+# verify passes up to spec_length 64, short prefill chunks) multiply with the one-sequence CPU
+# kernel (engine/model/kernels) where it builds. Measured on an AVX2 CPU over the shipped target's
+# 33 matmuls: oneDNN 6.6 ms at 1 row and 8.7 at 6; the kernel on float32 weights 4.9 and 6.9, on
+# the checkpoint's bfloat16 weights 3.1 and 5.5.
+ONE_SEQUENCE_MAX_TOKENS = 65
 
 
 class LayerKernels(NamedTuple):
@@ -171,10 +180,12 @@ class LayerWeights:
 
 
 class FewRowPath(NamedTuple):
-    """What passes over at most `max_rows` rows (batch x tokens) multiply with: per-layer weights
-    (norms shared with the model's own layers), the kernel for each, and the output layer."""
+    """What passes over at most `max_rows` rows (batch x tokens) multiply with, only passes over
+    a single sequence if `one_sequence`: per-layer weights (norms shared with the model's own
+    layers), the kernel for each, and the output layer."""
 
     max_rows: int
+    one_sequence: bool
     layers: list[LayerWeights]
     kernels: LayerKernels
     lm_head: Any  # a tensor, or an Int8Weight
@@ -187,19 +198,26 @@ class Llama:
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int,
                  output_ids: torch.Tensor | None = None, row_invariant: bool = True,
-                 int8_few_rows: bool = False):
+                 int8_few_rows: bool = False, one_sequence_kernels: bool = True):
         """output_ids [V'] (sorted, unique): score only these tokens; every other logit is -inf.
         A draft model restricted to frequent tokens reads a fraction of its output layer.
 
-        row_invariant: every row's result is bit-identical whatever the number of rows in the
-        pass. A target must keep it (its greedy tokens under speculation, computed in verify
-        passes of K + 1 rows, must equal plain decoding's one-row passes). A draft may drop it:
-        its proposals only change how many tokens are accepted, never which, so its one-row
-        passes may take faster kernels whose rounding differs from the multi-row ones.
+        row_invariant: a token's result is bit-identical whatever the number of tokens its
+        sequence has in the pass, and whatever the number of sequences in a pass over several.
+        A target must keep it (its greedy tokens under speculation, computed in verify passes of
+        K + 1 tokens, must equal plain decoding's one-token passes). Passes over one sequence
+        (up to ONE_SEQUENCE_MAX_TOKENS tokens) may use other kernels than passes over several,
+        as attention does. A draft may drop it: its proposals only change how many tokens are
+        accepted, never which, so its one-row passes may take faster kernels whose rounding
+        differs from the multi-row ones.
 
         int8_few_rows (needs row_invariant=False): passes over at most INT8_MAX_ROWS rows (a
         draft's steps and a round's first pass) multiply int8 copies of the weights (see
-        engine.model.int8), where the kernel exists (CPU); other passes keep the full weights."""
+        engine.model.int8), where the kernel exists (CPU); other passes keep the full weights.
+
+        one_sequence_kernels: a row-invariant model computing in float32 on CPU runs its passes
+        over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on engine/model/kernels'
+        one-sequence kernel where it builds (False: oneDNN's for every pass)."""
         self.shape = shape
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
@@ -228,6 +246,9 @@ class Llama:
         int8 = int8_few_rows and int8_matmul_available(self.device.type)
         if int8:
             self._few_rows = self._int8_path()
+        if one_sequence_kernels and row_invariant and self.device.type == "cpu" and self.dtype == torch.float32 \
+                and (kernels := one_sequence.load()) is not None:
+            self._few_rows = self._one_sequence_path(kernels)
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and cpu_packs(self.dtype):
             transposed = self._small_matrices_transposed() \
                 if not row_invariant and not int8 and self.dtype == torch.float32 else None
@@ -261,7 +282,7 @@ class Llama:
         plain = set(transposed[0])
         kernels = LayerKernels(*(_transposed_linear if n in plain else _packed_linear for n in LayerKernels._fields))
         layers = [LayerWeights(**{**vars(lw), **t}) for lw, t in zip(self.layers, transposed)]
-        return FewRowPath(1, layers, kernels, self.lm_head, _packed_linear)
+        return FewRowPath(1, False, layers, kernels, self.lm_head, _packed_linear)
 
     def _int8_path(self) -> FewRowPath:
         """Passes of up to INT8_MAX_ROWS rows on int8 copies of every matmul weight (taken
@@ -269,7 +290,25 @@ class Llama:
         layers = [LayerWeights(**{**vars(lw), **{n: quantize_int8(getattr(lw, n)) for n in LayerKernels._fields}})
                   for lw in self.layers]
         kernels = LayerKernels(*[int8_linear] * len(LayerKernels._fields))
-        return FewRowPath(INT8_MAX_ROWS, layers, kernels, quantize_int8(self.lm_head), int8_linear)
+        return FewRowPath(INT8_MAX_ROWS, False, layers, kernels, quantize_int8(self.lm_head), int8_linear)
+
+    def _one_sequence_path(self, kernels: one_sequence.OneSequenceKernels) -> FewRowPath | None:
+        """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens, on the one-sequence
+        kernel (taken before packing). A weight whose values are all bfloat16 values (a bf16
+        checkpoint computed in float32) is kept in bfloat16: half the bytes to read, the same
+        products. None if a weight does not suit the kernel."""
+        def narrowed(w: torch.Tensor) -> torch.Tensor:
+            half = w.to(torch.bfloat16)
+            return half if torch.equal(half.float(), w) else w.contiguous()
+
+        weights = [{n: narrowed(getattr(lw, n)) for n in LayerKernels._fields} for lw in self.layers]
+        head = narrowed(self.lm_head)
+        if not all(one_sequence.supports(w) for w in [head, *(w for d in weights for w in d.values())]):
+            return None
+        layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]
+        kernel = kernels.linear
+        return FewRowPath(ONE_SEQUENCE_MAX_TOKENS, True, layers, LayerKernels(*[kernel] * len(LayerKernels._fields)),
+                          head, kernel)
 
     @property
     def num_parameters(self) -> int:
@@ -349,7 +388,9 @@ class Llama:
         sin = self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
         groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        few = self._few_rows if self._few_rows is not None and B * T <= self._few_rows.max_rows else None
+        few = self._few_rows
+        if few is not None and (B * T > few.max_rows or (few.one_sequence and B > 1)):
+            few = None
         layers, mm = (self.layers, self._kernels) if few is None else (few.layers, few.kernels)
         for i, lw in enumerate(layers):
             x = self._rms_norm(h, lw.attn_norm)

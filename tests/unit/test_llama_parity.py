@@ -161,7 +161,7 @@ def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_ker
     if not llama_module.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     make_model(tmp_path, tok_dir, seed=4)
-    invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256)
+    invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
     draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False)
     assert invariant._few_rows is None and draft._few_rows is not None and draft._few_rows.max_rows == 1
     out = {name: _prefill_then_steps(tmp_path, m) for name, m in (("invariant", invariant), ("draft", draft))}
@@ -218,7 +218,7 @@ def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path
     make_model(tmp_path, tok_dir, seed=4)
     with pytest.raises(ValueError, match="int8_few_rows needs row_invariant=False"):
         load_llama(tmp_path, "float32", "cpu", max_positions=256, int8_few_rows=True)
-    exact = load_llama(tmp_path, "float32", "cpu", max_positions=256)
+    exact = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
     draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False, int8_few_rows=True)
     few = draft._few_rows
     assert few is not None and few.max_rows == llama_module.INT8_MAX_ROWS
@@ -232,3 +232,60 @@ def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path
     top2 = exact_steps.topk(2, dim=-1).values  # [10, 2]
     clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale  # steps whose greedy token is not a near tie
     assert torch.equal(int8_steps.argmax(-1)[clear], exact_steps.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("checkpoint_dtype", [torch.float32, torch.bfloat16])
+def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp_path, tok_dir, checkpoint_dtype):
+    """A target's passes over one sequence take the one-sequence CPU kernel, on bf16 weights when
+    the checkpoint holds bf16 values: its logits are close to oneDNN's, a 10-token pass (a verify
+    pass) agrees with ten one-token steps to float32 rounding (the matmuls are bit-identical, see
+    the next test; attention at 10 queries and at 1 rounds differently) and picks the same greedy
+    tokens; passes over two sequences keep oneDNN's kernels, bit-identical to a load without it."""
+    from engine.model.kernels import one_sequence
+
+    if one_sequence.load() is None:
+        pytest.skip("the one-sequence CPU kernel does not build on this machine")
+    make_model(tmp_path, tok_dir, seed=5, dtype=checkpoint_dtype)
+    target = load_llama(tmp_path, "float32", "cpu", max_positions=256)
+    onednn = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
+    few = target._few_rows
+    assert few is not None and few.one_sequence and onednn._few_rows is None
+    assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype
+    prefill, steps = _prefill_then_steps(tmp_path, target)  # [1, 30, vocab], [10, vocab]
+    _, reference_steps = _prefill_then_steps(tmp_path, onednn)
+    torch.testing.assert_close(steps, reference_steps, atol=1e-4, rtol=1e-4)
+    # the same ten tokens again, as one pass (a verify pass of K = 9)
+    torch.manual_seed(2)
+    ids = torch.randint(0, target.shape.vocab_size, (40,)).tolist()
+    pool = build_pool(EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=2, max_seq_len=128), target)
+    slot = pool.allocate_slot([])[0]
+    forward_chunks(target, pool, [slot], [ids[:30]], [0])
+    verify = forward_chunks(target, pool, [slot], [ids[30:]], [30], all_logits=True)[0]  # [10, vocab]
+    torch.testing.assert_close(verify, steps, atol=1e-5, rtol=1e-5)
+    assert torch.equal(verify.argmax(-1), steps.argmax(-1))
+    # two sequences: oneDNN's kernels, as without the one-sequence kernel
+    two = {}
+    for name, m in (("target", target), ("onednn", onednn)):
+        pool = build_pool(EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=2, max_seq_len=128), m)
+        slots = [pool.allocate_slot([])[0] for _ in range(2)]
+        two[name] = forward_chunks(m, pool, slots, [ids[:12], ids[12:24]], [0, 0])  # [2, vocab]
+    assert torch.equal(two["target"], two["onednn"])
+
+
+def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
+    """Each output row is the same bits whatever the number of rows in the call (1 to 20, across
+    the kernel's groups of 8), and bf16 weights give the bits of their float32 copies."""
+    from engine.model.kernels import one_sequence
+
+    kernels = one_sequence.load()
+    if kernels is None:
+        pytest.skip("the one-sequence CPU kernel does not build on this machine")
+    torch.manual_seed(0)
+    w = torch.randn(72, 136).bfloat16()  # [out, in]
+    x = torch.randn(20, 136)  # [rows, in]
+    full = kernels.linear(x, w)  # [20, 72]
+    torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(full, kernels.linear(x, w.float()))
+    for rows in (1, 2, 3, 7, 8, 9, 17):
+        assert torch.equal(kernels.linear(x[:rows], w), full[:rows])
+    assert kernels.linear(x.view(4, 5, 136), w).shape == (4, 5, 72)

@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels, compiled on first use (see one_sequence.py)."""

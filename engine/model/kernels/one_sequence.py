@@ -1,0 +1,114 @@
+"""The matmul of a target's passes over one sequence's few tokens, on CPU (one_sequence.c).
+
+`load()` compiles one_sequence.c with the system C compiler the first time a process asks
+(about a second), into a cache directory shared by later processes, and loads it with ctypes.
+Where it cannot (not x86-64, no AVX2/FMA, no compiler, a failed build), it returns None once
+and logs why: the model keeps oneDNN's kernels, which are correct everywhere.
+
+`linear(x, weight)` is x [..., in] @ weight.T for weights [out, in] in float32 or bfloat16; the
+result is float32 and each row is bit-identical whatever the number of rows (one_sequence.c
+says why), so a decode step and a speculative verify pass agree on every token they share.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("one_sequence.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+class OneSequenceKernels:
+    """The compiled kernels: one for float32 weights, one for bfloat16 weights."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.f32 = lib.one_sequence_f32
+        self.bf16 = lib.one_sequence_bf16
+        for fn in (self.f32, self.bf16):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.restype = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
+        out_features, in_features = weight.shape
+        rows = x.reshape(-1, in_features).contiguous()  # [M, in]
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [M, out]
+        fn = self.bf16 if weight.dtype == torch.bfloat16 else self.f32
+        fn(weight.data_ptr(), rows.data_ptr(), y.data_ptr(), out_features, in_features, rows.shape[0],
+           torch.get_num_threads())
+        return y.view(*x.shape[:-1], out_features)
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether `linear` can take this weight: CPU, 2-D, contiguous, float32 or bfloat16, an input
+    width that is a multiple of 8 (the kernel's vector width)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 8 == 0)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split(":", 1)[1].split())
+
+
+def _build(compiler: str) -> Path:
+    """Compiles the source (once per source and flags: the file name holds their hash); the
+    library is written under a temporary name and renamed, so concurrent builders never load a
+    half-written file."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"one_sequence-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> OneSequenceKernels | None:
+    """The kernels, or None (logged once) where they cannot be built here."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        reason = f"CPU architecture {platform.machine()} (the kernels are x86-64 AVX2)"
+    elif not _cpu_has_avx2_fma():
+        reason = "this CPU lacks AVX2/FMA"
+    elif (compiler := os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) is None:
+        reason = "no C compiler (cc/gcc) on PATH"
+    else:
+        try:
+            return OneSequenceKernels(ctypes.CDLL(str(_build(compiler))))
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            reason = f"building {SOURCE.name} failed: {detail.strip()[:500]}"
+    log.warning("one-sequence CPU kernels unavailable (%s); using oneDNN's for every pass", reason)
+    return None
