@@ -270,8 +270,9 @@ def test_more_long_requests_than_the_kv_pool_holds_all_finish_like_solo(server):
     """The float32 app's KV pool holds 3,072 tokens; 40 concurrent requests of ~620 tokens need
     ~25,000: requests queue, running ones are preempted and recomputed, all finish, and each
     greedy output equals its solo run: three against true solo runs over HTTP, all 40 against
-    the engine in-process (float32, plain decode, a pool that holds them all; in float32 a
-    sequence's greedy tokens do not depend on its batch, proven bit for bit in tests/unit)."""
+    the engine in-process (float32, plain decode, a pool that holds them all; in float32 with
+    oneDNN's matmuls, as the app is configured, a sequence's greedy tokens do not depend on its
+    batch: the matmul rows are proven bit for bit in tests/unit)."""
     from tests.serve_fixture import EXACT_KV_BLOCKS
 
     exact = server.exact

@@ -251,8 +251,17 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     few = target._few_rows
     assert few is not None and few.one_sequence and onednn._few_rows is None
     assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype
+    calls = []
+
+    def counted(x, w):
+        calls.append(x.shape[:-1])
+        return few.lm_head_kernel(x, w)
+
+    target._few_rows = few._replace(kernels=type(few.kernels)(*[counted] * len(few.kernels)), lm_head_kernel=counted)
     prefill, steps = _prefill_then_steps(tmp_path, target)  # [1, 30, vocab], [10, vocab]
     _, reference_steps = _prefill_then_steps(tmp_path, onednn)
+    # the 30-token prefill and the ten steps each ran every layer's four matmuls and the output layer
+    assert len(calls) == 11 * (4 * target.shape.num_layers + 1)
     torch.testing.assert_close(steps, reference_steps, atol=1e-4, rtol=1e-4)
     # the same ten tokens again, as one pass (a verify pass of K = 9)
     torch.manual_seed(2)
@@ -264,12 +273,13 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     torch.testing.assert_close(verify, steps, atol=1e-5, rtol=1e-5)
     assert torch.equal(verify.argmax(-1), steps.argmax(-1))
     # two sequences: oneDNN's kernels, as without the one-sequence kernel
+    calls.clear()
     two = {}
     for name, m in (("target", target), ("onednn", onednn)):
         pool = build_pool(EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=2, max_seq_len=128), m)
         slots = [pool.allocate_slot([])[0] for _ in range(2)]
         two[name] = forward_chunks(m, pool, slots, [ids[:12], ids[12:24]], [0, 0])  # [2, vocab]
-    assert torch.equal(two["target"], two["onednn"])
+    assert torch.equal(two["target"], two["onednn"]) and not calls
 
 
 def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
@@ -281,11 +291,19 @@ def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
     if kernels is None:
         pytest.skip("the one-sequence CPU kernel does not build on this machine")
     torch.manual_seed(0)
-    w = torch.randn(72, 136).bfloat16()  # [out, in]
-    x = torch.randn(20, 136)  # [rows, in]
-    full = kernels.linear(x, w)  # [20, 72]
-    torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
-    assert torch.equal(full, kernels.linear(x, w.float()))
-    for rows in (1, 2, 3, 7, 8, 9, 17):
-        assert torch.equal(kernels.linear(x[:rows], w), full[:rows])
-    assert kernels.linear(x.view(4, 5, 136), w).shape == (4, 5, 72)
+    threads = torch.get_num_threads()
+    try:
+        for out_features in (72, 13):  # 13 outputs: fewer per thread, split unevenly
+            w = torch.randn(out_features, 136).bfloat16()  # [out, in]
+            x = torch.randn(20, 136)  # [rows, in]
+            full = kernels.linear(x, w)  # [20, out]
+            torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
+            assert torch.equal(full, kernels.linear(x, w.float()))
+            for n_threads in (1, 3):
+                torch.set_num_threads(n_threads)
+                for rows in (1, 2, 3, 7, 8, 9, 17):
+                    assert torch.equal(kernels.linear(x[:rows], w), full[:rows])
+            torch.set_num_threads(threads)
+            assert kernels.linear(x.view(4, 5, 136), w).shape == (4, 5, out_features)
+    finally:
+        torch.set_num_threads(threads)

@@ -45,8 +45,8 @@ class OneSequenceKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
         out_features, in_features = weight.shape
-        rows = x.reshape(-1, in_features).contiguous()  # [M, in]
-        y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [M, out]
+        rows = x.reshape(-1, in_features).to(torch.float32).contiguous()  # [M, in]
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device="cpu")  # [M, out]
         fn = self.bf16 if weight.dtype == torch.bfloat16 else self.f32
         fn(weight.data_ptr(), rows.data_ptr(), y.data_ptr(), out_features, in_features, rows.shape[0],
            torch.get_num_threads())
@@ -87,12 +87,23 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
-                       timeout=120)
+                       errors="replace", timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _load_built(compiler: str) -> OneSequenceKernels:
+    """Loads the built library; a cached file that does not load (truncated, from another
+    build) is removed and built once more."""
+    path = _build(compiler)
+    try:
+        return OneSequenceKernels(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError):
+        path.unlink(missing_ok=True)
+        return OneSequenceKernels(ctypes.CDLL(str(_build(compiler))))
 
 
 @functools.cache
@@ -106,9 +117,9 @@ def load() -> OneSequenceKernels | None:
         reason = "no C compiler (cc/gcc) on PATH"
     else:
         try:
-            return OneSequenceKernels(ctypes.CDLL(str(_build(compiler))))
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            reason = f"building {SOURCE.name} failed: {detail.strip()[:500]}"
+            return _load_built(compiler)
+        except Exception as e:  # any failure here means "use oneDNN", never a failed model load
+            detail = getattr(e, "stderr", "") or f"{type(e).__name__}: {e}"
+            reason = f"building or loading {SOURCE.name} failed: {detail.strip()[:500]}"
     log.warning("one-sequence CPU kernels unavailable (%s); using oneDNN's for every pass", reason)
     return None
