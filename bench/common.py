@@ -89,6 +89,27 @@ def add_model_options(ap) -> None:
                     help="the draft's narrow passes on int8 weight copies (the engine's draft_quantization)")
 
 
+def add_batch1_options(ap, repeats: int) -> None:
+    """The options of the side-by-side batch-1 comparisons: workload, prompts, repeats."""
+    ap.add_argument("--workload", choices=["code", "edit"], default="code")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    ap.set_defaults(repeats=repeats)
+
+
+PLAIN = {"enabled": False}  # runner.reconfigure() settings: plain decoding
+
+
+def fixed(method: str, k: int) -> dict:
+    """runner.reconfigure() settings: speculation by `method` proposing K = k tokens every step."""
+    return {"enabled": True, "method": method, "spec_length": k, "policy": "fixed"}
+
+
+def adaptive(method: str, k_max: int = 8) -> dict:
+    """runner.reconfigure() settings: speculation by `method`, the adaptive policy choosing K
+    (0 = plain decoding) up to k_max every step."""
+    return {"enabled": True, "method": method, "spec_length": k_max, "policy": "adaptive"}
+
+
 def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     """One benchmark run of our engine: reconfigure speculation, decode the prompts one by one
     (batch 1). Returns tokens/s, the tokens, the acceptance rate (None without drafts) and ms per

@@ -18,23 +18,32 @@ import statistics
 
 import torch
 
-from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
+from bench.common import (
+    PLAIN,
+    adaptive,
+    add_batch1_options,
+    batch1_llm,
+    fixed,
+    interleave,
+    ours_variant,
+    parser,
+    summarize,
+    write,
+)
 from bench.workloads import load_prompts
 from engine.metrics import PHASES
 
 SETTINGS = {
-    "K=3": {"enabled": True, "method": "draft", "spec_length": 3, "policy": "fixed"},
-    "K=5": {"enabled": True, "method": "draft", "spec_length": 5, "policy": "fixed"},
-    "adaptive": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
+    "K=3": fixed("draft", 3),
+    "K=5": fixed("draft", 5),
+    "adaptive": adaptive("draft"),
 }
 WEIGHTS = ("none", "int8")  # draft_quantization values
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = parser("draftq", __doc__, tokens=96)
-    ap.add_argument("--workload", choices=["code", "edit"], default="code")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    ap.set_defaults(repeats=5)
+    add_batch1_options(ap, repeats=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import SamplingParams
@@ -42,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     llms = {q: batch1_llm(args.target, args.draft, args.draft_vocab_size, q) for q in WEIGHTS}
     prompts = [llms["none"].engine.tokenizer.encode(p) for p in load_prompts(args.workload, args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    variants = {"plain": ours_variant(llms["none"], {"enabled": False}, prompts, params)}
+    variants = {"plain": ours_variant(llms["none"], PLAIN, prompts, params)}
     for setting, spec in SETTINGS.items():
         for q in WEIGHTS:
             variants[f"{setting} {q}"] = ours_variant(llms[q], spec, prompts, params)

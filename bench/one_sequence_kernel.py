@@ -17,25 +17,34 @@ import statistics
 
 import torch
 
-from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
+from bench.common import (
+    PLAIN,
+    adaptive,
+    add_batch1_options,
+    batch1_llm,
+    fixed,
+    interleave,
+    ours_variant,
+    parser,
+    summarize,
+    write,
+)
 from bench.workloads import load_prompts
 from engine.metrics import PHASES
 
 SETTINGS = {
-    "plain": {"enabled": False},
-    "draft K=5": {"enabled": True, "method": "draft", "spec_length": 5, "policy": "fixed"},
-    "draft adaptive": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
-    "ngram adaptive": {"enabled": True, "method": "ngram", "spec_length": 8, "policy": "adaptive"},
-    "hybrid adaptive": {"enabled": True, "method": "hybrid", "spec_length": 8, "policy": "adaptive"},
+    "plain": PLAIN,
+    "draft K=5": fixed("draft", 5),
+    "draft adaptive": adaptive("draft"),
+    "ngram adaptive": adaptive("ngram"),
+    "hybrid adaptive": adaptive("hybrid"),
 }
 KERNELS = {"oneDNN": False, "one-sequence kernel": True}  # label -> cpu_one_sequence_kernels
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = parser("kernel", __doc__, tokens=96)
-    ap.add_argument("--workload", choices=["code", "edit"], default="code")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    ap.set_defaults(repeats=3)
+    add_batch1_options(ap, repeats=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import SamplingParams

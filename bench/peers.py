@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
+from bench.common import PLAIN, adaptive, batch1_llm, interleave, ours_variant, parser, summarize, write
 from bench.workloads import load_prompts
 
 TRANSFORMERS_VARIANTS = {
@@ -27,10 +27,10 @@ TRANSFORMERS_VARIANTS = {
     "transformers prompt lookup (10)": {"prompt_lookup_num_tokens": 10},
 }
 OURS_VARIANTS = {
-    "ours plain": {"enabled": False},
-    "ours draft (adaptive)": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
-    "ours ngram (adaptive)": {"enabled": True, "method": "ngram", "spec_length": 8, "policy": "adaptive"},
-    "ours hybrid (adaptive)": {"enabled": True, "method": "hybrid", "spec_length": 8, "policy": "adaptive"},
+    "ours plain": PLAIN,
+    "ours draft (adaptive)": adaptive("draft"),
+    "ours ngram (adaptive)": adaptive("ngram"),
+    "ours hybrid (adaptive)": adaptive("hybrid"),
 }
 
 FLOAT_DRAFT_VARIANT = "ours draft (adaptive, float draft)"  # draft_quantization="none"

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.common import add_model_options, generate_each, interleave, summarize, write
+from bench.common import PLAIN, adaptive, add_model_options, fixed, generate_each, interleave, summarize, write
 from bench.workloads import load_prompts
 from engine.metrics import PHASES
 
@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.workload, args.prompts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
     runner = llm.engine.runner
-    configs: dict[str, dict] = {"plain": {"enabled": False}}
+    configs: dict[str, dict] = {"plain": PLAIN}
     for m in args.methods:
         for k in args.ks:
-            configs[f"{m}/K={k}"] = {"enabled": True, "method": m, "spec_length": k, "policy": "fixed"}
-        configs[f"{m}/adaptive"] = {"enabled": True, "method": m, "spec_length": max(args.ks), "policy": "adaptive"}
+            configs[f"{m}/K={k}"] = fixed(m, k)
+        configs[f"{m}/adaptive"] = adaptive(m, max(args.ks))
 
     def run(cfg):
         def go():

@@ -22,16 +22,16 @@ from collections import Counter
 
 import torch
 
-from bench.common import interleave, parser, summarize, write
+from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
 from bench.workloads import load_prompts
 from engine.metrics import PHASES
 
 VARIANTS = {
-    "plain": {"enabled": False},
-    "draft K=1": {"enabled": True, "method": "draft", "spec_length": 1, "policy": "fixed"},
-    "draft K=2": {"enabled": True, "method": "draft", "spec_length": 2, "policy": "fixed"},
-    "draft K=4": {"enabled": True, "method": "draft", "spec_length": 4, "policy": "fixed"},
-    "draft adaptive": {"enabled": True, "method": "draft", "spec_length": 8, "policy": "adaptive"},
+    "plain": PLAIN,
+    "draft K=1": fixed("draft", 1),
+    "draft K=2": fixed("draft", 2),
+    "draft K=4": fixed("draft", 4),
+    "draft adaptive": adaptive("draft"),
 }
 
 
