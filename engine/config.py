@@ -64,6 +64,10 @@ class EngineConfig:
     # the target's passes over one sequence (batch-1 decode and verify) on the hand-written CPU
     # kernel (engine/model/kernels) where it builds; False keeps oneDNN's for every pass
     cpu_one_sequence_kernels: bool = True
+    # the draft's passes over a few tokens (its steps at batch 1, a round's short catch-up) as
+    # whole-model C calls (engine/model/token_step.py) where the kernels build; False keeps its
+    # torch forward for every pass. Exact either way: the draft only proposes.
+    cpu_draft_token_step: bool = True
     # speculative decoding
     use_speculative_decoding: bool = False
     draft_model: str | None = None
@@ -102,8 +106,9 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
-        if not isinstance(self.cpu_one_sequence_kernels, bool):
-            raise ValueError(f"cpu_one_sequence_kernels must be a bool, got {self.cpu_one_sequence_kernels!r}")
+        for name in ("cpu_one_sequence_kernels", "cpu_draft_token_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice("speculative_method", self.speculative_method, ("draft", "ngram", "hybrid"))
         _check_int("spec_length", self.spec_length, 1, 64)
         _check_choice("spec_policy", self.spec_policy, ("fixed", "adaptive"))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
 from engine.model.kernels import one_sequence
+from engine.model.token_step import TokenStep, bf16_if_exact
 
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
@@ -198,7 +199,7 @@ class Llama:
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int,
                  output_ids: torch.Tensor | None = None, row_invariant: bool = True,
-                 int8_few_rows: bool = False, one_sequence_kernels: bool = True):
+                 int8_few_rows: bool = False, one_sequence_kernels: bool = True, token_step: bool = False):
         """output_ids [V'] (sorted, unique): score only these tokens; every other logit is -inf.
         A draft model restricted to frequent tokens reads a fraction of its output layer.
 
@@ -240,6 +241,11 @@ class Llama:
         self._num_parameters = self._count_parameters()
         if int8_few_rows and row_invariant:
             raise ValueError("int8_few_rows needs row_invariant=False: only a draft may run on int8 weights")
+        if token_step and row_invariant:
+            raise ValueError("token_step needs row_invariant=False: its rounding differs from batched passes")
+        # taken before packing (it reads the plain weights); None = no token-step passes
+        self._token_step = TokenStep.build(shape, embed, layers, final_norm, self.lm_head, output_ids,
+                                           self.cos, self.sin) if token_step else None
         self._linear = F.linear
         # passes over few rows (draft steps): their own weights and kernels, or None = as any pass
         self._few_rows: FewRowPath | None = None
@@ -297,12 +303,8 @@ class Llama:
         kernel (taken before packing). A weight whose values are all bfloat16 values (a bf16
         checkpoint computed in float32) is kept in bfloat16: half the bytes to read, the same
         products. None if a weight does not suit the kernel."""
-        def narrowed(w: torch.Tensor) -> torch.Tensor:
-            half = w.to(torch.bfloat16)
-            return half if torch.equal(half.float(), w) else w.contiguous()
-
-        weights = [{n: narrowed(getattr(lw, n)) for n in LayerKernels._fields} for lw in self.layers]
-        head = narrowed(self.lm_head)
+        weights = [{n: bf16_if_exact(getattr(lw, n)) for n in LayerKernels._fields} for lw in self.layers]
+        head = bf16_if_exact(self.lm_head)
         if not all(one_sequence.supports(w) for w in [head, *(w for d in weights for w in d.values())]):
             return None
         layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]
@@ -383,6 +385,8 @@ class Llama:
         """
         s = self.shape
         B, T = input_ids.shape
+        if self._token_step is not None and self._token_step.takes(B, T, logits_index):
+            return self._token_step.forward(input_ids, position_ids, kv, logits_index)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         cos = self.cos[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]
         sin = self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim]

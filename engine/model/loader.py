@@ -96,11 +96,11 @@ class _TensorReader:
 
 def load_llama(path: Path, dtype: str, device: str, max_positions: int,
                output_ids: torch.Tensor | None = None, row_invariant: bool = True,
-               int8_few_rows: bool = False, one_sequence_kernels: bool = True) -> Llama:
+               int8_few_rows: bool = False, one_sequence_kernels: bool = True, token_step: bool = False) -> Llama:
     """output_ids [V']: restrict the output layer to these token ids; row_invariant=False lets
     a draft's one-row passes take faster kernels; int8_few_rows runs a draft's narrow passes on
-    int8 weights; one_sequence_kernels=False keeps oneDNN's kernels for every pass (all four:
-    see `Llama`)."""
+    int8 weights; one_sequence_kernels=False keeps oneDNN's kernels for every pass; token_step
+    runs a draft's narrow passes as whole-model C calls (all five: see `Llama`)."""
     cfg = json.loads((path / "config.json").read_text())
     shape = LlamaShape.from_hf_config(cfg)
     wanted = torch_dtype(dtype)
@@ -128,4 +128,4 @@ def load_llama(path: Path, dtype: str, device: str, max_positions: int,
     if output_ids is not None:
         output_ids = output_ids.to(device)
     return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, output_ids,
-                 row_invariant, int8_few_rows, one_sequence_kernels)
+                 row_invariant, int8_few_rows, one_sequence_kernels, token_step)

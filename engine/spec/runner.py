@@ -85,7 +85,8 @@ class SpeculativeRunner(ContinuousRunner):
                                               draft_tokenizer.eos_token_ids)
             # a draft's rounding never reaches the output: its one-row steps may take faster kernels
             draft_model = load_llama(path, config.dtype, config.device, config.max_seq_len, output_ids,
-                                     row_invariant=False, int8_few_rows=config.draft_quantization == "int8")
+                                     row_invariant=False, int8_few_rows=config.draft_quantization == "int8",
+                                     token_step=config.cpu_draft_token_step)
             check_compatible(tokenizer, draft_tokenizer, model, draft_model, config.model, config.draft_model)
             # the draft pool mirrors the target's shape (same slots, same block count); its
             # lazily filled KV is never shared, so it has no prefix cache

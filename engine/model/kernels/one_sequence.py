@@ -1,7 +1,9 @@
-"""The matmul of a target's passes over one sequence's few tokens, on CPU (one_sequence.c).
+"""The hand-written CPU kernels for passes over one sequence: the matmul of a target's passes
+over a few tokens (one_sequence.c) and a draft's whole single-token step (token_step.c).
 
-`load()` compiles one_sequence.c with the system C compiler the first time a process asks
-(about a second), into a cache directory shared by later processes, and loads it with ctypes.
+`load()` compiles the C sources with the system C compiler the first time a process asks
+(about a second), into one library in a cache directory shared by later processes, and loads
+it with ctypes.
 Where it cannot (not x86-64, no AVX2/FMA, no compiler, a failed build), it returns None once
 and logs why: the model keeps oneDNN's kernels, which are correct everywhere.
 
@@ -27,12 +29,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("one_sequence.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "token_step.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 class OneSequenceKernels:
-    """The compiled kernels: one for float32 weights, one for bfloat16 weights."""
+    """The compiled kernels: the matmul for float32 and for bfloat16 weights, and the token
+    step (driven by engine.model.token_step)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.f32 = lib.one_sequence_f32
@@ -41,6 +44,14 @@ class OneSequenceKernels:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
+        # token_step(model*, token, pos, write_row, key_rows*, first_key_row, logits*, threads)
+        self.token_step = lib.token_step
+        self.token_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self.token_step.restype = ctypes.c_int
+        self.token_step_scratch_floats = lib.token_step_scratch_floats
+        self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self.token_step_scratch_floats.restype = ctypes.c_int64
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
@@ -75,10 +86,10 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _build(compiler: str) -> Path:
-    """Compiles the source (once per source and flags: the file name holds their hash); the
-    library is written under a temporary name and renamed, so concurrent builders never load a
-    half-written file."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    """Compiles the sources into one library (once per sources and flags: the file name holds
+    their hash); the library is written under a temporary name and renamed, so concurrent
+    builders never load a half-written file."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"one_sequence-{digest}.so"
     if target.exists():
         return target
@@ -86,7 +97,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        errors="replace", timeout=120)
         os.replace(tmp, target)
     finally:
@@ -120,6 +131,6 @@ def load() -> OneSequenceKernels | None:
             return _load_built(compiler)
         except Exception as e:  # any failure here means "use oneDNN", never a failed model load
             detail = getattr(e, "stderr", "") or f"{type(e).__name__}: {e}"
-            reason = f"building or loading {SOURCE.name} failed: {detail.strip()[:500]}"
+            reason = f"building or loading {', '.join(p.name for p in SOURCES)} failed: {detail.strip()[:500]}"
     log.warning("one-sequence CPU kernels unavailable (%s); using oneDNN's for every pass", reason)
     return None

@@ -1,0 +1,150 @@
+/* One token through a whole Llama, on CPU: a draft model's step over one sequence.
+ *
+ * Why: a small draft's single-token step reads a few megabytes of weights, which takes a
+ * fraction of a millisecond, but as ~100 eager torch operations (norms, RoPE, cache writes,
+ * attention, matmuls, each with its dispatch cost) it took 1.3 ms on the shipped draft. Here the
+ * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1, everything else is
+ * plain loops over vectors of the hidden size.
+ *
+ * A draft's rounding may differ from its batched passes (only the target's verify pass and the
+ * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
+ * tests check it against the model's torch forward to float32 tolerance.
+ *
+ * Layout (the engine's): KV storage [layers, 2, kv_heads, kv_rows, head_dim] float32, the row of
+ * key position j given by key_rows[j] (or first_key_row + j when key_rows is NULL, a slotted
+ * pool or consecutive blocks); the token's own key is written at write_row, which must be the
+ * row of key position pos; cos/sin
+ * tables [max_positions, head_dim] with the rotate-half sign folded into sin.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int threads);
+void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M,
+                       int threads);
+
+typedef struct {
+    const float *attn_norm;  /* [hidden] */
+    const void *qkv;         /* [(heads + 2 kv_heads) head_dim, hidden] */
+    const void *o;           /* [hidden, heads head_dim] */
+    const float *mlp_norm;   /* [hidden] */
+    const void *gate_up;     /* [2 intermediate, hidden]: gate rows, then up rows */
+    const void *down;        /* [hidden, intermediate] */
+} StepLayer;
+
+typedef struct {
+    int64_t hidden, intermediate, layers, heads, kv_heads, head_dim;
+    int64_t head_rows;        /* rows of lm_head (the draft's scored vocabulary) */
+    int64_t kv_rows;          /* rows of the KV storage per (layer, k|v, kv_head) */
+    float eps, scale;
+    int64_t bf16;             /* 1: every matmul weight is bfloat16; 0: float32 */
+    const float *embed;       /* [vocab, hidden] */
+    const float *cos, *sin;   /* [max_positions, head_dim] */
+    const float *final_norm;  /* [hidden] */
+    const void *lm_head;      /* [head_rows, hidden] */
+    const int64_t *head_ids;  /* [head_rows] logits column of each head row, or NULL (identity) */
+    const StepLayer *layer;   /* [layers] */
+    float *kv;
+    float *scratch;           /* see token_step_scratch_floats */
+} StepModel;
+
+int64_t token_step_scratch_floats(const StepModel *m, int64_t max_keys) {
+    int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + max_keys + m->head_rows;
+}
+
+static void matmul(const StepModel *m, const void *w, const float *x, float *y, int64_t n, int64_t k,
+                   int threads) {
+    if (m->bf16)
+        one_sequence_bf16((const uint16_t *)w, x, y, n, k, 1, threads);
+    else
+        one_sequence_f32((const float *)w, x, y, n, k, 1, threads);
+}
+
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* rotate-half RoPE of one head vector in place: x * cos + swap_halves(x) * signed_sin */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static inline const float *kv_row(const StepModel *m, int64_t layer, int64_t which, int64_t head, int64_t row) {
+    return m->kv + (((layer * 2 + which) * m->kv_heads + head) * m->kv_rows + row) * m->head_dim;
+}
+
+/* Runs `token` at position `pos`: writes its K/V at write_row, attends to keys 0..pos.
+ * logits: NULL skips the output layer (a token of a chunk before its last); otherwise
+ * logits[head_ids[r]] (or logits[r]) gets head row r's score, other entries are left alone.
+ * Returns 0, or -1 if an argument is out of range. */
+int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
+               int64_t first_key_row, float *logits, int threads) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t Hq = m->heads, Hkv = m->kv_heads, G = Hq / Hkv, n_keys = pos + 1;
+    if (pos < 0 || write_row < 0 || write_row >= m->kv_rows || Hkv <= 0 || Hq % Hkv != 0) return -1;
+    float *h = m->scratch, *x = h + H, *tmp = x + H;
+    float *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
+    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *head = scores + n_keys;
+    memcpy(h, m->embed + token * H, H * sizeof(float));
+    const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
+    for (int64_t l = 0; l < m->layers; l++) {
+        const StepLayer *lw = &m->layer[l];
+        rms_norm(h, lw->attn_norm, x, H, m->eps);
+        matmul(m, lw->qkv, x, qkv, (Hq + 2 * Hkv) * D, H, threads);
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
+        for (int64_t j = 0; j < Hkv; j++) {
+            memcpy((float *)kv_row(m, l, 0, j, write_row), qkv + (Hq + j) * D, D * sizeof(float));
+            memcpy((float *)kv_row(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D * sizeof(float));
+        }
+        for (int64_t hq = 0; hq < Hq; hq++) {
+            const float *q = qkv + hq * D;
+            int64_t g = hq / G;
+            float top = -INFINITY, total = 0.f;
+            for (int64_t t = 0; t < n_keys; t++) {
+                int64_t row = key_rows ? key_rows[t] : first_key_row + t;
+                const float *k = kv_row(m, l, 0, g, row);
+                float s = 0.f;
+                for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
+                scores[t] = s * m->scale;
+                if (scores[t] > top) top = scores[t];
+            }
+            for (int64_t t = 0; t < n_keys; t++) {
+                scores[t] = expf(scores[t] - top);
+                total += scores[t];
+            }
+            float *out = attn + hq * D;
+            memset(out, 0, D * sizeof(float));
+            for (int64_t t = 0; t < n_keys; t++) {
+                int64_t row = key_rows ? key_rows[t] : first_key_row + t;
+                const float *v = kv_row(m, l, 1, g, row);
+                float p = scores[t] / total;
+                for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+            }
+        }
+        matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
+        for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+        rms_norm(h, lw->mlp_norm, x, H, m->eps);
+        matmul(m, lw->gate_up, x, gu, 2 * I, H, threads);
+        for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[I + i];
+        matmul(m, lw->down, act, tmp, H, I, threads);
+        for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+    }
+    if (logits == NULL) return 0;
+    rms_norm(h, m->final_norm, x, H, m->eps);
+    matmul(m, m->lm_head, x, head, m->head_rows, H, threads);
+    if (m->head_ids == NULL)
+        memcpy(logits, head, m->head_rows * sizeof(float));
+    else
+        for (int64_t r = 0; r < m->head_rows; r++) logits[m->head_ids[r]] = head[r];
+    return 0;
+}

@@ -1,0 +1,152 @@
+"""A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c).
+
+A small draft's single-token step is dominated by the dispatch cost of its ~100 eager torch
+operations, not by its weights (see token_step.c). `TokenStep` runs a pass's tokens through the
+compiled step one after another: each call takes one token through every layer, writing its
+K/V through the pass's view before the next token reads it, so a short chunk (a round's
+catch-up of one or two tokens) gives the same K/V and logits as the batched forward up to
+float32 rounding. Only a draft uses it: its rounding may differ between passes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kv.protocol import KVView
+from engine.model.kernels import one_sequence
+
+# Passes computing at most this many tokens (over all their sequences) run as token steps.
+# Measured on an AVX2 CPU with the shipped draft (full vocabulary, 300-400 keys), median ms per
+# pass, its torch forward on int8 weights vs token steps: 1 sequence 1.75 vs 0.50, 2 sequences
+# 1.62 vs 1.19, 4 sequences 1.86 vs 2.57: a token step costs ~0.5-0.6 ms, a narrow torch pass
+# ~1.7 ms however narrow.
+TOKEN_STEP_MAX_TOKENS = 3
+
+
+class _Layer(ctypes.Structure):  # token_step.c's StepLayer
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
+                ("mlp_norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):  # token_step.c's StepModel
+    _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("layers", ctypes.c_int64),
+                ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int64),
+                ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("head_ids", ctypes.c_void_p),
+                ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+def bf16_if_exact(w: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 copy of w if every value of w is a bfloat16 value (a bf16 checkpoint upcast
+    to float32): half the bytes to read, the same products. Else w itself, contiguous."""
+    half = w.to(torch.bfloat16)
+    return half if torch.equal(half.float(), w) else w.contiguous()
+
+
+class TokenStep:
+    """Holds the weights' pointers (and the weights, so the pointers stay valid) for token_step.c.
+
+    Build with `TokenStep.build(...)`, which returns None when the model does not suit the kernel
+    (not float32 on CPU, widths not multiples of 8, the kernels not built here)."""
+
+    def __init__(self, kernels: one_sequence.OneSequenceKernels, model: _Model, keep: list[torch.Tensor],
+                 layers: ctypes.Array, vocab_size: int, restricted: bool, max_positions: int):
+        self._kernels = kernels
+        self._model = model
+        self._keep = keep  # every tensor whose pointer the C struct holds
+        self._layers = layers
+        self._vocab_size = vocab_size
+        self._restricted = restricted
+        self._max_positions = max_positions
+
+    @classmethod
+    def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
+              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
+        """shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before
+        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim]."""
+        tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+            return None
+        widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)
+        if any(w % 8 for w in widths) or shape.head_dim % 2 or shape.num_heads % shape.num_kv_heads:
+            return None
+        kernels = one_sequence.load()
+        if kernels is None:
+            return None
+        names = ("qkv", "o", "gate_up", "down")
+        narrowed = [[bf16_if_exact(getattr(lw, n)) for n in names] for lw in layers] + [[bf16_if_exact(lm_head)]]
+        bf16 = all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws)
+        if not bf16:  # one dtype for every matmul weight
+            narrowed = [[getattr(lw, n).contiguous() for n in names] for lw in layers] + [[lm_head.contiguous()]]
+        keep = [embed.contiguous(), final_norm.contiguous(), cos.contiguous(), sin.contiguous(), narrowed[-1][0]]
+        step_layers = (_Layer * len(layers))()
+        for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, narrowed)):
+            attn_norm, mlp_norm = lw.attn_norm.contiguous(), lw.mlp_norm.contiguous()
+            keep += [attn_norm, mlp_norm, qkv, o, gate_up, down]
+            step_layers[i] = _Layer(attn_norm.data_ptr(), qkv.data_ptr(), o.data_ptr(), mlp_norm.data_ptr(),
+                                    gate_up.data_ptr(), down.data_ptr())
+        head_ids = None
+        if output_ids is not None:
+            head_ids = output_ids.to(device="cpu", dtype=torch.int64).contiguous()  # [V']
+            keep.append(head_ids)
+        model = _Model(hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers),
+                       heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                       head_rows=lm_head.shape[0], kv_rows=0, eps=shape.rms_norm_eps,
+                       scale=shape.head_dim ** -0.5, bf16=int(bf16), embed=keep[0].data_ptr(),
+                       cos=keep[2].data_ptr(), sin=keep[3].data_ptr(), final_norm=keep[1].data_ptr(),
+                       lm_head=keep[4].data_ptr(), head_ids=head_ids.data_ptr() if head_ids is not None else None,
+                       layer=step_layers, kv=None, scratch=None)
+        max_positions = cos.shape[0]
+        scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), max_positions),
+                              dtype=torch.float32)  # [floats the C step needs]
+        keep.append(scratch)
+        model.scratch = scratch.data_ptr()
+        return cls(kernels, model, keep, step_layers, shape.vocab_size, output_ids is not None, max_positions)
+
+    @staticmethod
+    def takes(batch: int, width: int, logits_index: torch.Tensor | None) -> bool:
+        """Whether a pass of `batch` x `width` query rows computes at most TOKEN_STEP_MAX_TOKENS
+        tokens (each sequence's up to logits_index[b]; every row when it is None, which needs
+        width 1)."""
+        if logits_index is None:
+            return width == 1 and batch <= TOKEN_STEP_MAX_TOKENS
+        return batch <= TOKEN_STEP_MAX_TOKENS and batch + int(logits_index.sum()) <= TOKEN_STEP_MAX_TOKENS
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+                logits_index: torch.Tensor | None) -> torch.Tensor:
+        """As Llama.forward for a pass over B sequences of T query rows, computing only each
+        sequence's tokens up to logits_index[b] (all T rows are real when it is None, which
+        then needs T == 1). Returns logits [B, vocab] (or [B, 1, vocab] when logits_index is
+        None), float32, -inf outside a restricted vocabulary."""
+        B, T = input_ids.shape
+        if logits_index is None and T != 1:
+            raise ValueError("TokenStep computes every position only for one-token passes")
+        storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]
+        if storage.dtype != torch.float32 or not storage.is_contiguous() or storage.device.type != "cpu":
+            raise ValueError("TokenStep needs a contiguous float32 CPU KV storage")
+        lasts = [0] * B if logits_index is None else logits_index.tolist()
+        ids, positions, write_rows = input_ids.tolist(), position_ids.tolist(), kv.write_rows.tolist()
+        if max(positions[b][lasts[b]] for b in range(B)) >= self._max_positions:
+            raise ValueError(f"position exceeds the model's {self._max_positions} positions")
+        self._model.kv = storage.data_ptr()
+        self._model.kv_rows = storage.shape[3]
+        model = ctypes.byref(self._model)
+        fill = float("-inf") if self._restricted else 0.0
+        logits = torch.full((B, self._vocab_size), fill, dtype=torch.float32)  # [B, vocab]
+        read_rows = None if kv.read_rows is None else kv.read_rows.to(torch.int64).contiguous()  # [B, L]
+        threads = torch.get_num_threads()
+        for b in range(B):
+            if read_rows is None:  # one sequence whose keys are one slice of storage
+                key_rows, first = None, kv.read_slice.start
+            else:
+                key_rows, first = read_rows[b].data_ptr(), 0
+            for t in range(lasts[b] + 1):
+                out = logits[b].data_ptr() if t == lasts[b] else None
+                if self._kernels.token_step(model, ids[b][t], positions[b][t], write_rows[b * T + t], key_rows,
+                                            first, out, threads):
+                    raise ValueError(f"token_step rejected position {positions[b][t]} / row {write_rows[b * T + t]}")
+        return logits if logits_index is not None else logits.view(B, 1, self._vocab_size)

@@ -1,0 +1,108 @@
+"""A draft's narrow passes as whole-model C calls (engine.model.token_step) against its torch forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import build_pool
+from engine.model.kernels import one_sequence
+from engine.model.loader import load_llama
+from engine.runner import forward_chunks
+from tests.helpers import make_model
+
+needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
+
+
+def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three sequences prefilled together, then one-token steps of the first (past its third
+    16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
+    sequences stepping together, and a 4-token chunk (too wide for token steps). Returns each
+    pass's logits and the KV storage."""
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
+                       kv_cache_backend=backend, enable_prefix_caching=False)
+    pool = build_pool(cfg, model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.shape.vocab_size, (3, 80)).tolist()
+    slots = [pool.allocate_slot([])[0] for _ in range(3)]
+    out = [forward_chunks(model, pool, slots, [s[:40] for s in ids], [0, 0, 0])]  # [3, vocab]
+    for i in range(40, 52):
+        out.append(forward_chunks(model, pool, slots[:1], [ids[0][i:i + 1]], [i]))  # [1, vocab]
+    out.append(forward_chunks(model, pool, slots[:1], [ids[0][52:55]], [52]))  # [1, vocab]
+    for i in range(40, 44):
+        out.append(forward_chunks(model, pool, slots[1:], [ids[1][i:i + 1], ids[2][i:i + 1]], [i, i]))  # [2, vocab]
+    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:59]], [55]))  # [1, vocab]
+    return out, pool.storage
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("checkpoint_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("restricted", [False, True])
+def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, checkpoint_dtype, restricted):
+    """Logits and the K/V left in the pool agree with the torch forward to float32 rounding, with
+    the same -inf outside a restricted vocabulary; passes of at most three tokens run as token
+    steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
+    make_model(tmp_path, tok_dir, seed=4, dtype=checkpoint_dtype)
+    vocab = load_llama(tmp_path, "float32", "cpu", max_positions=256).shape.vocab_size
+    output_ids = torch.arange(0, vocab, 3) if restricted else None
+    reference = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False)
+    stepped = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False, token_step=True)
+    step = stepped._token_step
+    assert reference._token_step is None and step is not None
+    assert step._model.bf16 == (checkpoint_dtype == torch.bfloat16)
+    taken = []
+    original = step.forward
+
+    def counted(input_ids, *args):
+        taken.append(tuple(input_ids.shape))
+        return original(input_ids, *args)
+
+    step.forward = counted
+    want, want_kv = _passes(tmp_path, reference, backend)
+    got, got_kv = _passes(tmp_path, stepped, backend)
+    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps
+    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4
+    for w, g in zip(want, got):
+        assert torch.equal(torch.isinf(w), torch.isinf(g))
+        finite = torch.isfinite(w)
+        torch.testing.assert_close(g[finite], w[finite], atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_output_exact(tmp_path, tok_dir):
+    """Speculative greedy output with the draft on token steps equals plain greedy output, and
+    the draft's steps did run as token steps (cpu_draft_token_step=False: they do not)."""
+    from engine import LLM, SamplingParams
+
+    make_model(tmp_path / "target", tok_dir, seed=1, layers=3)
+    make_model(tmp_path / "draft", tok_dir, seed=2, layers=1)
+    prompts = ["def add(a, b):", "for i in range(3):"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(model=str(tmp_path / "target"), dtype="float32", max_batch_size=4, max_seq_len=128)
+    plain = [o.token_ids for o in LLM(**common).generate(prompts, params)]
+    for on in (True, False):
+        llm = LLM(**common, use_speculative_decoding=True, draft_model=str(tmp_path / "draft"),
+                  spec_length=4, spec_policy="fixed", cpu_draft_token_step=on)
+        draft = llm.engine.runner.draft.model
+        assert (draft._token_step is not None) == on
+        calls = []
+        if on:
+            def counted(*args, original=draft._token_step.forward, calls=calls):
+                calls.append(1)
+                return original(*args)
+
+            draft._token_step.forward = counted
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+        assert bool(calls) == on
+
+
+def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
+    make_model(tmp_path, tok_dir, seed=4)
+    with pytest.raises(ValueError, match="token_step needs row_invariant=False"):
+        load_llama(tmp_path, "float32", "cpu", 256, row_invariant=True, token_step=True)
+    with pytest.raises(ValueError, match="cpu_draft_token_step must be a bool"):
+        EngineConfig(model=str(tmp_path), cpu_draft_token_step="yes")
