@@ -128,14 +128,15 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
 
 
 def batch1_llm(target: str, draft: str, vocab_size: int | None, quantization: str = "int8",
-               one_sequence_kernels: bool = True):
+               one_sequence_kernels: bool = True, draft_token_step: bool = True):
     """Our engine with both models for batch-1 comparisons (prefix caching off: repeats of the
     same prompt must not get cheaper)."""
     from engine import LLM
 
     return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
                max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size,
-               draft_quantization=quantization, cpu_one_sequence_kernels=one_sequence_kernels)
+               draft_quantization=quantization, cpu_one_sequence_kernels=one_sequence_kernels,
+               cpu_draft_token_step=draft_token_step)
 
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:

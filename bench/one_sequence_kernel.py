@@ -1,10 +1,11 @@
-"""The one-sequence CPU kernel vs oneDNN for the target's batch-1 passes, side by side
-(the engine's `cpu_one_sequence_kernels`).
+"""The hand-written CPU kernels vs oneDNN/torch at batch 1, side by side: the one-sequence
+kernel for the target's passes (`cpu_one_sequence_kernels`) and the draft's token step
+(`cpu_draft_token_step`).
 
     python -m bench kernel [--workload code] [--prompts 8] [--tokens 96] [--repeats 3]
 
-Batch 1, greedy, the shipped pair, prefix caching off. Two engines on the same checkpoints
-differ only in `cpu_one_sequence_kernels`. Each runs plain decoding, draft K = 5 and the
+Batch 1, greedy, the shipped pair, prefix caching off. Three engines on the same checkpoints:
+neither kernel, the target's kernel only, both. Each runs plain decoding, draft K = 5 and the
 adaptive draft, n-gram and hybrid settings, all interleaved, repeated. Every ratio is the median
 of per-repeat ratios against the same repeat's plain decoding on oneDNN, so the table reads both
 what the kernel does to plain decoding and what speculation adds on top of each. Every variant
@@ -39,7 +40,9 @@ SETTINGS = {
     "ngram adaptive": adaptive("ngram"),
     "hybrid adaptive": adaptive("hybrid"),
 }
-KERNELS = {"oneDNN": False, "one-sequence kernel": True}  # label -> cpu_one_sequence_kernels
+# label -> (cpu_one_sequence_kernels, cpu_draft_token_step)
+KERNELS = {"oneDNN": (False, False), "one-sequence kernel": (True, False),
+           "one-sequence kernel + draft token step": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from engine import SamplingParams
 
-    llms = {label: batch1_llm(args.target, args.draft, args.draft_vocab_size, args.draft_quantization, on)
+    llms = {label: batch1_llm(args.target, args.draft, args.draft_vocab_size, args.draft_quantization, *on)
             for label, on in KERNELS.items()}
     prompts = [llms["oneDNN"].engine.tokenizer.encode(p) for p in load_prompts(args.workload, args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                        "vs_own_plain": statistics.median(r["tok_s"] / p["tok_s"] for r, p in zip(rs, own_plain)),
                        "ms_per_token": {k: statistics.median(r["ms_per_token"][k] for r in rs) for k in PHASES}}
         e = table[name]
-        print(f"{name:38s} {e['tok_s']['median']:6.1f} tok/s  {e['vs_onednn_plain']['median']:.2f}x plain on oneDNN "
+        print(f"{name:58s} {e['tok_s']['median']:6.1f} tok/s  {e['vs_onednn_plain']['median']:.2f}x plain on oneDNN "
               f"({min(per_repeat):.2f}-{max(per_repeat):.2f})  {e['vs_own_plain']:.2f}x its own plain  "
               f"target {e['ms_per_token']['target']:.2f} ms/token")
     path = write("one_sequence_kernel", {"workload": args.workload, "prompts": len(prompts), "tokens": args.tokens,

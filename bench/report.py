@@ -141,7 +141,7 @@ def one_sequence_kernel(r: dict) -> list[str]:
     res = r["results"]
     settings = list(dict.fromkeys(name.split(", ")[0] for name in res))
     labels = list(dict.fromkeys(name.split(", ")[1] for name in res))
-    lines = [f"**One-sequence CPU kernel vs oneDNN** (`cpu_one_sequence_kernels`) — workload `{r['workload']}`, "
+    lines = [f"**Hand-written CPU kernels vs oneDNN** (`cpu_one_sequence_kernels`, `cpu_draft_token_step`) — workload `{r['workload']}`, "
              f"{r['prompts']} held-out prompts, {r['tokens']} new tokens, batch 1, greedy, {r['repeats']} interleaved "
              f"runs, {_host(m)}, {m['threads']} threads (`python -m bench kernel`); ratios are medians of per-run "
              "ratios to the same repeat's plain decoding on oneDNN; every row's tokens equal plain decoding's:", "",
