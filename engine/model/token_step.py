@@ -11,32 +11,47 @@ float32 rounding. Only a draft uses it: its rounding may differ between passes.
 from __future__ import annotations
 
 import ctypes
+import enum
 
 import torch
 
 from engine.kv.protocol import KVView
+from engine.model.int8 import quantize_int8
 from engine.model.kernels import one_sequence
 
 # Passes computing at most this many tokens (over all their sequences) run as token steps.
 # Measured on an AVX2 CPU with the shipped draft (full vocabulary, 300-400 keys), median ms per
-# pass, its torch forward on int8 weights vs token steps: 1 sequence 1.75 vs 0.50, 2 sequences
-# 1.62 vs 1.19, 4 sequences 1.86 vs 2.57: a token step costs ~0.5-0.6 ms, a narrow torch pass
-# ~1.7 ms however narrow.
+# pass, its torch forward on int8 weights vs token steps (bf16 weights; the first version,
+# before attention was vectorised): 1 sequence 1.75 vs 0.50, 2 sequences 1.62 vs 1.19,
+# 4 sequences 1.86 vs 2.57: a token step costs ~0.3-0.6 ms, a narrow torch pass ~1.7 ms
+# however narrow. The C call alone, 300 keys, 2 threads: 0.24 ms (0.12 of it the 8192-row
+# output layer); int8 weights were no faster than bf16 there (0.27 ms: the draft's weights
+# are few enough to stay in cache between steps).
 TOKEN_STEP_MAX_TOKENS = 3
 
 
+class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind
+    F32 = 0
+    BF16 = 1
+    INT8 = 2
+
+
+class _Weight(ctypes.Structure):  # token_step.c's Weight
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
 class _Layer(ctypes.Structure):  # token_step.c's StepLayer
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
-                ("mlp_norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
+                ("mlp_norm", ctypes.c_void_p), ("gate_up", _Weight), ("down", _Weight)]
 
 
 class _Model(ctypes.Structure):  # token_step.c's StepModel
     _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("layers", ctypes.c_int64),
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int64),
+                ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64), ("max_keys", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
                 ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("head_ids", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("lm_head", _Weight), ("head_ids", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
@@ -65,46 +80,55 @@ class TokenStep:
 
     @classmethod
     def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
+              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              int8: bool = False) -> TokenStep | None:
         """shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before
-        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim]."""
+        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim].
+        int8: the matmuls read int8 copies (engine.model.int8's per-row scales); else bfloat16
+        copies when every weight's values are bf16 values, else the float32 weights."""
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             return None
         widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)
-        if any(w % 8 for w in widths) or shape.head_dim % 2 or shape.num_heads % shape.num_kv_heads:
+        if any(w % 8 for w in widths) or shape.head_dim % 8 or shape.num_heads % shape.num_kv_heads:
             return None
         kernels = one_sequence.load()
         if kernels is None:
             return None
         names = ("qkv", "o", "gate_up", "down")
-        narrowed = [[bf16_if_exact(getattr(lw, n)) for n in names] for lw in layers] + [[bf16_if_exact(lm_head)]]
-        bf16 = all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws)
-        if not bf16:  # one dtype for every matmul weight
-            narrowed = [[getattr(lw, n).contiguous() for n in names] for lw in layers] + [[lm_head.contiguous()]]
-        keep = [embed.contiguous(), final_norm.contiguous(), cos.contiguous(), sin.contiguous(), narrowed[-1][0]]
+        matrices = [[getattr(lw, n) for n in names] for lw in layers] + [[lm_head]]
+        keep: list[torch.Tensor] = []  # every tensor whose pointer the C struct holds
+
+        def held(t: torch.Tensor) -> int:
+            keep.append(t)
+            return t.data_ptr()
+
+        if int8:
+            kind = WeightKind.INT8
+            quantized = [[quantize_int8(w) for w in ws] for ws in matrices]
+            weights = [[_Weight(held(q.q), held(q.scales.float().contiguous())) for q in qs] for qs in quantized]
+        else:
+            narrowed = [[bf16_if_exact(w) for w in ws] for ws in matrices]
+            kind = WeightKind.BF16 if all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws) else WeightKind.F32
+            if kind == WeightKind.F32:  # one dtype for every matmul weight
+                narrowed = [[w.contiguous() for w in ws] for ws in matrices]
+            weights = [[_Weight(held(w), None) for w in ws] for ws in narrowed]
         step_layers = (_Layer * len(layers))()
-        for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, narrowed)):
-            attn_norm, mlp_norm = lw.attn_norm.contiguous(), lw.mlp_norm.contiguous()
-            keep += [attn_norm, mlp_norm, qkv, o, gate_up, down]
-            step_layers[i] = _Layer(attn_norm.data_ptr(), qkv.data_ptr(), o.data_ptr(), mlp_norm.data_ptr(),
-                                    gate_up.data_ptr(), down.data_ptr())
-        head_ids = None
-        if output_ids is not None:
-            head_ids = output_ids.to(device="cpu", dtype=torch.int64).contiguous()  # [V']
-            keep.append(head_ids)
+        for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, weights)):
+            step_layers[i] = _Layer(held(lw.attn_norm.contiguous()), qkv, o, held(lw.mlp_norm.contiguous()),
+                                    gate_up, down)
+        head_ids = None if output_ids is None else held(output_ids.to(device="cpu", dtype=torch.int64).contiguous())
         model = _Model(hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers),
                        heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                       head_rows=lm_head.shape[0], kv_rows=0, eps=shape.rms_norm_eps,
-                       scale=shape.head_dim ** -0.5, bf16=int(bf16), embed=keep[0].data_ptr(),
-                       cos=keep[2].data_ptr(), sin=keep[3].data_ptr(), final_norm=keep[1].data_ptr(),
-                       lm_head=keep[4].data_ptr(), head_ids=head_ids.data_ptr() if head_ids is not None else None,
+                       head_rows=lm_head.shape[0], kv_rows=0, max_keys=cos.shape[0], eps=shape.rms_norm_eps,
+                       scale=shape.head_dim ** -0.5, kind=int(kind), embed=held(embed.contiguous()),
+                       cos=held(cos.contiguous()), sin=held(sin.contiguous()),
+                       final_norm=held(final_norm.contiguous()), lm_head=weights[-1][0], head_ids=head_ids,
                        layer=step_layers, kv=None, scratch=None)
         max_positions = cos.shape[0]
         scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), max_positions),
                               dtype=torch.float32)  # [floats the C step needs]
-        keep.append(scratch)
-        model.scratch = scratch.data_ptr()
+        model.scratch = held(scratch)
         return cls(kernels, model, keep, step_layers, shape.vocab_size, output_ids is not None, max_positions)
 
     @staticmethod
@@ -135,8 +159,10 @@ class TokenStep:
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
         model = ctypes.byref(self._model)
-        fill = float("-inf") if self._restricted else 0.0
-        logits = torch.full((B, self._vocab_size), fill, dtype=torch.float32)  # [B, vocab]
+        if self._restricted:  # columns outside the scored vocabulary stay -inf
+            logits = torch.full((B, self._vocab_size), float("-inf"), dtype=torch.float32)  # [B, vocab]
+        else:  # the step writes every column
+            logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
         read_rows = None if kv.read_rows is None else kv.read_rows.to(torch.int64).contiguous()  # [B, L]
         threads = torch.get_num_threads()
         for b in range(B):

@@ -7,19 +7,21 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import build_pool
+from engine.model.int8 import quantize_int8
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_llama
+from engine.model.token_step import WeightKind
 from engine.runner import forward_chunks
 from tests.helpers import make_model
 
 needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
 
 
-def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Three sequences prefilled together, then one-token steps of the first (past its third
     16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
     sequences stepping together, and a 4-token chunk (too wide for token steps). Returns each
-    pass's logits and the KV storage."""
+    pass's logits, the KV storage before the 4-token chunk and after it."""
     cfg = EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
                        kv_cache_backend=backend, enable_prefix_caching=False)
     pool = build_pool(cfg, model)
@@ -32,26 +34,43 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
     out.append(forward_chunks(model, pool, slots[:1], [ids[0][52:55]], [52]))  # [1, vocab]
     for i in range(40, 44):
         out.append(forward_chunks(model, pool, slots[1:], [ids[1][i:i + 1], ids[2][i:i + 1]], [i, i]))  # [2, vocab]
+    before_wide = pool.storage.clone()
     out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:59]], [55]))  # [1, vocab]
-    return out, pool.storage
+    return out, before_wide, pool.storage
+
+
+def _int8_exact_checkpoint(hf, path) -> None:
+    """Rewrites the checkpoint with every matmul weight replaced by its int8 round trip, which
+    int8 quantization then reproduces exactly: int8 and float weights compute the same products."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                q = quantize_int8(p)
+                p.copy_(q.q.float() * q.scales.float()[:, None])
+    hf.save_pretrained(path, safe_serialization=True)
 
 
 @needs_kernels
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("checkpoint_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("restricted", [False, True])
-def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, checkpoint_dtype, restricted):
+def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights, restricted):
     """Logits and the K/V left in the pool agree with the torch forward to float32 rounding, with
     the same -inf outside a restricted vocabulary; passes of at most three tokens run as token
-    steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
-    make_model(tmp_path, tok_dir, seed=4, dtype=checkpoint_dtype)
+    steps (bfloat16 weights when the checkpoint's values are bf16 values; int8 copies when asked,
+    here of a checkpoint int8 represents exactly), wider ones do not (an int8 draft's take torch's
+    int8 kernel, whose bf16 activations round differently: not compared)."""
+    hf = make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
+    if weights == "int8":
+        _int8_exact_checkpoint(hf, tmp_path)
     vocab = load_llama(tmp_path, "float32", "cpu", max_positions=256).shape.vocab_size
     output_ids = torch.arange(0, vocab, 3) if restricted else None
     reference = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False)
-    stepped = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False, token_step=True)
+    stepped = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False, token_step=True,
+                         int8_few_rows=weights == "int8")
     step = stepped._token_step
     assert reference._token_step is None and step is not None
-    assert step._model.bf16 == (checkpoint_dtype == torch.bfloat16)
+    assert step._model.kind == {"float32": WeightKind.F32, "bfloat16": WeightKind.BF16, "int8": WeightKind.INT8}[weights]
     taken = []
     original = step.forward
 
@@ -60,10 +79,14 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, checkpo
         return original(input_ids, *args)
 
     step.forward = counted
-    want, want_kv = _passes(tmp_path, reference, backend)
-    got, got_kv = _passes(tmp_path, stepped, backend)
+    want, want_kv, want_end = _passes(tmp_path, reference, backend)
+    got, got_kv, got_end = _passes(tmp_path, stepped, backend)
     # 12 one-token steps, the 3-token chunk, 4 two-sequence steps
     assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4
+    if weights != "int8":
+        torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
+    else:
+        want, got = want[:-1], got[:-1]
     for w, g in zip(want, got):
         assert torch.equal(torch.isinf(w), torch.isinf(g))
         finite = torch.isfinite(w)

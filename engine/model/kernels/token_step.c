@@ -3,8 +3,9 @@
  * Why: a small draft's single-token step reads a few megabytes of weights, which takes a
  * fraction of a millisecond, but as ~100 eager torch operations (norms, RoPE, cache writes,
  * attention, matmuls, each with its dispatch cost) it took 1.3 ms on the shipped draft. Here the
- * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1, everything else is
- * plain loops over vectors of the hidden size.
+ * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1 (or an int8 matrix-
+ * vector product for a draft quantized to int8), everything else is plain loops over vectors of
+ * the hidden size.
  *
  * A draft's rounding may differ from its batched passes (only the target's verify pass and the
  * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
@@ -16,6 +17,7 @@
  * row of key position pos; cos/sin
  * tables [max_positions, head_dim] with the rotate-half sign folded into sin.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,25 +26,33 @@ void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64
 void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M,
                        int threads);
 
+enum WeightKind { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2 };
+
+typedef struct {
+    const void *w;       /* [N, K] float32, bfloat16 or int8 (the model's kind) */
+    const float *scale;  /* int8: [N], w[n, k] stands for w[n, k] * scale[n]; else unused */
+} Weight;
+
 typedef struct {
     const float *attn_norm;  /* [hidden] */
-    const void *qkv;         /* [(heads + 2 kv_heads) head_dim, hidden] */
-    const void *o;           /* [hidden, heads head_dim] */
+    Weight qkv;              /* [(heads + 2 kv_heads) head_dim, hidden] */
+    Weight o;                /* [hidden, heads head_dim] */
     const float *mlp_norm;   /* [hidden] */
-    const void *gate_up;     /* [2 intermediate, hidden]: gate rows, then up rows */
-    const void *down;        /* [hidden, intermediate] */
+    Weight gate_up;          /* [2 intermediate, hidden]: gate rows, then up rows */
+    Weight down;             /* [hidden, intermediate] */
 } StepLayer;
 
 typedef struct {
     int64_t hidden, intermediate, layers, heads, kv_heads, head_dim;
     int64_t head_rows;        /* rows of lm_head (the draft's scored vocabulary) */
     int64_t kv_rows;          /* rows of the KV storage per (layer, k|v, kv_head) */
+    int64_t max_keys;         /* the most keys a step may attend to (the scratch is sized for it) */
     float eps, scale;
-    int64_t bf16;             /* 1: every matmul weight is bfloat16; 0: float32 */
+    int64_t kind;             /* enum WeightKind of every matmul weight */
     const float *embed;       /* [vocab, hidden] */
     const float *cos, *sin;   /* [max_positions, head_dim] */
     const float *final_norm;  /* [hidden] */
-    const void *lm_head;      /* [head_rows, hidden] */
+    Weight lm_head;           /* [head_rows, hidden] */
     const int64_t *head_ids;  /* [head_rows] logits column of each head row, or NULL (identity) */
     const StepLayer *layer;   /* [layers] */
     float *kv;
@@ -51,15 +61,37 @@ typedef struct {
 
 int64_t token_step_scratch_floats(const StepModel *m, int64_t max_keys) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + max_keys + m->head_rows;
+    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys + m->head_rows;
 }
 
-static void matmul(const StepModel *m, const void *w, const float *x, float *y, int64_t n, int64_t k,
-                   int threads) {
-    if (m->bf16)
-        one_sequence_bf16((const uint16_t *)w, x, y, n, k, 1, threads);
+static inline float lanes_total(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* y[n] = scale[n] * sum_k q[n, k] x[k], K a multiple of 8 */
+static void matvec_int8(const int8_t *q, const float *scale, const float *x, float *y, int64_t N, int64_t K,
+                        int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = q + n * K;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k))));
+            acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), acc);
+        }
+        y[n] = lanes_total(acc) * scale[n];
+    }
+}
+
+static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int threads) {
+    if (m->kind == WEIGHTS_INT8)
+        matvec_int8((const int8_t *)w.w, w.scale, x, y, n, k, threads);
+    else if (m->kind == WEIGHTS_BF16)
+        one_sequence_bf16((const uint16_t *)w.w, x, y, n, k, 1, threads);
     else
-        one_sequence_f32((const float *)w, x, y, n, k, 1, threads);
+        one_sequence_f32((const float *)w.w, x, y, n, k, 1, threads);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -83,6 +115,37 @@ static inline const float *kv_row(const StepModel *m, int64_t layer, int64_t whi
     return m->kv + (((layer * 2 + which) * m->kv_heads + head) * m->kv_rows + row) * m->head_dim;
 }
 
+/* attn[hq] = softmax(q_hq . keys * scale) . values for every query head (threads split the
+ * heads); qkv holds the roped q of every head; head_dim a multiple of 8; scores [heads, max_keys] */
+static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn, float *scores, int64_t n_keys,
+                   const int64_t *key_rows, int64_t first_key_row, int threads) {
+    const int64_t D = m->head_dim, Hq = m->heads, G = Hq / m->kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        const float *q = qkv + hq * D;
+        float *s = scores + hq * m->max_keys, top = -INFINITY, total = 0.f;
+        for (int64_t t = 0; t < n_keys; t++) {
+            const float *k = kv_row(m, l, 0, hq / G, key_rows ? key_rows[t] : first_key_row + t);
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+            s[t] = lanes_total(acc) * m->scale;
+            top = s[t] > top ? s[t] : top;
+        }
+        for (int64_t t = 0; t < n_keys; t++) {
+            s[t] = expf(s[t] - top);
+            total += s[t];
+        }
+        float *out = attn + hq * D;
+        memset(out, 0, D * sizeof(float));
+        for (int64_t t = 0; t < n_keys; t++) {
+            const float *v = kv_row(m, l, 1, hq / G, key_rows ? key_rows[t] : first_key_row + t);
+            __m256 p = _mm256_set1_ps(s[t] / total);
+            for (int64_t i = 0; i < D; i += 8)
+                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+        }
+    }
+}
+
 /* Runs `token` at position `pos`: writes its K/V at write_row, attends to keys 0..pos.
  * logits: NULL skips the output layer (a token of a chunk before its last); otherwise
  * logits[head_ids[r]] (or logits[r]) gets head row r's score, other entries are left alone.
@@ -90,11 +153,13 @@ static inline const float *kv_row(const StepModel *m, int64_t layer, int64_t whi
 int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
                int64_t first_key_row, float *logits, int threads) {
     const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int64_t Hq = m->heads, Hkv = m->kv_heads, G = Hq / Hkv, n_keys = pos + 1;
-    if (pos < 0 || write_row < 0 || write_row >= m->kv_rows || Hkv <= 0 || Hq % Hkv != 0) return -1;
+    const int64_t Hq = m->heads, Hkv = m->kv_heads, n_keys = pos + 1;
+    if (pos < 0 || n_keys > m->max_keys || write_row < 0 || write_row >= m->kv_rows || Hkv <= 0 || Hq % Hkv != 0 ||
+        D % 8 != 0)
+        return -1;
     float *h = m->scratch, *x = h + H, *tmp = x + H;
     float *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
-    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *head = scores + n_keys;
+    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *head = scores + Hq * m->max_keys;
     memcpy(h, m->embed + token * H, H * sizeof(float));
     const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
     for (int64_t l = 0; l < m->layers; l++) {
@@ -106,31 +171,7 @@ int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row
             memcpy((float *)kv_row(m, l, 0, j, write_row), qkv + (Hq + j) * D, D * sizeof(float));
             memcpy((float *)kv_row(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D * sizeof(float));
         }
-        for (int64_t hq = 0; hq < Hq; hq++) {
-            const float *q = qkv + hq * D;
-            int64_t g = hq / G;
-            float top = -INFINITY, total = 0.f;
-            for (int64_t t = 0; t < n_keys; t++) {
-                int64_t row = key_rows ? key_rows[t] : first_key_row + t;
-                const float *k = kv_row(m, l, 0, g, row);
-                float s = 0.f;
-                for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
-                scores[t] = s * m->scale;
-                if (scores[t] > top) top = scores[t];
-            }
-            for (int64_t t = 0; t < n_keys; t++) {
-                scores[t] = expf(scores[t] - top);
-                total += scores[t];
-            }
-            float *out = attn + hq * D;
-            memset(out, 0, D * sizeof(float));
-            for (int64_t t = 0; t < n_keys; t++) {
-                int64_t row = key_rows ? key_rows[t] : first_key_row + t;
-                const float *v = kv_row(m, l, 1, g, row);
-                float p = scores[t] / total;
-                for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
-            }
-        }
+        attend(m, l, qkv, attn, scores, n_keys, key_rows, first_key_row, threads);
         matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
         for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
         rms_norm(h, lw->mlp_norm, x, H, m->eps);
