@@ -245,7 +245,7 @@ class Llama:
             raise ValueError("token_step needs row_invariant=False: its rounding differs from batched passes")
         # taken before packing (it reads the plain weights); None = no token-step passes
         self._token_step = TokenStep.build(shape, embed, layers, final_norm, self.lm_head, output_ids,
-                                           self.cos, self.sin, int8=int8_few_rows) if token_step else None
+                                           self.cos, self.sin) if token_step else None
         self._linear = F.linear
         # passes over few rows (draft steps): their own weights and kernels, or None = as any pass
         self._few_rows: FewRowPath | None = None

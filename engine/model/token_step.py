@@ -16,7 +16,6 @@ import enum
 import torch
 
 from engine.kv.protocol import KVView
-from engine.model.int8 import quantize_int8
 from engine.model.kernels import one_sequence
 
 # Passes computing at most this many tokens (over all their sequences) run as token steps.
@@ -25,24 +24,18 @@ from engine.model.kernels import one_sequence
 # before attention was vectorised): 1 sequence 1.75 vs 0.50, 2 sequences 1.62 vs 1.19,
 # 4 sequences 1.86 vs 2.57: a token step costs ~0.3-0.6 ms, a narrow torch pass ~1.7 ms
 # however narrow. The C call alone, 300 keys, 2 threads: 0.24 ms (0.12 of it the 8192-row
-# output layer); int8 weights were no faster than bf16 there (0.27 ms: the draft's weights
-# are few enough to stay in cache between steps).
+# output layer).
 TOKEN_STEP_MAX_TOKENS = 3
 
 
 class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind
     F32 = 0
     BF16 = 1
-    INT8 = 2
-
-
-class _Weight(ctypes.Structure):  # token_step.c's Weight
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):  # token_step.c's StepLayer
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
-                ("mlp_norm", ctypes.c_void_p), ("gate_up", _Weight), ("down", _Weight)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
+                ("mlp_norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):  # token_step.c's StepModel
@@ -51,7 +44,7 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64), ("max_keys", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
                 ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("lm_head", _Weight), ("head_ids", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("head_ids", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
@@ -80,12 +73,12 @@ class TokenStep:
 
     @classmethod
     def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-              int8: bool = False) -> TokenStep | None:
+              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
         """shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before
-        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim].
-        int8: the matmuls read int8 copies (engine.model.int8's per-row scales); else bfloat16
-        copies when every weight's values are bf16 values, else the float32 weights."""
+        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim]. The
+        matmuls read bfloat16 copies when every weight's values are bf16 values, else the
+        float32 weights. (Int8 copies, as a draft's torch passes may use, were measured in an
+        earlier version: no faster than bf16 here, and 1-5% lower acceptance.)"""
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             return None
@@ -103,16 +96,11 @@ class TokenStep:
             keep.append(t)
             return t.data_ptr()
 
-        if int8:
-            kind = WeightKind.INT8
-            quantized = [[quantize_int8(w) for w in ws] for ws in matrices]
-            weights = [[_Weight(held(q.q), held(q.scales.float().contiguous())) for q in qs] for qs in quantized]
-        else:
-            narrowed = [[bf16_if_exact(w) for w in ws] for ws in matrices]
-            kind = WeightKind.BF16 if all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws) else WeightKind.F32
-            if kind == WeightKind.F32:  # one dtype for every matmul weight
-                narrowed = [[w.contiguous() for w in ws] for ws in matrices]
-            weights = [[_Weight(held(w), None) for w in ws] for ws in narrowed]
+        narrowed = [[bf16_if_exact(w) for w in ws] for ws in matrices]
+        kind = WeightKind.BF16 if all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws) else WeightKind.F32
+        if kind == WeightKind.F32:  # one dtype for every matmul weight
+            narrowed = [[w.contiguous() for w in ws] for ws in matrices]
+        weights = [[held(w) for w in ws] for ws in narrowed]
         step_layers = (_Layer * len(layers))()
         for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, weights)):
             step_layers[i] = _Layer(held(lw.attn_norm.contiguous()), qkv, o, held(lw.mlp_norm.contiguous()),

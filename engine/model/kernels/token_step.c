@@ -3,9 +3,8 @@
  * Why: a small draft's single-token step reads a few megabytes of weights, which takes a
  * fraction of a millisecond, but as ~100 eager torch operations (norms, RoPE, cache writes,
  * attention, matmuls, each with its dispatch cost) it took 1.3 ms on the shipped draft. Here the
- * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1 (or an int8 matrix-
- * vector product for a draft quantized to int8), everything else is plain loops over vectors of
- * the hidden size.
+ * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1, attention and
+ * everything else are loops over vectors of the head or hidden size.
  *
  * A draft's rounding may differ from its batched passes (only the target's verify pass and the
  * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
@@ -26,12 +25,9 @@ void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64
 void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M,
                        int threads);
 
-enum WeightKind { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2 };
+enum WeightKind { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1 };
 
-typedef struct {
-    const void *w;       /* [N, K] float32, bfloat16 or int8 (the model's kind) */
-    const float *scale;  /* int8: [N], w[n, k] stands for w[n, k] * scale[n]; else unused */
-} Weight;
+typedef const void *Weight; /* [N, K] row-major, float32 or bfloat16 (the model's kind) */
 
 typedef struct {
     const float *attn_norm;  /* [hidden] */
@@ -70,28 +66,11 @@ static inline float lanes_total(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* y[n] = scale[n] * sum_k q[n, k] x[k], K a multiple of 8 */
-static void matvec_int8(const int8_t *q, const float *scale, const float *x, float *y, int64_t N, int64_t K,
-                        int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *row = q + n * K;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k))));
-            acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), acc);
-        }
-        y[n] = lanes_total(acc) * scale[n];
-    }
-}
-
 static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int threads) {
-    if (m->kind == WEIGHTS_INT8)
-        matvec_int8((const int8_t *)w.w, w.scale, x, y, n, k, threads);
-    else if (m->kind == WEIGHTS_BF16)
-        one_sequence_bf16((const uint16_t *)w.w, x, y, n, k, 1, threads);
+    if (m->kind == WEIGHTS_BF16)
+        one_sequence_bf16((const uint16_t *)w, x, y, n, k, 1, threads);
     else
-        one_sequence_f32((const float *)w.w, x, y, n, k, 1, threads);
+        one_sequence_f32((const float *)w, x, y, n, k, 1, threads);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
