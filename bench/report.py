@@ -122,7 +122,9 @@ def draft_weights(r: dict) -> list[str]:
     res = r["results"]
     lines = [f"**Int8 vs float32 draft weights** (`draft_quantization`) — workload `{r['workload']}`, "
              f"{r['prompts']} held-out prompts, {r['tokens']} new tokens, batch 1, greedy, {r['repeats']} interleaved "
-             f"runs, {m['threads']} threads (`python -m bench draftq`); plain decoding: "
+             f"runs, {m['threads']} threads (`python -m bench draftq`)"
+             f"{'; draft token step off in both (int8 applies to the torch passes it replaces)' if r.get('draft_token_step') is False else ''}"
+             "; plain decoding: "
              f"{res['plain']['tok_s']['median']:.0f} tok/s:", "",
              "| setting | float32 draft tok/s | int8 draft tok/s | int8 ÷ float32 (median of per-run ratios, range) "
              "| drafting, ms per token: float32 → int8 | acceptance float32 → int8 |",
