@@ -54,7 +54,9 @@ def summarize(runs: list[dict], key: str) -> dict:
 def write(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    # the draft's batch-1 steps as token steps is the engine's default, which every command keeps
+    # unless its payload says otherwise
+    path.write_text(json.dumps({"machine": machine(), "draft_token_step": True, **payload}, indent=2))
     return path
 
 

@@ -37,8 +37,12 @@ def _host(m: dict) -> str:
 
 
 def _draft_weights(r: dict) -> str:
-    """Which weights the draft's narrow passes read (runs before the option was recorded: float)."""
+    """Which weights the draft's narrow passes read (runs before an option was recorded: float,
+    no token step)."""
     q = r.get("draft_quantization", "none")
+    if r.get("draft_token_step"):
+        return ("draft steps of up to 3 tokens as token steps (whole-model C calls, bf16 weights)"
+                + (", its other passes of up to 8 rows on int8 weights" if q == "int8" else ""))
     return "draft steps on int8 weights" if q == "int8" else "draft on float weights"
 
 
