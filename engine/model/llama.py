@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
 from engine.model.kernels import one_sequence
-from engine.model.token_step import TokenStep, bf16_if_exact
+from engine.model.token_step import TokenStep
 
 
 def _use_explicit_attention(batch: int, queries: int) -> bool:
@@ -303,8 +303,8 @@ class Llama:
         kernel (taken before packing). A weight whose values are all bfloat16 values (a bf16
         checkpoint computed in float32) is kept in bfloat16: half the bytes to read, the same
         products. None if a weight does not suit the kernel."""
-        weights = [{n: bf16_if_exact(getattr(lw, n)) for n in LayerKernels._fields} for lw in self.layers]
-        head = bf16_if_exact(self.lm_head)
+        weights = [{n: one_sequence.bf16_if_exact(getattr(lw, n)) for n in LayerKernels._fields} for lw in self.layers]
+        head = one_sequence.bf16_if_exact(self.lm_head)
         if not all(one_sequence.supports(w) for w in [head, *(w for d in weights for w in d.values())]):
             return None
         layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]

@@ -48,13 +48,6 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
-def bf16_if_exact(w: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 copy of w if every value of w is a bfloat16 value (a bf16 checkpoint upcast
-    to float32): half the bytes to read, the same products. Else w itself, contiguous."""
-    half = w.to(torch.bfloat16)
-    return half if torch.equal(half.float(), w) else w.contiguous()
-
-
 class TokenStep:
     """Holds the weights' pointers (and the weights, so the pointers stay valid) for token_step.c.
 
@@ -62,14 +55,12 @@ class TokenStep:
     (not float32 on CPU, widths not multiples of 8, the kernels not built here)."""
 
     def __init__(self, kernels: one_sequence.OneSequenceKernels, model: _Model, keep: list[torch.Tensor],
-                 layers: ctypes.Array, vocab_size: int, restricted: bool, max_positions: int):
+                 layers: ctypes.Array, vocab_size: int):
         self._kernels = kernels
         self._model = model
         self._keep = keep  # every tensor whose pointer the C struct holds
-        self._layers = layers
+        self._layers = layers  # the struct array model.layer points to
         self._vocab_size = vocab_size
-        self._restricted = restricted
-        self._max_positions = max_positions
 
     @classmethod
     def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
@@ -96,7 +87,7 @@ class TokenStep:
             keep.append(t)
             return t.data_ptr()
 
-        narrowed = [[bf16_if_exact(w) for w in ws] for ws in matrices]
+        narrowed = [[one_sequence.bf16_if_exact(w) for w in ws] for ws in matrices]
         kind = WeightKind.BF16 if all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws) else WeightKind.F32
         if kind == WeightKind.F32:  # one dtype for every matmul weight
             narrowed = [[w.contiguous() for w in ws] for ws in matrices]
@@ -113,11 +104,10 @@ class TokenStep:
                        cos=held(cos.contiguous()), sin=held(sin.contiguous()),
                        final_norm=held(final_norm.contiguous()), lm_head=weights[-1][0], head_ids=head_ids,
                        layer=step_layers, kv=None, scratch=None)
-        max_positions = cos.shape[0]
-        scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), max_positions),
+        scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), model.max_keys),
                               dtype=torch.float32)  # [floats the C step needs]
         model.scratch = held(scratch)
-        return cls(kernels, model, keep, step_layers, shape.vocab_size, output_ids is not None, max_positions)
+        return cls(kernels, model, keep, step_layers, shape.vocab_size)
 
     @staticmethod
     def takes(batch: int, width: int, logits_index: torch.Tensor | None) -> bool:
@@ -142,12 +132,12 @@ class TokenStep:
             raise ValueError("TokenStep needs a contiguous float32 CPU KV storage")
         lasts = [0] * B if logits_index is None else logits_index.tolist()
         ids, positions, write_rows = input_ids.tolist(), position_ids.tolist(), kv.write_rows.tolist()
-        if max(positions[b][lasts[b]] for b in range(B)) >= self._max_positions:
-            raise ValueError(f"position exceeds the model's {self._max_positions} positions")
+        if max(positions[b][lasts[b]] for b in range(B)) >= self._model.max_keys:
+            raise ValueError(f"position exceeds the model's {self._model.max_keys} positions")
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
         model = ctypes.byref(self._model)
-        if self._restricted:  # columns outside the scored vocabulary stay -inf
+        if self._model.head_ids:  # restricted: columns outside the scored vocabulary stay -inf
             logits = torch.full((B, self._vocab_size), float("-inf"), dtype=torch.float32)  # [B, vocab]
         else:  # the step writes every column
             logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
