@@ -21,7 +21,7 @@ serve: $(STAMP)
 
 # The engine in-process, no Ray: a few completions on the embedded pair.
 generate: $(STAMP)
-	$(VENV)/bin/python -m engine.cli
+	$(VENV)/bin/python -m serve_app.cli
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests

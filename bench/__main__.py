@@ -4,8 +4,7 @@
     peers    transformers generate (plain / assisted / prompt lookup) vs our engine, same weights
     llamacpp llama.cpp (llama-cpp-python) plain and prompt-lookup on the same weights as GGUF
     sweep    batch sweep 1..64: plain vs fixed K vs adaptive, and the K the policy picked
-    draftq   int8 vs float32 draft weights side by side (draft_quantization), batch 1
-    kernel   the one-sequence CPU kernel vs oneDNN for batch-1 passes (cpu_one_sequence_kernels)
+    plan     the forward plan measured at load (auto) vs every plan forced, batch 1 and 16
     http     `serve run serve_config.yaml` under N streaming clients: TTFT / ITL / throughput
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
     plots    PNGs from bench/results/*.json
@@ -19,12 +18,12 @@ import importlib
 import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
-            "sweep": "bench.sweep", "draftq": "bench.draft_weights", "kernel": "bench.one_sequence_kernel",
+            "sweep": "bench.sweep", "plan": "bench.plans",
             "http": "bench.http_load", "hf": "bench.engine_vs_hf",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),
-       ("llamacpp", []), ("sweep", []), ("draftq", []), ("kernel", []), ("http", []), ("plots", []), ("report", [])]
+       ("llamacpp", []), ("sweep", []), ("plan", []), ("http", []), ("plots", []), ("report", [])]
 
 
 def run(command: str, argv: list[str]) -> None:

@@ -17,22 +17,26 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from engine.model.llama import compute_dtype, cpu_packs
+    """The host class next to every figure: CPU model, its vector/matrix flags, threads, torch."""
+    from engine.model.plan import host_info
 
-    bf16 = "float32 (no bf16 kernels)" if compute_dtype(torch.bfloat16, "cpu") == torch.float32 else \
-        "bf16" if cpu_packs(torch.bfloat16) else "bf16 (unpacked)"
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_matmul": bf16,  # what a bfloat16 model computes in on this CPU (engine.model.llama.compute_dtype)
-            "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    host = host_info()
+    return {"cpu": host["cpu"] or platform.processor(), "cpu_flags": host["flags"],
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def host_class() -> str:
+    """One line naming the host, e.g. 'Intel(R) Xeon(R) Processor [avx2 avx512f avx512_bf16 amx_bf16]'."""
+    m = machine()
+    marks = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in m["cpu_flags"]]
+    return f"{m['cpu']} [{' '.join(marks)}]"
+
+
+def plan_summary(plan: dict) -> dict:
+    """An engine's forward plan without its measurements: {role: {dtype, kernels..., source}}."""
+    return {role: {k: v for k, v in p.items() if k != "ms"} for role, p in plan.items()}
 
 
 def interleave(variants: dict[str, Callable[[], dict]], repeats: int, desc: str) -> dict[str, list[dict]]:
@@ -51,12 +55,13 @@ def summarize(runs: list[dict], key: str) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def write(name: str, payload: dict) -> Path:
+def write(name: str, payload: dict, llm=None) -> Path:
+    """bench/results/<name>.json: the machine, the forward plan of `llm`'s engine (if given) and
+    the payload."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    # the draft's batch-1 steps as token steps is the engine's default, which every command keeps
-    # unless its payload says otherwise
-    path.write_text(json.dumps({"machine": machine(), "draft_token_step": True, **payload}, indent=2))
+    plan = {"forward_plan": plan_summary(llm.engine.forward_plan)} if llm is not None else {}
+    path.write_text(json.dumps({"machine": machine(), **plan, **payload}, indent=2))
     return path
 
 
@@ -80,15 +85,8 @@ def parser(command: str, doc: str | None, tokens: int, workloads: bool = False, 
 def add_model_options(ap) -> None:
     ap.add_argument("--target", default="embedded:target")
     ap.add_argument("--draft", default="embedded:draft")
-    ap.add_argument("--draft-vocab-size", type=int, default=None,
-                    help="the draft scores only this many of its most frequent tokens (the engine's "
-                         "draft_vocab_size; default: the whole vocabulary)")
-    from typing import get_args
-
-    from engine.config import DraftQuantization
-
-    ap.add_argument("--draft-quantization", choices=get_args(DraftQuantization), default="int8",
-                    help="the draft's narrow passes on int8 weight copies (the engine's draft_quantization)")
+    ap.add_argument("--forward-plan", default="auto", type=lambda v: v if v in ("auto", "torch") else json.loads(v),
+                    help="the engine's forward_plan: auto (measured on this host), torch, or a JSON object")
 
 
 def add_batch1_options(ap, repeats: int) -> None:
@@ -98,18 +96,19 @@ def add_batch1_options(ap, repeats: int) -> None:
     ap.set_defaults(repeats=repeats)
 
 
-PLAIN = {"enabled": False}  # runner.reconfigure() settings: plain decoding
+PLAIN = {"use_speculative_decoding": False}  # reconfigure_speculation() settings: plain decoding
 
 
 def fixed(method: str, k: int) -> dict:
-    """runner.reconfigure() settings: speculation by `method` proposing K = k tokens every step."""
-    return {"enabled": True, "method": method, "spec_length": k, "policy": "fixed"}
+    """reconfigure_speculation() settings: speculation by `method` proposing K = k tokens every step."""
+    return {"use_speculative_decoding": True, "speculative_method": method, "spec_length": k, "spec_policy": "fixed"}
 
 
 def adaptive(method: str, k_max: int = 8) -> dict:
-    """runner.reconfigure() settings: speculation by `method`, the adaptive policy choosing K
+    """reconfigure_speculation() settings: speculation by `method`, the adaptive policy choosing K
     (0 = plain decoding) up to k_max every step."""
-    return {"enabled": True, "method": method, "spec_length": k_max, "policy": "adaptive"}
+    return {"use_speculative_decoding": True, "speculative_method": method, "spec_length": k_max,
+            "spec_policy": "adaptive"}
 
 
 def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
@@ -117,7 +116,7 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     (batch 1). Returns tokens/s, the tokens, the acceptance rate (None without drafts) and ms per
     generated token in each engine phase (`generate_each`)."""
     def go() -> dict:
-        llm.engine.runner.reconfigure(**spec)
+        llm.engine.reconfigure_speculation(**spec)
         t0 = time.perf_counter()
         outs, seconds = generate_each(llm, prompts, params)
         dt = time.perf_counter() - t0
@@ -129,22 +128,19 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     return go
 
 
-def batch1_llm(target: str, draft: str, vocab_size: int | None, quantization: str = "int8",
-               one_sequence_kernels: bool = True, draft_token_step: bool = True):
-    """Our engine with both models for batch-1 comparisons (prefix caching off: repeats of the
-    same prompt must not get cheaper)."""
+def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int = 4):
+    """Our engine with both models for side-by-side comparisons (prefix caching off: repeats of
+    the same prompt must not get cheaper)."""
     from engine import LLM
 
-    return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=4,
-               max_seq_len=1024, enable_prefix_caching=False, draft_vocab_size=vocab_size,
-               draft_quantization=quantization, cpu_one_sequence_kernels=one_sequence_kernels,
-               cpu_draft_token_step=draft_token_step)
+    return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=max_batch_size,
+               max_seq_len=1024, enable_prefix_caching=False, forward_plan=forward_plan)
 
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
-    wall time went (engine.metrics.PhaseSeconds). Returns the outputs and seconds per phase."""
-    from engine.metrics import PHASES
+    wall time went (engine.step_result.PhaseSeconds). Returns the outputs and seconds per phase."""
+    from engine.step_result import PHASES
 
     eng = llm.engine
     seconds = dict.fromkeys(PHASES, 0.0)
@@ -153,7 +149,7 @@ def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
         rid = eng.add_request(prompt, params)
         while eng.has_unfinished_requests():
             eng.step()
-            for phase, s in eng.last_step_phases.items():
+            for phase, s in eng.last_step.phases.items():
                 seconds[phase] += s
         outs.append(eng.get_output(rid))
         eng.release(rid)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {batch:3d}: ours {s_ours['median']:8.1f} tok/s   transformers {s_hf['median']:8.1f} tok/s"
               f"   ratio {results[str(batch)]['ratio']:.2f}x")
     path = write("engine_vs_hf", {"tokens": args.tokens, "params_m": 27.8, "dtype": "bfloat16",
-                                  "results": results})
+                                  "results": results}, llm)
     print(f"wrote {path}")
 
 

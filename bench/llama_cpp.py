@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
               "verbose": False, "seed": 0}
     plain_cpp = llama_cpp.Llama(**common)
     lookup_cpp = llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens))
-    llm = batch1_llm(args.target, args.draft, args.draft_vocab_size, args.draft_quantization)
+    llm = batch1_llm(args.target, args.draft, args.forward_plan)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:

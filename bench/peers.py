@@ -2,10 +2,10 @@
 
     python -m bench peers [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3]
 
-Batch 1, greedy, bf16, the shipped pair. On a CPU without bf16 matmul kernels (AVX2 only) our
-engine computes the bf16 checkpoints in float32 (`engine.model.llama.compute_dtype`), and
-transformers gets the same weights in float32 too: emulated bf16 would make it several times
-slower and the comparison meaningless. Every variant decodes the same token-id prompts with
+Batch 1, greedy, the shipped bf16 pair. Our engine runs its forward plan (measured on this host);
+transformers computes in the dtype our target's plan chose (on a CPU without bf16 matmul kernels,
+float32: emulated bf16 would make it several times slower and the comparison meaningless).
+Every variant decodes the same token-id prompts with
 EOS ignored (transformers: eos_token_id=None), so each produces exactly `tokens` new tokens; the
 variants are interleaved and repeated, medians reported. `same_as_plain` compares each variant's
 tokens with the same library's plain greedy run (ours: exact; transformers' assisted paths may
@@ -33,8 +33,6 @@ OURS_VARIANTS = {
     "ours hybrid (adaptive)": adaptive("hybrid"),
 }
 
-FLOAT_DRAFT_VARIANT = "ours draft (adaptive, float draft)"  # draft_quantization="none"
-
 
 def main(argv: list[str] | None = None) -> None:
     args = parser("peers", __doc__, tokens=96, workloads=True).parse_args(argv)
@@ -42,19 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from engine import SamplingParams
-    from engine.model.llama import compute_dtype
     from engine.model.loader import resolve_model_path
 
     target_dir, draft_dir = resolve_model_path(args.target), resolve_model_path(args.draft)
-    dtype = compute_dtype(torch.bfloat16, "cpu")  # what our engine computes the bf16 pair in here
+    llm = batch1_llm(str(target_dir), str(draft_dir), args.forward_plan)
+    dtype = llm.engine.model.dtype  # what our target computes the bf16 pair in here
     hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
     for m in (hf_target, hf_draft):
         m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
-    llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size, args.draft_quantization)
-    # the draft as transformers runs it (float weights), to separate that gain from the engine's
-    float_llm = batch1_llm(str(target_dir), str(draft_dir), args.draft_vocab_size, "none") \
-        if args.draft_quantization != "none" else None
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:
@@ -77,8 +71,6 @@ def main(argv: list[str] | None = None) -> None:
             return go
 
         variants = {name: ours_variant(llm, cfg, prompts, params) for name, cfg in OURS_VARIANTS.items()}
-        if float_llm is not None:
-            variants[FLOAT_DRAFT_VARIANT] = ours_variant(float_llm, OURS_VARIANTS["ours draft (adaptive)"], prompts, params)
         variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
         for fn in variants.values():  # warm-up: kernels, prefix-free caches
             fn()
@@ -102,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                              ours_vs_hf / sum(map(len, base["ours"]))}
     path = write("peers", {"prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
                            "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0,
-                           "draft_quantization": args.draft_quantization, "workloads": results})
+                           "workloads": results}, llm)
     print(f"wrote {path}")
 
 

@@ -25,20 +25,20 @@ import torch
 
 from bench.common import PLAIN, adaptive, add_model_options, fixed, generate_each, interleave, summarize, write
 from bench.workloads import load_prompts
-from engine.metrics import PHASES
+from engine.step_result import PHASES
 
 
 def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 15) -> dict:
     """Median forward times (ms) of the target for T = 1..max_t tokens per sequence, and of
     one draft decode step, at each batch size."""
-    from engine.runner import forward_chunks
+    from engine.model.passes import forward_chunks
 
-    runner = llm.engine.runner
+    eng = llm.engine
     out = {}
     for b in batch_sizes:
         row = {}
-        for name, model, pool, ts in (("target", runner.model, runner.pool, range(1, max_t + 1)),
-                                      ("draft", runner.draft.model, runner.draft.pool, [1])):
+        for name, model, pool, ts in (("target", eng.model, eng.kv.target, range(1, max_t + 1)),
+                                      ("draft", eng.draft_model, eng.kv.draft, [1])):
             slots = [pool.allocate_slot([])[0] for _ in range(b)]
             forward_chunks(model, pool, slots, [[(7 * i + j) % 1000 + 10 for j in range(context)] for i in range(b)],
                            [0] * b)
@@ -98,19 +98,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
-              draft_quantization=args.draft_quantization,
+    llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
               use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
     costs = measure_costs(llm)
     for b, row in costs.items():
         print(f"batch {b}: target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
               "verify T/T1: " + " ".join(f"{t}:{r:.2f}" for t, r in row["verify_ratio"].items()))
     if args.costs_only:
-        write("spec_costs", {"costs": costs})
+        write("spec_costs", {"costs": costs}, llm)
         return
     prompts = load_prompts(args.workload, args.prompts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
-    runner = llm.engine.runner
     configs: dict[str, dict] = {"plain": PLAIN}
     for m in args.methods:
         for k in args.ks:
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(cfg):
         def go():
-            runner.reconfigure(**cfg)
+            llm.engine.reconfigure_speculation(**cfg)
             t0 = time.perf_counter()
             outs, phase_seconds = generate_each(llm, prompts, params)
             dt = time.perf_counter() - t0
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "draft_quantization": args.draft_quantization, "costs": costs, "costs_interleaved": in_run, "results": table})
+        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "results": table}, llm)
     print(f"wrote {path}")
 
 

@@ -24,7 +24,7 @@ import torch
 
 from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
 from bench.workloads import load_prompts
-from engine.metrics import PHASES
+from engine.step_result import PHASES
 
 VARIANTS = {
     "plain": PLAIN,
@@ -40,7 +40,6 @@ def run_batch(llm, prompts: list[str], params) -> dict:
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
     ks: Counter[int] = Counter()  # decode steps by the K they used (0 = plain decode)
-    seen = engine.runner.last_decode
     started: set[str] = set()  # requests with their first token
     window_tokens, window_seconds, window_steps = 0, 0.0, 0
     window_phases = dict.fromkeys(PHASES, 0.0)  # where the window's step time went
@@ -54,7 +53,7 @@ def run_batch(llm, prompts: list[str], params) -> dict:
             window_tokens += len(outputs)
             window_seconds += seconds
             window_steps += 1
-            for phase, sec in engine.last_step_phases.items():
+            for phase, sec in engine.last_step.phases.items():
                 window_phases[phase] += sec
         if any(o.finished for o in outputs):
             window = "closed"
@@ -62,10 +61,9 @@ def run_batch(llm, prompts: list[str], params) -> dict:
             started.update(o.request_id for o in outputs)
             if len(started) == len(ids):
                 window = "open"
-        stats = engine.runner.last_decode
-        if stats is not None and stats is not seen:  # None: the step decoded nothing (prefill only)
+        stats = engine.last_step.decode
+        if stats is not None:  # None: the step decoded nothing (prefill only)
             ks[stats.k] += 1
-            seen = stats
     dt = time.perf_counter() - t0
     outs = [engine.get_output(rid) for rid in ids]
     for rid in ids:
@@ -90,8 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     pool = load_prompts("code") + load_prompts("edit")
     if max(args.batches) > len(pool):
         raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
-    llm = LLM(model=args.target, draft_model=args.draft, draft_vocab_size=args.draft_vocab_size,
-              draft_quantization=args.draft_quantization,
+    llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
               use_speculative_decoding=True,
               max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def variant(cfg, prompts=prompts):
             def go():
-                llm.engine.runner.reconfigure(**cfg)
+                llm.engine.reconfigure_speculation(**cfg)
                 return run_batch(llm, prompts, params)
             return go
 
@@ -142,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row['draft adaptive']['k_steps']}")
     path = write("sweep", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
-                           "draft_quantization": args.draft_quantization, "variants": VARIANTS, "results": results})
+                           "variants": VARIANTS, "results": results}, llm)
     print(f"wrote {path}")
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine, Prompt
-from engine.request import FinishReason, RequestOutput
+from engine.request import FinishReason, RequestOutput, StepOutput
 
 log = logging.getLogger("engine.async")
 
@@ -91,7 +91,6 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # --- health ------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.fatal_error is None
@@ -105,7 +104,6 @@ class AsyncLLMEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    # --- calls into the engine thread ------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Runs fn(engine) on the engine thread between steps and returns its result."""
         self.check_health()
@@ -151,10 +149,8 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: self._abort(e, request_id))
 
-    # --- the loop ----------------------------------------------------------------------
     def _abort(self, engine: LLMEngine, rid: str) -> None:
-        out = engine.abort(rid)
-        if out is not None:
+        if (out := engine.abort(rid)) is not None:
             self._publish(engine, {rid: StreamDelta(rid, out.text, [], True, "abort")})
 
     def _drain_commands(self) -> None:
@@ -177,34 +173,16 @@ class AsyncLLMEngine:
     def _publish(self, engine: LLMEngine, deltas: dict[str, StreamDelta]) -> None:
         for rid, delta in deltas.items():
             if delta.finished:
-                delta.output = engine.get_output(rid)
+                delta.output = engine.get_output(rid) if engine.request(rid) is not None else None
                 engine.release(rid)
-                target = self._streams.pop(rid, None)
+                _send(self._streams.pop(rid, None), delta)
             else:
-                target = self._streams.get(rid)
-            if target is not None:
-                loop, q = target
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, delta)
-                except RuntimeError:  # the consumer's loop is closed
-                    pass
+                _send(self._streams.get(rid), delta)
 
     def _fail_all(self, message: str) -> None:
-        engine = self.engine
         for rid in list(self._streams):
-            req = engine._requests.get(rid)
-            if req is not None and not req.is_finished:
-                engine.abort(rid)
-                req.finish_reason = "error"
-                req.error = message
-            loop, q = self._streams.pop(rid)
-            out = engine.get_output(rid) if rid in engine._requests else None
-            engine.release(rid)
-            delta = StreamDelta(rid, "", [], True, "error", out)
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, delta)
-            except RuntimeError:
-                pass
+            self.engine.fail(rid, message)
+            self._publish(self.engine, {rid: StreamDelta(rid, "", [], True, "error")})
 
     def _run(self) -> None:
         engine = self.engine
@@ -221,22 +199,35 @@ class AsyncLLMEngine:
                     log.error("engine step failed; failing the running requests:\n%s", traceback.format_exc())
                     self._fail_all(f"internal error in the engine step: {exc}")
                     continue
-                deltas: dict[str, StreamDelta] = {}
-                for o in outputs:
-                    d = deltas.setdefault(o.request_id, StreamDelta(o.request_id, ""))
-                    d.text += o.text
-                    if o.token_id >= 0:
-                        d.token_ids.append(o.token_id)
-                    if o.finished:
-                        d.finished, d.finish_reason = True, o.finish_reason
                 for observer in self.step_observers:
                     observer(engine, outputs)
-                self._publish(engine, deltas)
+                self._publish(engine, _deltas(outputs))
         except BaseException as exc:  # the loop itself broke: health checks must fail
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             log.critical("engine loop died:\n%s", traceback.format_exc())
-            for loop, q in list(self._streams.values()):
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(self.fatal_error))
-                except RuntimeError:
-                    pass
+            for target in list(self._streams.values()):
+                _send(target, EngineDeadError(self.fatal_error))
+
+
+def _deltas(outputs: list[StepOutput]) -> dict[str, StreamDelta]:
+    """One step's outputs as one delta per request."""
+    deltas: dict[str, StreamDelta] = {}
+    for o in outputs:
+        d = deltas.setdefault(o.request_id, StreamDelta(o.request_id, ""))
+        d.text += o.text
+        if o.token_id >= 0:
+            d.token_ids.append(o.token_id)
+        if o.finished:
+            d.finished, d.finish_reason = True, o.finish_reason
+    return deltas
+
+
+def _send(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None, item) -> None:
+    """Puts item on a stream's queue from the engine thread (nothing if the stream or its loop is gone)."""
+    if target is None:
+        return
+    loop, q = target
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the consumer's loop is closed
+        pass

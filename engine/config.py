@@ -1,32 +1,33 @@
-"""Validated configuration: `EngineConfig` for the engine, `SamplingParams` for one request.
+"""Validated configuration: `EngineConfig` (with `SpecConfig` and the forward plan inside) for an
+engine, `SamplingParams` for one request.
 
-Both are dataclasses validated in `__post_init__`; every error is a `ValueError` that names the
-field and the allowed range, so bad input is rejected at the edge and never reaches the engine.
+All are dataclasses validated in `__post_init__`; every error is a `ValueError` naming the field
+and what it accepts, so bad input stops at the edge and never reaches the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 DEFAULT_MODEL = "embedded:target"
 DEFAULT_DRAFT_MODEL = "embedded:draft"
 
 KVBackend = Literal["slotted", "paged"]
-BatchingMode = Literal["continuous", "static"]
 SpecMethod = Literal["draft", "ngram", "hybrid"]
-SpecPolicy = Literal["fixed", "adaptive"]
+SpecPolicyMode = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
-DraftQuantization = Literal["none", "int8"]
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def _check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> None:
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
@@ -35,119 +36,209 @@ def _check_int(name: str, value, lo: int | None = None, hi: int | None = None) -
         raise ValueError(f"{name} must be <= {hi}, got {value}")
 
 
-def _check_number(name: str, value) -> float:
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_number(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value}")
     return float(value)
+
+
+def _check_keys(name: str, given: dict, known) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {name} field(s): {unknown}; known: {sorted(known)}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding settings. The same names in `EngineConfig.speculative`, in
+    `LLM(...)`'s flat keywords, in `LLMEngine.reconfigure_speculation()` and in serve's
+    `user_config`. One validator for all of them."""
+
+    use_speculative_decoding: bool = False
+    draft_model: str | None = None
+    speculative_method: SpecMethod = "draft"
+    spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
+    spec_policy: SpecPolicyMode = "adaptive"
+    spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
+    ngram_max: int = 4
+    ngram_min: int = 1
+    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft
+    ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
+
+    # what reconfigure() may change while serving (the draft model is loaded at start-up)
+    LIVE = ("use_speculative_decoding", "speculative_method", "spec_length", "spec_policy",
+            "spec_disable_batch_size", "ngram_max", "ngram_min", "hybrid_ngram_min", "ngram_one_token_match_max")
+
+    def __post_init__(self) -> None:
+        check_bool("use_speculative_decoding", self.use_speculative_decoding)
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise ValueError(f"draft_model must be a non-empty path or model id, got {self.draft_model!r}")
+        check_choice("speculative_method", self.speculative_method, get_args(SpecMethod))
+        check_int("spec_length", self.spec_length, 1, 64)
+        check_choice("spec_policy", self.spec_policy, get_args(SpecPolicyMode))
+        check_int("spec_disable_batch_size", self.spec_disable_batch_size, 1, optional=True)
+        check_int("ngram_max", self.ngram_max, 1, 64)
+        check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
+        check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
+        check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
+        if self.use_speculative_decoding and self.needs_draft_model and not self.draft_model:
+            raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model)")
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.speculative_method in ("draft", "hybrid")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def updated(self, changes: dict) -> SpecConfig:
+        """A validated copy with `changes` applied (only LIVE fields may change)."""
+        _check_keys("speculation", changes, self.LIVE)
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How one model's passes compute; engine/model/plan.py chooses it, or a user gives it.
+
+    dtype: weights, activations and KV cache. one_sequence_kernel (target only): passes over one
+    sequence on the hand-written CPU matmul. token_step (draft only, float32): passes of at most
+    3 tokens as whole-model C calls. int8 (draft only): passes of at most 8 rows on int8 weights.
+    """
+
+    dtype: DType = "bfloat16"
+    one_sequence_kernel: bool = False
+    token_step: bool = False
+    int8: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("forward_plan dtype", self.dtype, get_args(DType))
+        for name in ("one_sequence_kernel", "token_step", "int8"):
+            check_bool(f"forward_plan {name}", getattr(self, name))
+        if self.token_step and self.dtype != "float32":
+            raise ValueError("forward_plan: token_step needs dtype 'float32'")
+
+    def check_role(self, role: str) -> None:
+        """A target must keep each token's result independent of the pass it is in, so it never
+        takes the draft-only paths; a draft never takes the target's one-sequence kernel."""
+        if role == "target" and (self.token_step or self.int8):
+            raise ValueError("forward_plan.target: token_step and int8 are draft-only (a target's rounding "
+                             "must not depend on the pass)")
+        if role == "draft" and self.one_sequence_kernel:
+            raise ValueError("forward_plan.draft: one_sequence_kernel is for the target")
+
+    @classmethod
+    def from_dict(cls, role: str, value: dict, dtype: str) -> ModelPlan:
+        if not isinstance(value, dict):
+            raise ValueError(f"forward_plan.{role} must be a mapping, got {value!r}")
+        _check_keys(f"forward_plan.{role}", value, {f.name for f in dataclasses.fields(cls)})
+        plan = cls(**{"dtype": dtype, **value})
+        plan.check_role(role)
+        return plan
+
+
+ForwardPlanSetting = Literal["auto", "torch"]
 
 
 @dataclass
 class EngineConfig:
-    """Everything that shapes an engine instance. `LLM(**kwargs)` takes exactly these fields."""
+    """Everything that shapes an engine. `LLM(**kwargs)` takes these fields and, flat, the
+    fields of `SpecConfig` (`LLM(draft_model=..., use_speculative_decoding=True)`)."""
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # defaults to the model directory
-    dtype: DType = "bfloat16"
+    dtype: DType = "bfloat16"  # the precision asked for; the plan may compute a bf16 model in float32
     device: str = "cpu"
     seed: int = 0
-    # batching and KV
-    batching_mode: BatchingMode = "continuous"
     max_batch_size: int = 64
-    max_seq_len: int = 1024
+    max_seq_len: int | None = None  # None: the model's max_position_embeddings, memory permitting
     kv_cache_backend: KVBackend = "paged"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # paged: default = max_batch_size * max_seq_len / block_size
+    num_kv_blocks: int | None = None  # paged: default max_batch_size * max_seq_len / block_size
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
-    use_cuda_graphs: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    # the target's passes over one sequence (batch-1 decode and verify) on the hand-written CPU
-    # kernel (engine/model/kernels) where it builds; False keeps oneDNN's for every pass
-    cpu_one_sequence_kernels: bool = True
-    # the draft's passes over a few tokens (its steps at batch 1, a round's short catch-up) as
-    # whole-model C calls (engine/model/token_step.py) where the kernels build; False keeps its
-    # torch forward for every pass. Exact either way: the draft only proposes.
-    cpu_draft_token_step: bool = True
-    # speculative decoding
-    use_speculative_decoding: bool = False
-    draft_model: str | None = None
-    speculative_method: SpecMethod = "draft"
-    spec_length: int = 5
-    spec_policy: SpecPolicy = "adaptive"
-    spec_disable_batch_size: int | None = None
-    ngram_max: int = 4
-    ngram_min: int = 1
-    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match only this long, else draft
-    # a prompt-lookup match of a single token proposes at most this many tokens (weak evidence;
-    # engine/spec/ngram.py says how 2 was chosen); set it to spec_length to disable the cut
-    ngram_one_token_match_max: int = 2
-    # the draft scores only this many of the most frequent tokens (ranking: token_ranking.json
-    # beside the draft checkpoint); None scores the whole vocabulary. Exact either way.
-    draft_vocab_size: int | None = None
-    # "int8": the draft's narrow passes (its steps at small batches) read int8 copies of its
-    # weights where the kernel exists (CPU): cheaper steps, slightly lower acceptance. Exact
-    # either way: only the target's pass and the rejection sampler decide the output.
-    draft_quantization: DraftQuantization = "int8"
+    # "auto": measure the candidate paths on this host at load (cached); "torch": torch/oneDNN
+    # only, in `dtype`; or {"target": {...ModelPlan}, "draft": {...}}
+    forward_plan: ForwardPlanSetting | dict[str, Any] = "auto"
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty path or model id, got {self.model!r}")
-        _check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        check_choice("dtype", self.dtype, get_args(DType))
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        _check_int("seed", self.seed, 0)
-        _check_choice("batching_mode", self.batching_mode, ("continuous", "static"))
-        _check_int("max_batch_size", self.max_batch_size, 1, 4096)
-        _check_int("max_seq_len", self.max_seq_len, 2, 1 << 20)
-        _check_choice("kv_cache_backend", self.kv_cache_backend, ("slotted", "paged"))
-        _check_int("block_size", self.block_size, 1, 1024)
-        if self.num_kv_blocks is not None:
-            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.num_threads is not None:
-            _check_int("num_threads", self.num_threads, 1, 1024)
-        for name in ("cpu_one_sequence_kernels", "cpu_draft_token_step"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_choice("speculative_method", self.speculative_method, ("draft", "ngram", "hybrid"))
-        _check_int("spec_length", self.spec_length, 1, 64)
-        _check_choice("spec_policy", self.spec_policy, ("fixed", "adaptive"))
-        if self.spec_disable_batch_size is not None:
-            _check_int("spec_disable_batch_size", self.spec_disable_batch_size, 1)
-        _check_int("ngram_max", self.ngram_max, 1, 64)
-        _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
-        _check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
-        _check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
-        if self.draft_vocab_size is not None:
-            _check_int("draft_vocab_size", self.draft_vocab_size, 1)
-        _check_choice("draft_quantization", self.draft_quantization, get_args(DraftQuantization))
-        if self.use_speculative_decoding:
-            if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
-                raise ValueError(
-                    f"draft_model is required when use_speculative_decoding=True and "
-                    f"speculative_method={self.speculative_method!r}")
-            if self.batching_mode != "continuous":
-                raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")
-            if self.use_cuda_graphs:
-                raise ValueError("use_speculative_decoding=True is incompatible with use_cuda_graphs=True")
-        if self.use_cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError("use_cuda_graphs=True requires a cuda device")
+        check_int("seed", self.seed, 0)
+        check_int("max_batch_size", self.max_batch_size, 1, 4096)
+        check_int("max_seq_len", self.max_seq_len, 2, 1 << 20, optional=True)
+        check_choice("kv_cache_backend", self.kv_cache_backend, get_args(KVBackend))
+        check_int("block_size", self.block_size, 1, 1024)
+        check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("num_threads", self.num_threads, 1, 1024, optional=True)
+        if isinstance(self.speculative, dict):
+            _check_keys("speculative", self.speculative, SpecConfig.field_names())
+            self.speculative = SpecConfig(**self.speculative)
+        if not isinstance(self.speculative, SpecConfig):
+            raise ValueError(f"speculative must be a SpecConfig or a mapping, got {self.speculative!r}")
+        self.explicit_plan()  # validates an explicit plan
+
+    @property
+    def draft_model(self) -> str | None:
+        return self.speculative.draft_model
+
+    @property
+    def use_speculative_decoding(self) -> bool:
+        return self.speculative.use_speculative_decoding
+
+    def explicit_plan(self) -> dict[str, ModelPlan] | None:
+        """The plan per role ("target", "draft") when one is given; None for "auto"."""
+        plan = self.forward_plan
+        if plan == "auto":
+            return None
+        if plan == "torch":
+            return {role: ModelPlan(self.dtype) for role in ("target", "draft")}
+        if not isinstance(plan, dict):
+            raise ValueError(f"forward_plan must be 'auto', 'torch' or a mapping with 'target' and/or "
+                             f"'draft', got {plan!r}")
+        _check_keys("forward_plan", plan, ("target", "draft"))
+        return {role: ModelPlan.from_dict(role, plan.get(role, {}), self.dtype) for role in ("target", "draft")}
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        """Like `EngineConfig(**kwargs)` but an unknown key is a ValueError naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown EngineConfig field(s): {unknown}; known fields: {sorted(known)}")
+        """`EngineConfig(**kwargs)` that also takes SpecConfig's fields flat; an unknown key is
+        a ValueError naming it."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        spec_fields = SpecConfig.field_names()
+        _check_keys("EngineConfig", kwargs, own | spec_fields)
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_fields}
+        if flat:
+            nested = kwargs.get("speculative", {})
+            if isinstance(nested, SpecConfig):
+                nested = dataclasses.asdict(nested)
+            kwargs["speculative"] = {**nested, **flat}
         return cls(**kwargs)
 
 
 def with_embedded_defaults(kwargs: dict) -> dict:
-    """EngineConfig kwargs with no `model`: the embedded pair, speculation on (explicit keys win)."""
+    """EngineConfig kwargs with no `model`: the embedded pair, speculation on (explicit keys,
+    flat or in `speculative`, win)."""
     if "model" in kwargs:
         return dict(kwargs)
-    return {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True, **kwargs, "model": DEFAULT_MODEL}
+    nested = kwargs.get("speculative") or {}
+    nested = dataclasses.asdict(nested) if isinstance(nested, SpecConfig) else nested
+    spec = {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True, **nested}
+    return {**kwargs, "speculative": spec, "model": DEFAULT_MODEL}
 
 
 @dataclass
@@ -172,20 +263,18 @@ class SamplingParams:
     spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
 
     def __post_init__(self) -> None:
-        self.temperature = _check_number("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        _check_int("top_k", self.top_k, -1)
-        self.top_p = _check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        self.min_p = _check_number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
-        _check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = _check_number("temperature", self.temperature, 0.0, 100.0)
+        check_int("top_k", self.top_k, -1)
+        self.top_p = _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        check_int("max_tokens", self.max_tokens, 1)
+        self._check_stops()
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
+        check_int("spec_length", self.spec_length, 0, 64, optional=True)
+
+    def _check_stops(self) -> None:
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -195,14 +284,13 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         for tid in self.stop_token_ids:
-            _check_int("stop_token_ids[]", tid, 0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**63 - 1)
-        if self.spec_length is not None:
-            _check_int("spec_length", self.spec_length, 0, 64)
+            check_int("stop_token_ids[]", tid, 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_probs(self) -> bool:
+        """Whether sampling this request needs the adjusted distribution, not just an argmax."""
+        return not self.greedy or self.repetition_penalty != 1.0

@@ -2,36 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.config import EngineConfig, SamplingParams, with_embedded_defaults
+from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
 from engine.detokenize import IncrementalText
-from engine.kernel_caches import bound_kernel_caches
-from engine.kv import make_pool
-from engine.metrics import PhaseSeconds
-from engine.model.llama import Llama
-from engine.model.loader import load_llama, resolve_model_path
+from engine.kv import KVManager, make_pool
+from engine.model.llama import Llama, LlamaShape
+from engine.model.loader import read_shape, resolve_model_path
+from engine.model.plan import load_planned
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput
-from engine.runner import ContinuousRunner
+from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.speculative.costs import MeasuredCosts, calibrate
+from engine.speculative.draft import DraftModelProposer, check_compatible
+from engine.speculative.step import SpeculativeDecoder
+from engine.step_result import StepResult
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+KV_MEMORY_SHARE = 0.25  # the default max_seq_len keeps max_batch_size full sequences' KV within this share
 
 
-def build_pool(config: EngineConfig, model: Llama, num_blocks: int | None = None):
-    s = model.shape
-    return make_pool(
-        config.kv_cache_backend, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
-        dtype=model.dtype, device=config.device, block_size=config.block_size,
-        num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
-    )
+def default_max_seq_len(shapes: list[LlamaShape], dtype: str, max_batch_size: int, memory_bytes: int) -> int:
+    """The models' max_position_embeddings, lowered until max_batch_size sequences of that length
+    keep their KV (every model's, in `dtype`) within KV_MEMORY_SHARE of the device's memory."""
+    per_token = sum(2 * s.num_layers * s.num_kv_heads * s.head_dim * getattr(torch, dtype).itemsize for s in shapes)
+    fits = int(KV_MEMORY_SHARE * memory_bytes // (per_token * max_batch_size))
+    return max(2, min(min(s.max_position_embeddings for s in shapes), fits))
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory on `device` (physical RAM on CPU)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LLMEngine:
@@ -39,43 +53,92 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.device == "cpu":
-            bound_kernel_caches()
-        if config.num_threads is not None and config.device == "cpu":
+        if config.device == "cpu" and config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        model_path = resolve_model_path(config.model)
-        config.model = str(model_path)
-        self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
-        self.model = load_llama(model_path, config.dtype, config.device, config.max_seq_len,
-                                one_sequence_kernels=config.cpu_one_sequence_kernels)
-        if config.max_seq_len > self.model.shape.max_position_embeddings:
-            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's "
-                             f"max_position_embeddings {self.model.shape.max_position_embeddings}")
-        if config.kv_cache_backend == "paged" and config.num_kv_blocks is not None:
-            if config.num_kv_blocks * config.block_size < config.max_seq_len:
-                raise ValueError(f"num_kv_blocks * block_size = {config.num_kv_blocks * config.block_size} "
-                                 f"tokens cannot hold one sequence of max_seq_len {config.max_seq_len}")
-        self.runner = self._build_runner()
-        self.scheduler = Scheduler(self.runner, config.max_batch_size, config.max_num_batched_tokens)
+        self.tokenizer, model_path, draft_path = self._resolve_checkpoints()
+        self.model, self.draft_model = self._load_models(model_path, draft_path)
+        self.kv = KVManager(self._pool(self.model, config.enable_prefix_caching),
+                            self._pool(self.draft_model, False) if self.draft_model is not None else None)
+        self.runner = ModelRunner(self.model, self.kv)
+        self.speculation = self._build_speculation() if config.use_speculative_decoding else None
+        decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
+        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, decode_tokens)
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, IncrementalText] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
-        self.last_step_preemptions = 0
-        self.last_step_phases = PhaseSeconds()  # where the last step's wall time went
-        # test-only fault injection: called with each request as its new tokens are processed
-        self.fault_hook: Callable[[Request], None] | None = None
+        self.last_step = StepResult()
+        self.fault_hook: Callable[[Request], None] | None = None  # test-only: called per request with new tokens
 
-    def _build_runner(self):
-        if self.config.use_speculative_decoding:
-            from engine.spec.runner import SpeculativeRunner
+    def _resolve_checkpoints(self):
+        """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""
+        config = self.config
+        model_path = resolve_model_path(config.model)
+        config.model = str(model_path)
+        tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+        draft_path = None
+        if config.use_speculative_decoding and config.speculative.needs_draft_model:
+            draft_path = resolve_model_path(config.draft_model)
+            config.speculative.draft_model = str(draft_path)
+        shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
+        if config.max_seq_len is None:
+            config.max_seq_len = default_max_seq_len(shapes, config.dtype, config.max_batch_size,
+                                                     device_memory(config.device))
+        if config.max_seq_len > shapes[0].max_position_embeddings:
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's "
+                             f"max_position_embeddings {shapes[0].max_position_embeddings}")
+        if config.kv_cache_backend == "paged" and config.num_kv_blocks is not None \
+                and config.num_kv_blocks * config.block_size < config.max_seq_len:
+            raise ValueError(f"num_kv_blocks * block_size = {config.num_kv_blocks * config.block_size} "
+                             f"tokens cannot hold one sequence of max_seq_len {config.max_seq_len}")
+        return tokenizer, model_path, draft_path
 
-            return SpeculativeRunner.build(self.config, self.model, self.tokenizer,
-                                           build_pool(self.config, self.model, self.config.num_kv_blocks))
-        return ContinuousRunner(self.model, build_pool(self.config, self.model, self.config.num_kv_blocks))
+    def _load_models(self, model_path, draft_path) -> tuple[Llama, Llama | None]:
+        """Both models, each with its forward plan (engine/model/plan.py)."""
+        config = self.config
+        explicit = config.explicit_plan() or {}
+        model, target_plan = load_planned(model_path, "target", config.dtype, config.device,
+                                          config.max_seq_len, explicit.get("target"))
+        self.forward_plan = {"target": target_plan.as_dict()}
+        draft = None
+        if draft_path is not None:
+            draft, draft_plan = load_planned(draft_path, "draft", config.dtype, config.device, config.max_seq_len,
+                                             explicit.get("draft"))
+            check_compatible(self.tokenizer, Tokenizer(draft_path), model, draft, config.model, config.draft_model)
+            self.forward_plan["draft"] = draft_plan.as_dict()
+        log.info("forward plan: %s", {role: {k: v for k, v in p.items() if k != "ms"}
+                                      for role, p in self.forward_plan.items()})
+        return model, draft
 
-    # --- requests ------------------------------------------------------------------------
+    def _pool(self, model: Llama, prefix_caching: bool):
+        s, c = model.shape, self.config
+        return make_pool(c.kv_cache_backend, block_size=c.block_size, num_blocks=c.num_kv_blocks,
+                         enable_prefix_caching=prefix_caching, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+                         head_dim=s.head_dim, max_slots=c.max_batch_size, max_seq_len=c.max_seq_len,
+                         dtype=model.dtype, device=c.device)
+
+    def _build_speculation(self) -> SpeculativeDecoder:
+        costs = MeasuredCosts()
+        settings = self.config.speculative
+        draft = DraftModelProposer(self.draft_model, self.kv, costs) if self.draft_model is not None else None
+        decoder = SpeculativeDecoder(self.runner, self.kv, settings, draft, costs)
+        if settings.spec_policy == "adaptive":
+            calibrate(costs, (self.model, self.kv.target),
+                      (self.draft_model, self.kv.draft) if self.draft_model is not None else None,
+                      max(settings.spec_length, 8) + 1, self.config.max_batch_size)
+        return decoder
+
+    def reconfigure_speculation(self, **changes) -> SpecConfig:
+        """Applies SpecConfig changes (its LIVE fields) from the next step on; ValueError names a
+        bad field. An engine started without speculation cannot turn it on."""
+        if self.speculation is None:
+            if changes.get("use_speculative_decoding"):
+                raise ValueError("speculation was not configured for this engine at start-up")
+            return self.config.speculative.updated(changes)
+        self.config.speculative = self.speculation.reconfigure(changes)
+        return self.config.speculative
+
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -122,6 +185,17 @@ class LLMEngine:
             return None
         return self._finish(req, "abort", "")
 
+    def fail(self, request_id: str, message: str) -> None:
+        """Ends a request with finish reason "error" (its KV is freed at once)."""
+        req = self._requests.get(request_id)
+        if req is not None and not req.is_finished:
+            req.error = message
+            self._finish(req, "error", "")
+
+    def request(self, request_id: str) -> Request | None:
+        """The engine's record of a request (None once released)."""
+        return self._requests.get(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -131,16 +205,31 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedules, runs the passes, appends the new tokens; `last_step` says what it did."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.last_step_preemptions = len(batch.preempted)
+        result = self.last_step = StepResult(num_preempted=len(batch.preempted))
         self.num_preemptions_total += len(batch.preempted)
-        self.last_step_phases = PhaseSeconds()
         if batch.empty:
             return []
-        new_tokens = self.runner.step(batch)
+        new_tokens = []
+        if batch.prefill:
+            new_tokens += self.runner.prefill(batch.prefill)
+            result.phases.prefill = time.perf_counter() - t0
+        if batch.decode:
+            decoded = (self.speculation or self.runner).decode(batch.decode)
+            new_tokens += decoded.tokens
+            result.decode = decoded.stats
+            result.phases.draft, result.phases.target = decoded.draft_seconds, decoded.target_seconds
+        result.outputs = self._append_all(new_tokens)
+        phases = result.phases
+        phases.other = max(0.0, time.perf_counter() - t0 - phases.prefill - phases.draft - phases.target)
+        if self.speculation is not None and batch.decode and not batch.prefill:
+            self.speculation.observe_step(phases)
+        return result.outputs
+
+    def _append_all(self, new_tokens: list[tuple[Request, list[int]]]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         now = time.monotonic()
         for req, tokens in new_tokens:
@@ -155,13 +244,6 @@ class LLMEngine:
                 if not req.is_finished:
                     req.error = f"{type(exc).__name__}: {exc}"
                     outputs.append(self._finish(req, "error", ""))
-        seconds = time.perf_counter() - t0
-        phases = self.runner.last_phases
-        phases.other = max(0.0, seconds - phases.prefill - phases.draft - phases.target)
-        self.last_step_phases = phases
-        observe = getattr(self.runner, "observe_step_seconds", None)
-        if observe is not None:  # the adaptive policy's per-step overhead
-            observe(seconds)
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:
@@ -180,31 +262,15 @@ class LLMEngine:
     def _finish(self, req: Request, reason, delta: str, token: int = -1) -> StepOutput:
         delta += self._texts[req.request_id].finish()
         self.scheduler.remove(req)
+        if self.speculation is not None:
+            self.speculation.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         return StepOutput(req.request_id, token, delta, finished=True, finish_reason=reason)
 
-    # --- results -------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
-        req = self._requests[request_id]
-        s = req.spec
-        metrics = {}
-        if req.first_token_time is not None:
-            metrics["ttft_s"] = req.first_token_time - req.arrival_time
-        if req.finish_time is not None:
-            metrics["e2e_s"] = req.finish_time - req.arrival_time
-        return RequestOutput(
-            request_id=request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=self._texts[request_id].text,
-            finished=req.is_finished, finish_reason=req.finish_reason, error=req.error,
-            num_cached_prompt_tokens=req.num_cached_prefix_tokens,
-            acceptance_rate=s.acceptance_rate, num_draft_tokens=s.num_draft_tokens,
-            num_accepted_tokens=s.num_accepted_tokens, num_spec_rounds=s.rounds,
-            accepted_per_round=list(s.accepted_per_round), proposed_per_round=list(s.proposed_per_round),
-            proposers=sorted(s.proposers),
-            metrics=metrics,
-        )
+        return self._requests[request_id].output(self._texts[request_id].text)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request's record (the engine keeps it until then)."""
@@ -215,7 +281,15 @@ class LLMEngine:
 
     def kv_usage_fractions(self) -> dict[str, float]:
         """Fraction of each KV pool in use ("target", and "draft" when there is one)."""
-        return self.runner.kv_usage_fractions()
+        return self.kv.usage()
+
+    def stats(self) -> dict:
+        """Queue lengths, KV in use, the speculation settings and the forward plan."""
+        out = {"running": self.num_running(), "waiting": self.num_waiting(),
+               "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan}
+        if self.speculation is not None:
+            out["speculation"] = dataclasses.asdict(self.speculation.settings)
+        return out
 
 
 class LLM:
@@ -241,15 +315,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, params))
-        except ValueError:
-            for rid in ids:
-                self.engine.abort(rid)
-                self.engine.release(rid)
-            raise
+        ids = self._add_all(prompts, params_list)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -265,3 +331,16 @@ class LLM:
         for rid in ids:
             self.engine.release(rid)
         return results
+
+    def _add_all(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[str]:
+        """Adds every request, or none (a bad one aborts those already added)."""
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, params))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            raise
+        return ids

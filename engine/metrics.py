@@ -9,8 +9,10 @@ any `Recorder`, so the engine itself stays free of any metrics library.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
+
+from engine.step_result import DecodeStats, PlainReason
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -40,8 +42,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_spec_rounds_total", "counter", "Speculation rounds (one per request per speculative step).",
                unit="rounds"),
     MetricSpec("specserve_non_spec_decode_steps_total", "counter",
-               "Decode steps run without speculation, by reason (policy, no_proposal, length_guard, "
-               "disabled, disabled_batch_size).", ("model", "reason"), "steps"),
+               "Decode steps run without speculation, by reason (" + ", ".join(get_args(PlainReason)) + ").",
+               ("model", "reason"), "steps"),
     MetricSpec("specserve_decode_steps_total", "counter", "Engine decode steps (one batched target forward each).",
                unit="steps"),
     MetricSpec("specserve_decode_sequence_steps_total", "counter",
@@ -87,66 +89,6 @@ class Recorder(Protocol):
     def observe(self, name: str, value: float, labels: dict[str, str]) -> None: ...
 
 
-@dataclass
-class DecodeStepStats:
-    """What one decode step did (filled by the runner; plain decode leaves k = 0)."""
-
-    batch_size: int = 0
-    k: int = 0
-    reason: str = "disabled"
-    num_proposed: int = 0
-    num_accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)  # [k]
-    proposed_by_position: list[int] = field(default_factory=list)  # [k]
-    accepted_per_round: list[int] = field(default_factory=list)  # one entry per speculating request
-    rows_without_proposal: int = 0
-    num_tokens: int = 0
-
-
-Phase = Literal["prefill", "draft", "target", "other"]
-PHASES: tuple[Phase, ...] = get_args(Phase)
-
-
-@dataclass
-class PhaseSeconds:
-    """Where one engine step's wall time went (filled by the runner; `other` is what the engine
-    adds: the step's wall time minus the phases the runner timed)."""
-
-    prefill: float = 0.0  # target prompt passes and their first-token sampling
-    draft: float = 0.0  # proposing: draft passes (catch-up and lazy prefill included), n-gram lookups
-    target: float = 0.0  # the target's decode or verify pass, sampling and acceptance
-    other: float = 0.0
-
-    def items(self) -> list[tuple[Phase, float]]:
-        return [(phase, getattr(self, phase)) for phase in PHASES]
-
-
-class InMemoryRecorder:
-    """A Recorder that keeps values in dicts (tests, the stats endpoint)."""
-
-    def __init__(self):
-        self.counters: dict[tuple, float] = {}
-        self.gauges: dict[tuple, float] = {}
-        self.observations: dict[tuple, list[float]] = {}
-
-    @staticmethod
-    def _key(name: str, labels: dict[str, str]) -> tuple:
-        return (name, *sorted(labels.items()))
-
-    def inc(self, name, value, labels):
-        key = self._key(name, labels)
-        self.counters[key] = self.counters.get(key, 0.0) + value
-
-    def set(self, name, value, labels):
-        self.gauges[self._key(name, labels)] = value
-
-    def observe(self, name, value, labels):
-        self.observations.setdefault(self._key(name, labels), []).append(value)
-
-    def total(self, name: str, **labels) -> float:
-        return sum(v for k, v in self.counters.items() if k[0] == name and all((lk, lv) in k[1:] for lk, lv in labels.items()))
-
-
 class StepMetrics:
     """Feeds a Recorder from the engine after each step (call `on_step` on the engine thread)."""
 
@@ -159,6 +101,7 @@ class StepMetrics:
         return {"model": self.model, **extra}
 
     def on_step(self, engine, outputs: list) -> None:
+        """Records the engine's last step (`engine.last_step`) and its outputs."""
         rec, now = self.recorder, time.monotonic()
         base = self._labels()
         per_request: dict[str, int] = {}
@@ -169,7 +112,7 @@ class StepMetrics:
         if generated:
             rec.inc("specserve_generation_tokens_total", generated, base)
         for rid, n in per_request.items():
-            req = engine._requests.get(rid)
+            req = engine.request(rid)
             if req is None:
                 continue
             last = self._last_output_time.get(rid)
@@ -182,20 +125,20 @@ class StepMetrics:
         for o in outputs:
             if o.finished:
                 self._on_finish(engine, o.request_id, o.finish_reason, now)
-        stats: DecodeStepStats | None = getattr(engine.runner, "last_decode", None)
-        if stats is not None and stats.batch_size:
-            self._on_decode(stats)
-        for phase, seconds in engine.last_step_phases.items():
+        step = engine.last_step
+        if step.decode is not None:
+            self._on_decode(step.decode)
+        for phase, seconds in step.phases.items():
             if seconds > 0:
                 rec.inc("specserve_engine_seconds_total", seconds, self._labels(phase=phase))
-        if engine.last_step_preemptions:
-            rec.inc("specserve_preemptions_total", engine.last_step_preemptions, base)
+        if step.num_preempted:
+            rec.inc("specserve_preemptions_total", step.num_preempted, base)
         rec.set("specserve_running_requests", engine.num_running(), base)
         rec.set("specserve_waiting_requests", engine.num_waiting(), base)
         for pool, fraction in engine.kv_usage_fractions().items():
             rec.set("specserve_kv_usage_fraction", fraction, self._labels(pool=pool))
 
-    def _on_decode(self, s: DecodeStepStats) -> None:
+    def _on_decode(self, s: DecodeStats) -> None:
         rec, base = self.recorder, self._labels()
         rec.inc("specserve_decode_steps_total", 1, base)
         rec.inc("specserve_decode_sequence_steps_total", s.batch_size, base)
@@ -217,7 +160,7 @@ class StepMetrics:
     def _on_finish(self, engine, rid: str, reason: str | None, now: float) -> None:
         rec, base = self.recorder, self._labels()
         self._last_output_time.pop(rid, None)
-        req = engine._requests.get(rid)
+        req = engine.request(rid)
         if req is None:
             return
         proposer = "+".join(sorted(req.spec.proposers)) or "none"
@@ -226,39 +169,3 @@ class StepMetrics:
         rec.observe("specserve_e2e_request_latency_seconds", now - req.arrival_time, base)
         if req.spec.acceptance_rate is not None:
             rec.observe("specserve_request_acceptance_rate", req.spec.acceptance_rate, base)
-
-
-class BufferedRecorder:
-    """Thread-safe Recorder that accumulates updates until `drain()`.
-
-    The engine thread records into plain dicts (cheap: no metrics library on the decode
-    path); an exporter drains them periodically and forwards them elsewhere.
-    """
-
-    def __init__(self):
-        import threading
-
-        self._lock = threading.Lock()
-        self._counters: dict[tuple, float] = {}
-        self._gauges: dict[tuple, float] = {}
-        self._observations: list[tuple[str, float, tuple]] = []
-
-    def inc(self, name, value, labels):
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._counters[key] = self._counters.get(key, 0.0) + value
-
-    def set(self, name, value, labels):
-        with self._lock:
-            self._gauges[(name, tuple(sorted(labels.items())))] = value
-
-    def observe(self, name, value, labels):
-        with self._lock:
-            self._observations.append((name, value, tuple(sorted(labels.items()))))
-
-    def drain(self) -> tuple[dict, dict, list]:
-        """Returns and clears (counter increments, latest gauge values, observations)."""
-        with self._lock:
-            out = (self._counters, self._gauges, self._observations)
-            self._counters, self._gauges, self._observations = {}, {}, []
-        return out

@@ -20,7 +20,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV
-    RUNNING = "running"  # holds a KV slot; prefilling (chunk by chunk) or decoding
+    RUNNING = "running"  # holds KV; prefilling (chunk by chunk) or decoding
     FINISHED = "finished"
 
 
@@ -38,6 +38,13 @@ class SpecStats:
     def rounds(self) -> int:
         return len(self.accepted_per_round)
 
+    def record_round(self, num_accepted: int, num_proposed: int, proposer: str) -> None:
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.accepted_per_round.append(num_accepted)
+        self.proposed_per_round.append(num_proposed)
+        self.proposers.add(proposer)
+
     @property
     def acceptance_rate(self) -> float | None:
         if self.num_draft_tokens == 0:
@@ -54,9 +61,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # KV bookkeeping: tokens of `all_token_ids` whose KV is in the target pool
-    slot: int | None = None
-    num_computed_tokens: int = 0
     num_cached_prefix_tokens: int = 0  # served from the prefix cache at the last admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -74,14 +78,30 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while some known token (prompt, or outputs after a preemption) lacks KV,
-        other than the last sampled token, which the next decode step feeds."""
-        return self.num_computed_tokens < self.num_tokens - (1 if self.output_token_ids else 0)
+    def num_prefill_tokens(self) -> int:
+        """Tokens that need KV before the request can decode: all known tokens but the last
+        sampled one, which the next decode step feeds."""
+        return self.num_tokens - (1 if self.output_token_ids else 0)
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def output(self, text: str) -> RequestOutput:
+        """What callers see of this request (its text detokenized by the engine)."""
+        s = self.spec
+        metrics = {}
+        if self.first_token_time is not None:
+            metrics["ttft_s"] = self.first_token_time - self.arrival_time
+        if self.finish_time is not None:
+            metrics["e2e_s"] = self.finish_time - self.arrival_time
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.output_token_ids),
+            text=text, finished=self.is_finished, finish_reason=self.finish_reason, error=self.error,
+            num_cached_prompt_tokens=self.num_cached_prefix_tokens, acceptance_rate=s.acceptance_rate,
+            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens, num_spec_rounds=s.rounds,
+            accepted_per_round=list(s.accepted_per_round), proposed_per_round=list(s.proposed_per_round),
+            proposers=sorted(s.proposers), metrics=metrics)
 
 
 @dataclass(frozen=True)

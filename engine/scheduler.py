@@ -3,38 +3,21 @@
 Each step the scheduler picks (a) the running requests that decode one round and (b) prefill
 chunks (new or partially prefilled requests), so that decode tokens + prefill tokens stay
 within `max_num_batched_tokens`. Decodes go first (they hold KV and users wait on them). When
-the KV pool cannot grow a decode, the most recently admitted request is preempted: its KV is
+the KV pools cannot grow a decode, the most recently admitted request is preempted: its KV is
 freed and it goes back to the front of the queue, to be recomputed (prompt + tokens so far)
 when there is room again.
 
-The scheduler never touches tensors; KV is reached through the `KVAllocator` it is given.
+The scheduler never touches tensors; it reaches KV through the KVManager it owns.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from engine.kv import KVManager
 from engine.request import Request, RequestStatus
-
-
-class KVAllocator(Protocol):
-    """What the scheduler needs from the runner's KV pools."""
-
-    def allocate(self, request: Request) -> bool:
-        """Give the request a slot (sets slot and num_computed_tokens from the prefix cache)."""
-
-    def reserve(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of this request; False if out of KV."""
-
-    def free(self, request: Request) -> None: ...
-
-    def decode_tokens(self, request: Request) -> int:
-        """Tokens one decode round of this request may write (1 plain; up to K+1 speculative)."""
-
-    def free_kv_tokens(self) -> int | None:
-        """Tokens the pools can still take (None: no shared limit, every slot holds a whole sequence)."""
 
 
 @dataclass
@@ -49,10 +32,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVAllocator, max_batch_size: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVManager, max_batch_size: int, max_num_batched_tokens: int,
+                 decode_tokens: Callable[[], int] = lambda: 1):
+        """decode_tokens(): KV tokens one decode round of a request may write (1 plain, up to
+        K + 1 speculative)."""
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_tokens = decode_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
 
@@ -66,62 +53,66 @@ class Scheduler:
         """Drops a request (finished or aborted) and frees its KV."""
         if request in self.running:
             self.running.remove(request)
-            self.kv.free(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.slot = None
+        self.kv.free(request)
 
-    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
-        self.running.remove(victim)
-        self.kv.free(victim)
-        victim.slot = None
-        victim.status = RequestStatus.WAITING
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
-        batch.preempted.append(victim)
+    def is_prefilling(self, request: Request) -> bool:
+        return self.kv.computed(request) < request.num_prefill_tokens
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        # 1. decodes of running requests, preempting from the back when KV runs out
+        budget = self.max_num_batched_tokens - self._schedule_decodes(batch)
+        for req in self.running:  # continue partial prefills
+            if budget <= 0:
+                break
+            if self.is_prefilling(req):
+                budget -= self._schedule_chunk(req, budget, batch)
+        if not batch.preempted:
+            self._admit(budget, batch)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> int:
+        """Running requests that decode this step, preempting from the back when KV runs out;
+        returns their tokens (decodes are never split: the budget may go negative)."""
+        need = self.decode_tokens()
         for req in list(self.running):
-            if req not in self.running or req.is_prefilling:
+            if req not in self.running or self.is_prefilling(req):
                 continue
-            need = self.kv.decode_tokens(req)  # decodes are never split: budget may go negative
-            while not self.kv.reserve(req, need):
+            while not self.kv.reserve_decode(req, need):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
                     break
             if req in self.running:
                 batch.decode.append(req)
-                budget -= need
-        # 2. continue partial prefills of running requests
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.is_prefilling:
-                budget -= self._schedule_chunk(req, budget, batch)
-        # 3. admit waiting requests while slots, budget and KV allow. Not in a step that had to
-        #    preempt, and a request only if the pools can take all of its tokens still to compute
-        #    and leave every running request room for one more decode round: else a request
-        #    preempted a moment ago is let back in at once and preempted again (thrashing, every
-        #    step recomputing a sequence).
-        if batch.preempted:
-            return batch
-        headroom = sum(self.kv.decode_tokens(r) for r in self.running)
+        return need * len(batch.decode)
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        batch.preempted.append(victim)
+
+    def _admit(self, budget: int, batch: ScheduledBatch) -> None:
+        """Admits waiting requests while slots, budget and KV allow: a request only if the pools
+        can take all of its tokens still to compute and leave every running request room for
+        one more decode round (else one preempted a moment ago would thrash back in). Never in
+        a step that preempted."""
+        headroom = self.decode_tokens() * len(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            if not self.kv.allocate(req):
+            cached = self.kv.allocate(req)
+            if cached is None:
                 break
-            free = self.kv.free_kv_tokens()
-            if free is not None and free < req.num_tokens - req.num_computed_tokens + headroom:
+            free = self.kv.free_tokens()
+            if free is not None and free < req.num_tokens - cached + headroom:
                 self.kv.free(req)
-                req.slot = None
-                req.num_computed_tokens = 0
                 break
-            headroom += self.kv.decode_tokens(req)
+            req.num_cached_prefix_tokens = cached
+            headroom += self.decode_tokens()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -129,12 +120,10 @@ class Scheduler:
             if taken == 0:
                 break
             budget -= taken
-        return batch
 
     def _schedule_chunk(self, req: Request, budget: int, batch: ScheduledBatch) -> int:
-        target = req.num_tokens - (1 if req.output_token_ids else 0)
-        chunk = min(target - req.num_computed_tokens, budget)
-        if chunk <= 0 or not self.kv.reserve(req, chunk):
+        chunk = min(req.num_prefill_tokens - self.kv.computed(req), budget)
+        if chunk <= 0 or not self.kv.reserve_prefill(req, chunk):
             return 0
         batch.prefill.append((req, chunk))
         return chunk

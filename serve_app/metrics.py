@@ -18,9 +18,45 @@ from __future__ import annotations
 import logging
 import threading
 
-from engine.metrics import METRICS, BufferedRecorder
+from engine.metrics import METRICS
 
 log = logging.getLogger("ray.serve")  # configured by Serve in replicas
+
+
+class BufferedRecorder:
+    """Thread-safe Recorder that accumulates updates until `drain()`.
+
+    The engine thread records into plain dicts (cheap: no metrics library on the decode
+    path); an exporter drains them periodically and forwards them elsewhere.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counters: dict[tuple, float] = {}
+        self._gauges: dict[tuple, float] = {}
+        self._observations: list[tuple[str, float, tuple]] = []
+
+    def inc(self, name, value, labels):
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def set(self, name, value, labels):
+        with self._lock:
+            self._gauges[(name, tuple(sorted(labels.items())))] = value
+
+    def observe(self, name, value, labels):
+        with self._lock:
+            self._observations.append((name, value, tuple(sorted(labels.items()))))
+
+    def drain(self) -> tuple[dict, dict, list]:
+        """Returns and clears (counter increments, latest gauge values, observations)."""
+        with self._lock:
+            out = (self._counters, self._gauges, self._observations)
+            self._counters, self._gauges, self._observations = {}, {}, []
+        return out
+
+
 
 
 class RayMetricsExporter:

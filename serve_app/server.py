@@ -27,17 +27,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from engine.config import EngineConfig, with_embedded_defaults
-from engine.metrics import BufferedRecorder, StepMetrics
+from engine.metrics import StepMetrics
 from engine.request import RequestOutput
 from serve_app.errors import APIError, from_validation_errors
-from serve_app.metrics import RayMetricsExporter
+from serve_app.kernel_caches import bound_kernel_caches
+from serve_app.metrics import BufferedRecorder, RayMetricsExporter
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("ray.serve")  # configured by Serve in replicas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
-SPEC_KNOBS = {"speculative_method": "method", "spec_length": "spec_length", "spec_policy": "policy",
-              "use_speculative_decoding": "enabled"}
 
 app = FastAPI(title="specserve", description="OpenAI-compatible API with lossless speculative decoding")
 
@@ -118,6 +117,7 @@ def usage(out: RequestOutput) -> dict:
 class LLMServer:
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
                  api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64):
+        bound_kernel_caches()  # before any model runs in this replica process
         engine = with_embedded_defaults(engine or {})  # no model: the embedded pair, speculation on
         engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
         config = EngineConfig.from_kwargs(**engine)
@@ -137,26 +137,12 @@ class LLMServer:
 
     # --- Serve hooks -------------------------------------------------------------------
     async def reconfigure(self, user_config: dict) -> None:
-        """Applies speculation knobs live (between engine steps; streams keep going)."""
-        user_config = dict(user_config or {})
-        unknown = sorted(set(user_config) - set(SPEC_KNOBS))
-        if unknown:
-            raise ValueError(f"unknown user_config key(s) {unknown}; known: {sorted(SPEC_KNOBS)}")
-        kwargs = {SPEC_KNOBS[k]: v for k, v in user_config.items()}
-        if not kwargs:
-            return
-
-        def apply(engine):
-            runner = engine.runner
-            if not hasattr(runner, "reconfigure"):
-                if kwargs.get("enabled"):
-                    raise ValueError("speculation was not configured for this engine at start-up")
-                return None
-            runner.reconfigure(**kwargs)
-            return None
-
-        await self.engine.call(apply)
-        log.info("speculation reconfigured: %s", kwargs)
+        """Applies speculation settings (SpecConfig's live fields, same names) between engine
+        steps; streams keep going. A bad key or value raises ValueError naming it."""
+        changes = dict(user_config or {})
+        if changes:
+            settings = await self.engine.call(lambda engine: engine.reconfigure_speculation(**changes))
+            log.info("speculation reconfigured: %s", settings)
 
     async def check_health(self) -> None:
         self.engine.check_health()
@@ -195,10 +181,8 @@ class LLMServer:
 
     @property
     def _spec_method(self) -> str | None:
-        runner = self.engine.engine.runner
-        if getattr(runner, "enabled", False):
-            return runner.method
-        return None
+        settings = self.config.speculative
+        return settings.speculative_method if settings.use_speculative_decoding else None
 
     async def _start(self, req, prompt, chat, default_max_tokens):
         request_id = None
@@ -233,23 +217,7 @@ class LLMServer:
     @app.get("/v1/engine/stats")
     async def engine_stats(self, request: Request):
         self._authorize(request)
-
-        def collect(engine):
-            runner = engine.runner
-            out = {"running": engine.num_running(), "waiting": engine.num_waiting(),
-                   "preemptions_total": engine.num_preemptions_total,
-                   "target_kv_used_blocks": getattr(runner.pool, "num_used_blocks", lambda: None)(),
-                   "target_kv_used_slots": runner.pool.num_used_slots()}
-            draft = getattr(runner, "draft", None)
-            if draft is not None:
-                out["draft_kv_used_slots"] = draft.num_used_slots()
-                out["draft_kv_used_blocks"] = getattr(draft.pool, "num_used_blocks", lambda: None)()
-            if hasattr(runner, "policy"):
-                out["speculation"] = {"enabled": runner.enabled, "method": runner.method,
-                                      "spec_length": runner.policy.spec_length, "policy": runner.policy.mode}
-            return out
-
-        out = await self.engine.call(collect)
+        out = await self.engine.call(lambda engine: engine.stats())
         out["exported_counter_totals"] = dict(self.exporter.totals)
         out["replica"] = _replica_id()
         out["pid"] = os.getpid()

@@ -57,3 +57,39 @@ def make_model(path: Path, tokenizer_dir: Path, *, seed: int = 0, hidden: int = 
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return model
+
+
+def pool_for(model, backend: str = "paged", max_slots: int = 4, max_seq_len: int = 256, block_size: int = 16):
+    """A KV pool shaped for `model` (no prefix cache)."""
+    from engine.kv import make_pool
+
+    s = model.shape
+    return make_pool(backend, block_size=block_size, num_blocks=None, enable_prefix_caching=False,
+                     num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, max_slots=max_slots,
+                     max_seq_len=max_seq_len, dtype=model.dtype, device=model.device)
+
+
+class InMemoryRecorder:
+    """A Recorder that keeps values in dicts (tests, the stats endpoint)."""
+
+    def __init__(self):
+        self.counters: dict[tuple, float] = {}
+        self.gauges: dict[tuple, float] = {}
+        self.observations: dict[tuple, list[float]] = {}
+
+    @staticmethod
+    def _key(name: str, labels: dict[str, str]) -> tuple:
+        return (name, *sorted(labels.items()))
+
+    def inc(self, name, value, labels):
+        key = self._key(name, labels)
+        self.counters[key] = self.counters.get(key, 0.0) + value
+
+    def set(self, name, value, labels):
+        self.gauges[self._key(name, labels)] = value
+
+    def observe(self, name, value, labels):
+        self.observations.setdefault(self._key(name, labels), []).append(value)
+
+    def total(self, name: str, **labels) -> float:
+        return sum(v for k, v in self.counters.items() if k[0] == name and all((lk, lv) in k[1:] for lk, lv in labels.items()))

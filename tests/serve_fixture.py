@@ -38,14 +38,14 @@ EXACT_KV_BLOCKS = 192  # 3,072 tokens: a few long sequences, far fewer than max_
 def exact_app(app: dict) -> dict:
     """The /exact application: `app` in float32, one replica with one thread and no CPU
     reservation (so the main app can still autoscale to both cores), a small KV pool, and
-    oneDNN's matmuls in every pass (`cpu_one_sequence_kernels=False`): their rows are
-    bit-identical whatever the batch, which its solo-vs-batched checks rely on (the one-sequence
-    kernel rounds batch-1 passes differently from batched ones)."""
+    oneDNN's matmuls in every pass (`forward_plan: torch`): their rows are bit-identical
+    whatever the batch, which its solo-vs-batched checks rely on (the one-sequence kernel, which
+    a measured plan may choose, rounds batch-1 passes differently from batched ones)."""
     app = copy.deepcopy(app)
     app.update(name=EXACT_APP, route_prefix=EXACT_PREFIX)
     app["args"]["served_model_name"] = EXACT_APP
     app["args"]["engine"].update(dtype="float32", num_threads=1, num_kv_blocks=EXACT_KV_BLOCKS,
-                                 cpu_one_sequence_kernels=False)
+                                 forward_plan="torch")
     dep = app["deployments"][0]
     dep.pop("autoscaling_config", None)
     dep.update(num_replicas=1, ray_actor_options={"num_cpus": 0})

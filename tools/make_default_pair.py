@@ -5,8 +5,7 @@
 
 Stages: corpus -> tokenizer -> target (from scratch) -> draft (distilled on corpus windows) ->
 target generations -> draft fine-tuned on them (on-policy distillation) -> a second round on
-fresh generations (new prompts, two thirds greedy) -> export (with the token
-frequency ranking the draft's restricted output layer uses) -> model card
+fresh generations (new prompts, two thirds greedy) -> export -> model card
 (measured with our engine; validation prompts saved to bench/data/code_val_prompts.jsonl).
 Every stage skips itself when its output exists and training resumes from its last checkpoint,
 so rerunning the same command after an interruption continues where it stopped.
@@ -29,7 +28,6 @@ from pair.corpus import build_corpus  # noqa: E402
 from pair.export import export_model  # noqa: E402
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.prompts import write_all  # noqa: E402
-from pair.ranking import write_token_ranking  # noqa: E402
 from pair.tokenizer import encode_splits, train_tokenizer  # noqa: E402
 from pair.train import DRAFT, DRAFT_ONPOLICY, DRAFT_ONPOLICY2, TARGET, train_stage  # noqa: E402
 
@@ -65,7 +63,6 @@ def main() -> None:
                         init_from=args.work / DRAFT_ONPOLICY.name / "final",
                         batches=mixed_batches(args.work, rows2))
     export_model(draft, tokenizer, args.out / "draft")
-    write_token_ranking(args.work, len(tokenizer), args.out / "draft")
     prompts = write_all(args.work / "corpus" / "val.jsonl", REPO / "bench" / "data")
     write_card(args.work, args.out, prompts)
 

@@ -28,7 +28,6 @@ class BlockManager:
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # block -> its tokens (cached blocks)
         self._block_of: dict[int, int] = {}  # chain key -> block
 
-    # --- queries -----------------------------------------------------------------------
     def num_available(self) -> int:
         """Blocks that can be handed out now (free + evictable cached)."""
         return len(self._free) + len(self._evictable)
@@ -48,7 +47,6 @@ class BlockManager:
             keys.append(parent)
         return keys
 
-    # --- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > self.num_available():
             raise OutOfKVCache(f"need {n} KV blocks, {self.num_available()} available")
@@ -77,7 +75,6 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
-    # --- prefix cache ----------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Takes (refcount + 1) the cached blocks holding the longest cached prefix of token_ids."""
         if not self.enable_prefix_caching:
@@ -107,9 +104,6 @@ class BlockManager:
             self._key_of[block] = key
             self._block_of[key] = block
             self._tokens_of[block] = tuple(token_ids[i * bs:(i + 1) * bs])
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._key_of
 
     def _uncache(self, block: int) -> None:
         key = self._key_of.pop(block)

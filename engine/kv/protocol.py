@@ -14,19 +14,9 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-KEY_ALIGN = 64  # gathered key lengths are rounded up to a multiple of this (see aligned_key_len)
-
-
-# Gathers of at least this many rows (B * L) run one index_select per head: measured on CPU,
-# float32, 64 sequences x 384 keys, 6.3 ms instead of 45.6 ms for one call over the head
-# dimension (which walks every head's rows together); small gathers keep the single call.
-PER_HEAD_GATHER_ROWS = 2048
-
-
-# A view over sequences of very different lengths reads keys in groups of similar length when
-# that spares at least this many gathered rows per layer (B * L minus what the groups read):
-# 48 sequences of ~130 tokens batched with 16 of ~470 would otherwise all read 470 keys.
-GROUPED_READ_MIN_SAVED_ROWS = 4096
+KEY_ALIGN = 64  # gathered key lengths are rounded up to a multiple of this (docs/performance-notes.md#key-alignment)
+PER_HEAD_GATHER_ROWS = 2048  # gathers of at least this many rows (B * L) run one index_select per head
+GROUPED_READ_MIN_SAVED_ROWS = 4096  # read keys in length groups when that spares this many rows per layer
 
 
 def power_of_two_at_least(n: int) -> int:
@@ -34,12 +24,8 @@ def power_of_two_at_least(n: int) -> int:
 
 
 def aligned_key_len(n: int) -> int:
-    """Key length of a gathered view: n rounded up to a multiple of KEY_ALIGN.
-
-    On CPU the attention matmuls run through oneDNN, which builds (JIT-compiles) a kernel for
-    every new shape -- hundreds of microseconds, more than the matmul itself. Decoding grows the
-    key length by one every step, so exact lengths paid that cost at every step; rounded ones
-    pay it once per KEY_ALIGN steps. The extra keys read the scratch row and are masked out."""
+    """Key length of a gathered view: n rounded up to a multiple of KEY_ALIGN, so the attention
+    matmuls meet a new shape once per KEY_ALIGN steps, not every step; extra keys are masked."""
     return -(-n // KEY_ALIGN) * KEY_ALIGN
 
 
@@ -76,8 +62,7 @@ class KVView:
 
     write_rows: [B * T] flat storage row for each new token (padding goes to the scratch row).
     read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row),
-      or None when `read_slice` gives one contiguous range (B == 1, slotted or paged over
-      consecutive blocks). Views over several sequences have L = aligned_key_len(longest);
+      or None when `read_slice` gives one contiguous range (B == 1, over consecutive blocks). Views over several sequences have L = aligned_key_len(longest);
       keys past a sequence's end are masked.
     groups: None (every sequence reads L keys), or a split of the batch into KeyGroups of
       similar length, each reading only as many keys as its longest member needs.
@@ -149,7 +134,7 @@ def _causal_mask(position_ids: torch.Tensor, key_len: int) -> torch.Tensor:
 
 @runtime_checkable
 class CachePool(Protocol):
-    """Contract shared by the slotted and the paged pool.
+    """Contract of a KV pool (kv/paged.py; the slotted backend is its one-block-per-slot form).
 
     - `allocate_slot(token_ids)` reserves a slot for a sequence whose known tokens are
       `token_ids`; returns (slot, cached): the first `cached` tokens already have K/V (prefix
@@ -158,10 +143,10 @@ class CachePool(Protocol):
     - `ensure_capacity(slot, new_len)` makes room for the slot to reach `new_len` tokens; False
       (and nothing allocated) when the pool is out of room. Views call it themselves.
     - `view(slots, chunk_lens, width)` appends chunk_lens[i] tokens to slots[i] from its current
-      length; the pass has `width` (>= max chunk) query rows, extra rows write to scratch. `prefill_view`, `decode_view` and `chunk_view` are the named special cases.
+      length; the pass has `width` (>= max chunk) query rows, extra rows write to scratch.
     - `truncate_to(slot, new_len)` rolls a slot back; storage wholly past new_len is released.
     - `free_token_capacity()` tokens that could still be stored (None = no shared limit).
-    - `usage_fraction()` share of the pool in use (blocks for paged, slots for slotted).
+    - `usage_fraction()` share of the pool's blocks in use; `num_used_blocks()` how many.
     - `register_prefix(slot, token_ids)` offers the slot's full blocks holding `token_ids`
       (a prompt prefix) to the prefix cache; a no-op where there is none.
     """
@@ -175,20 +160,8 @@ class CachePool(Protocol):
     def free_token_capacity(self) -> int | None: ...
     def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...
     def num_used_slots(self) -> int: ...
+    def num_used_blocks(self) -> int: ...
     def usage_fraction(self) -> float: ...
-
-
-class PoolViews:
-    """The named views of the contract, in terms of `view` (mixed into both pools)."""
-
-    def prefill_view(self, slots: list[int], prompt_lens: list[int]) -> KVView:
-        return self.view(slots, prompt_lens)  # type: ignore[attr-defined]
-
-    def decode_view(self, slots: list[int]) -> KVView:
-        return self.view(slots, [1] * len(slots))  # type: ignore[attr-defined]
-
-    def chunk_view(self, slots: list[int], chunk_lens: list[int]) -> KVView:
-        return self.view(slots, chunk_lens)  # type: ignore[attr-defined]
 
 
 def pad_single(view: KVView, width: int, chunk_len: int) -> KVView:

@@ -1,15 +1,8 @@
 """Int8 weight-only matmuls for a draft model's passes over a few rows.
 
-A draft's single-token steps read every weight once per step and do a few multiply-adds per
-weight, so on CPU they cost what the weights cost to read. Int8 copies (one scale per output
-channel, symmetric) are a quarter of float32's bytes. Measured in place on an AVX2 CPU, with a
-target verify pass between steps as in a real round: the shipped draft's one-row step went from
-1.44 ms to 0.97 ms, its greedy proposals matched the float ones on the tokens checked, and the
-accepted tokens per round fell 1.5% (3.86 -> 3.80 at K = 5).
-
-Only a draft may use this: its proposals change how many tokens are accepted, never which (the
-target's verify pass and the rejection sampler decide), so the output stays exactly the
-target's. A target quantized this way would be a different model.
+A draft step on CPU costs what its weights cost to read; int8 copies (one scale per output
+channel, symmetric) are a quarter of float32's bytes (docs/performance-notes.md#int8-draft).
+Only a draft may use this: its proposals change how many tokens are accepted, never which.
 """
 
 from __future__ import annotations

@@ -7,15 +7,13 @@ per layer, so peak memory stays near one copy of the model.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import torch
 
-from engine.model.llama import LayerWeights, Llama, LlamaShape, compute_dtype
-
-log = logging.getLogger(__name__)
+from engine.config import ModelPlan
+from engine.model.llama import LayerWeights, Llama, LlamaShape
 
 EMBEDDED_PREFIX = "embedded:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,38 +92,27 @@ class _TensorReader:
         return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
-def load_llama(path: Path, dtype: str, device: str, max_positions: int,
-               output_ids: torch.Tensor | None = None, row_invariant: bool = True,
-               int8_few_rows: bool = False, one_sequence_kernels: bool = True, token_step: bool = False) -> Llama:
-    """output_ids [V']: restrict the output layer to these token ids; row_invariant=False lets
-    a draft's one-row passes take faster kernels; int8_few_rows runs a draft's narrow passes on
-    int8 weights; one_sequence_kernels=False keeps oneDNN's kernels for every pass; token_step
-    runs a draft's narrow passes as whole-model C calls (all five: see `Llama`)."""
-    cfg = json.loads((path / "config.json").read_text())
-    shape = LlamaShape.from_hf_config(cfg)
-    wanted = torch_dtype(dtype)
-    computed = compute_dtype(wanted, device)
-    if computed != wanted:
-        log.warning("%s: this CPU has no %s matmul kernels; computing in %s (weights upcast at load)",
-                    path.name, dtype, str(computed).removeprefix("torch."))
-    reader = _TensorReader(_weight_files(path), computed, device)
+def read_shape(path: Path) -> LlamaShape:
+    """The model's shape from its config.json (no weights read)."""
+    return LlamaShape.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+def load_llama(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Llama:
+    """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says."""
+    shape = read_shape(path)
+    reader = _TensorReader(_weight_files(path), torch_dtype(plan.dtype), device)
     layers = []
     for i in range(shape.num_layers):
         pre = f"model.layers.{i}."
-        qkv = torch.cat([reader.get(pre + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
         layers.append(LayerWeights(
             attn_norm=reader.get(pre + "input_layernorm.weight"),
-            qkv=qkv,
+            qkv=torch.cat([reader.get(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]),
             o=reader.get(pre + "self_attn.o_proj.weight"),
             mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-            gate_up=gate_up,
+            gate_up=torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
             down=reader.get(pre + "mlp.down_proj.weight"),
         ))
     embed = reader.get("model.embed_tokens.weight")
     tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
     lm_head = embed if tied else reader.get("lm_head.weight")
-    if output_ids is not None:
-        output_ids = output_ids.to(device)
-    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, output_ids,
-                 row_invariant, int8_few_rows, one_sequence_kernels, token_step)
+    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, plan)

@@ -18,13 +18,8 @@ import torch
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
 
-# Passes computing at most this many tokens (over all their sequences) run as token steps.
-# Measured on an AVX2 CPU with the shipped draft (full vocabulary, 300-400 keys), median ms per
-# pass, its torch forward on int8 weights vs token steps (bf16 weights; the first version,
-# before attention was vectorised): 1 sequence 1.75 vs 0.50, 2 sequences 1.62 vs 1.19,
-# 4 sequences 1.86 vs 2.57: a token step costs ~0.3-0.6 ms, a narrow torch pass ~1.7 ms
-# however narrow. The C call alone, 300 keys, 2 threads: 0.24 ms (0.12 of it the 8192-row
-# output layer).
+# Passes computing at most this many tokens (over all their sequences) run as token steps
+# (docs/performance-notes.md#draft-token-step).
 TOKEN_STEP_MAX_TOKENS = 3
 
 
@@ -44,7 +39,7 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64), ("max_keys", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
                 ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("head_ids", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
@@ -64,12 +59,10 @@ class TokenStep:
 
     @classmethod
     def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-              output_ids: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
+              cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
         """shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before
-        any packing); lm_head [V' or vocab, hidden]; cos/sin [max_positions, head_dim]. The
-        matmuls read bfloat16 copies when every weight's values are bf16 values, else the
-        float32 weights. (Int8 copies, as a draft's torch passes may use, were measured in an
-        earlier version: no faster than bf16 here, and 1-5% lower acceptance.)"""
+        any packing); lm_head [vocab, hidden]; cos/sin [max_positions, head_dim]. The matmuls
+        read bfloat16 copies when every weight's values are bf16 values, else float32."""
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
         if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
             return None
@@ -96,13 +89,12 @@ class TokenStep:
         for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, weights)):
             step_layers[i] = _Layer(held(lw.attn_norm.contiguous()), qkv, o, held(lw.mlp_norm.contiguous()),
                                     gate_up, down)
-        head_ids = None if output_ids is None else held(output_ids.to(device="cpu", dtype=torch.int64).contiguous())
         model = _Model(hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers),
                        heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                        head_rows=lm_head.shape[0], kv_rows=0, max_keys=cos.shape[0], eps=shape.rms_norm_eps,
                        scale=shape.head_dim ** -0.5, kind=int(kind), embed=held(embed.contiguous()),
                        cos=held(cos.contiguous()), sin=held(sin.contiguous()),
-                       final_norm=held(final_norm.contiguous()), lm_head=weights[-1][0], head_ids=head_ids,
+                       final_norm=held(final_norm.contiguous()), lm_head=weights[-1][0],
                        layer=step_layers, kv=None, scratch=None)
         scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), model.max_keys),
                               dtype=torch.float32)  # [floats the C step needs]
@@ -123,7 +115,7 @@ class TokenStep:
         """As Llama.forward for a pass over B sequences of T query rows, computing only each
         sequence's tokens up to logits_index[b] (all T rows are real when it is None, which
         then needs T == 1). Returns logits [B, vocab] (or [B, 1, vocab] when logits_index is
-        None), float32, -inf outside a restricted vocabulary."""
+        None), float32."""
         B, T = input_ids.shape
         if logits_index is None and T != 1:
             raise ValueError("TokenStep computes every position only for one-token passes")
@@ -137,10 +129,7 @@ class TokenStep:
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
         model = ctypes.byref(self._model)
-        if self._model.head_ids:  # restricted: columns outside the scored vocabulary stay -inf
-            logits = torch.full((B, self._vocab_size), float("-inf"), dtype=torch.float32)  # [B, vocab]
-        else:  # the step writes every column
-            logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
+        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
         read_rows = None if kv.read_rows is None else kv.read_rows.to(torch.int64).contiguous()  # [B, L]
         threads = torch.get_num_threads()
         for b in range(B):

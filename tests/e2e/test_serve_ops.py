@@ -49,7 +49,7 @@ def stream_completion(server, body: dict, started: threading.Event | None = None
 
 
 def test_user_config_change_applies_live_without_dropping_streams(server):
-    assert server.stats()["speculation"]["method"] == "draft"
+    assert server.stats()["speculation"]["speculative_method"] == "draft"
     started = threading.Event()
     result = {}
 
@@ -65,19 +65,19 @@ def test_user_config_change_applies_live_without_dropping_streams(server):
     new_path = server.config_path.with_name("serve_config_ngram.yaml")
     new_path.write_text(yaml.safe_dump(cfg))
     subprocess.run([SERVE, "deploy", str(new_path)], check=True, capture_output=True, timeout=120, env=ray_env())
-    server.wait_until(lambda: server.stats()["speculation"]["method"] == "ngram", 120,
+    server.wait_until(lambda: server.stats()["speculation"]["speculative_method"] == "ngram", 120,
                       "the new user_config to reach the replica")
     t.join(timeout=300)
     assert result["done"] and result["final"]["speculation"]["draft_tokens"] >= 0
     assert len(result["final"]["choices"]) == 1 and result["final"]["choices"][0]["finish_reason"] == "length"
     stats = server.stats()["speculation"]
-    assert (stats["method"], stats["spec_length"]) == ("ngram", 3)
+    assert (stats["speculative_method"], stats["spec_length"]) == ("ngram", 3)
     # a new request speculates with the new method (a repetitive prompt gives n-gram matches)
     out = stream_completion(server, {"prompt": "x = 1\ny = 2\n" * 8, "max_tokens": 32, "temperature": 0})
     assert out["done"] and out["final"]["speculation"]["method"] == "ngram"
     # back to the shipped configuration for the remaining tests
     subprocess.run([SERVE, "deploy", str(server.config_path)], check=True, capture_output=True, timeout=120, env=ray_env())
-    server.wait_until(lambda: server.stats()["speculation"]["method"] == "draft", 120, "the original config")
+    server.wait_until(lambda: server.stats()["speculation"]["speculative_method"] == "draft", 120, "the original config")
 
 
 def test_load_scales_to_a_second_replica_and_every_request_succeeds(server):

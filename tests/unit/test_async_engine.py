@@ -36,7 +36,7 @@ def test_streams_match_offline_generation_and_cancel_frees_kv(tiny_model):
 
     async def main():
         results = await asyncio.gather(*(collect(p) for p in prompts), *(cancel_midway(p) for p in prompts))
-        usage = await aeng.call(lambda e: (e.runner.pool.num_used_blocks(), e.has_unfinished_requests()))
+        usage = await aeng.call(lambda e: (e.kv.target.num_used_blocks(), e.has_unfinished_requests()))
         return results, usage
 
     results, usage = asyncio.run(main())

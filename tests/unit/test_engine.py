@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.metrics import InMemoryRecorder, StepMetrics
+from engine.metrics import StepMetrics
+from tests.helpers import InMemoryRecorder
 
 PROMPTS = [
     "def add(a, b):",
@@ -64,9 +65,8 @@ def test_preemption_by_recompute_finishes_everything_with_the_same_tokens(tiny_m
     small = make_llm(tiny_model[0], kv_cache_backend=backend, **kw)
     outs = small.generate(PROMPTS, greedy(40))
     assert [o.token_ids for o in outs] == ref
-    if backend == "paged":
-        assert sum(r.num_preemptions for r in small.engine._requests.values()) == 0  # released
-        assert small.engine.runner.pool.num_used_blocks() == 0
+    assert all(small.engine.request(o.request_id) is None for o in outs)  # released
+    assert small.engine.kv.target.num_used_slots() == 0
 
 
 def test_preemption_happens_and_is_counted(tiny_model):
@@ -77,11 +77,11 @@ def test_preemption_happens_and_is_counted(tiny_model):
     ids = [eng.add_request(p, greedy(40)) for p in PROMPTS]
     while eng.has_unfinished_requests():
         metrics.on_step(eng, eng.step())
-    per_request = sum(eng._requests[i].num_preemptions for i in ids)
+    per_request = sum(eng.request(i).num_preemptions for i in ids)
     assert per_request > 0
     assert eng.num_preemptions_total == per_request
     assert recorder.total("specserve_preemptions_total", model="m") == per_request
-    assert eng.runner.pool.num_used_blocks() == 0
+    assert eng.kv.target.num_used_blocks() == 0
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -96,7 +96,7 @@ def test_a_preempted_request_waits_until_it_fits_with_room_to_decode(tiny_model,
     schedule, batches = eng.scheduler.schedule, []
 
     def recording():
-        free_before = eng.runner.free_kv_tokens()
+        free_before = eng.kv.free_tokens()
         batch = schedule()
         batches.append((batch, free_before))
         return batch
@@ -142,7 +142,7 @@ def test_abort_frees_kv_and_leaves_others_untouched(tiny_model):
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.get_output(keep).token_ids == ref
-    assert eng.runner.pool.num_used_blocks() == 0 and eng.runner.pool.num_used_slots() == 0
+    assert eng.kv.target.num_used_blocks() == 0 and eng.kv.target.num_used_slots() == 0
 
 
 def test_stop_strings_stop_token_ids_eos_and_length(tiny_model):
@@ -209,14 +209,15 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
         LLM(model=str(tiny_model[0]), temprature=1.0)
     with pytest.raises(ValueError, match="kv_cache_backend"):
         EngineConfig(kv_cache_backend="ring")
-    with pytest.raises(ValueError, match="draft_model"):
-        EngineConfig(use_speculative_decoding=True)
-    with pytest.raises(ValueError, match="batching_mode"):
-        EngineConfig(use_speculative_decoding=True, draft_model="x", batching_mode="static")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        EngineConfig.from_kwargs(use_speculative_decoding=True)
+    for removed in ("batching_mode", "use_cuda_graphs", "draft_quantization", "cpu_draft_token_step"):
+        with pytest.raises(ValueError, match=f"unknown EngineConfig field.*{removed}"):
+            EngineConfig.from_kwargs(**{removed: True})
     with pytest.raises(ValueError, match="spec_length"):
-        EngineConfig(spec_length=0)
-    with pytest.raises(ValueError, match="draft_quantization"):
-        EngineConfig(draft_quantization="int4")
+        EngineConfig.from_kwargs(spec_length=0)
+    with pytest.raises(ValueError, match="forward_plan must be 'auto', 'torch' or a mapping"):
+        EngineConfig(forward_plan="fastest")
     with pytest.raises(FileNotFoundError, match="Hugging Face cache"):
         LLMEngine(EngineConfig(model="no-such-org/no-such-model"))
     # a bad request does not disturb the ones already queued
@@ -253,11 +254,11 @@ def test_a_failure_while_processing_one_request_fails_only_that_request(tiny_mod
     outs = [eng.get_output(i) for i in ids]
     assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
     assert [outs[i].token_ids for i in (0, 2, 3)] == [ref[i] for i in (0, 2, 3)]
-    assert eng.runner.pool.num_used_blocks() == 0
+    assert eng.kv.target.num_used_blocks() == 0
 
 
 def test_prefill_groups_pad_no_row_past_twice_its_length():
-    from engine.runner import width_groups
+    from engine.model.passes import width_groups
 
     lengths = [40] * 50 + [200, 3, 1, 17, 16]
     groups = width_groups(lengths)
@@ -266,3 +267,19 @@ def test_prefill_groups_pad_no_row_past_twice_its_length():
         longest = max(lengths[i] for i in g)
         assert all(longest < 2 * lengths[i] or longest == lengths[i] == 1 for i in g), (g, longest)
     assert [sorted({lengths[i] for i in g}) for g in groups] == [[1], [3], [16], [17], [40], [200]]
+
+
+def test_max_seq_len_defaults_to_the_models_positions_within_a_memory_share(tiny_model):
+    """A model with 512 positions gets max_seq_len 512 (not a constant that would refuse it);
+    on a device with too little memory for max_batch_size such sequences' KV, it is lowered."""
+    from engine.engine import KV_MEMORY_SHARE, default_max_seq_len
+    from engine.model.loader import read_shape
+
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4)
+    assert llm.config.max_seq_len == 512 == read_shape(tiny_model[0]).max_position_embeddings
+    shape = read_shape(tiny_model[0])
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # float32 bytes
+    memory = int(100 * per_token * 4 / KV_MEMORY_SHARE)  # room for 4 sequences of 100 tokens
+    assert default_max_seq_len([shape], "float32", 4, memory) == 100
+    assert default_max_seq_len([shape, shape], "float32", 4, memory) == 50  # a draft's KV counts too
+    assert default_max_seq_len([shape], "float32", 4, 10**15) == 512

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.kernel_caches import KERNEL_CACHE_CAPACITY, bound_kernel_caches
+from serve_app.kernel_caches import KERNEL_CACHE_CAPACITY, bound_kernel_caches
 
 
 def test_sets_both_capacities_when_unset(monkeypatch):

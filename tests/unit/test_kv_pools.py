@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv import OutOfKVCache, PagedKVPool, SlottedKVPool
+from engine.kv import OutOfKVCache, PagedKVPool, make_pool
 from engine.kv.protocol import KEY_ALIGN, aligned_key_len
 
 
@@ -16,15 +16,15 @@ def paged(num_blocks=8, block_size=4, prefix=True, slots=4):
 
 
 def slotted(slots=2):
-    return SlottedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, max_slots=slots, max_seq_len=16,
-                         dtype=torch.float32, device="cpu")
+    return make_pool("slotted", block_size=4, num_blocks=None, enable_prefix_caching=True, num_layers=1,
+                     num_kv_heads=1, head_dim=2, max_slots=slots, max_seq_len=16, dtype=torch.float32, device="cpu")
 
 
 def write(pool, slot, n, value):
     """Appends n tokens whose K equals `value` and returns the keys the view reads back,
     without the alignment padding (checked in test_gathered_key_lengths_are_aligned_and_masked)."""
     length = pool.seq_len(slot) + n
-    view = pool.chunk_view([slot], [n])
+    view = pool.view([slot], [n])
     k = torch.full((1, n, 1, 2), float(value))
     keys, _ = view.write_and_read(0, k, k)
     return keys[:, :, :length]
@@ -37,8 +37,8 @@ def test_gathered_key_lengths_are_aligned_and_masked(make):
     pool = make()
     slots = [pool.allocate_slot([1])[0] for _ in range(batch)]
     for s, n in zip(slots, [5, 3]):
-        pool.chunk_view([s], [n]).write_and_read(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
-    view = pool.decode_view(slots)  # lengths 6 (and 4)
+        pool.view([s], [n]).write_and_read(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+    view = pool.view(slots, [1] * len(slots))  # lengths 6 (and 4)
     assert view.key_len == KEY_ALIGN == aligned_key_len(6)
     positions = torch.tensor([[5], [3]])  # [B, 1]
     mask = view.attention_mask(positions)  # [B, 1, 1, L]
@@ -81,17 +81,17 @@ def test_paged_sequence_on_consecutive_blocks_reads_a_slice_and_others_gather():
     a, _ = pool.allocate_slot([1])
     b, _ = pool.allocate_slot([1])
     assert write(pool, a, 6, 1.0)[0, 0, :, 0].tolist() == [1.0] * 6  # blocks 0, 1
-    assert pool.chunk_view([a], [1]).read_rows is None
+    assert pool.view([a], [1]).read_rows is None
     pool.truncate_to(a, 6)
     write(pool, b, 2, 5.0)  # block 2
     keys = write(pool, a, 4, 2.0)  # a now holds blocks 0, 1, 3: not one range
     assert pool.block_table(a) == [0, 1, 3]
     assert keys[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] * 4
-    view = pool.chunk_view([a], [1])
+    view = pool.view([a], [1])
     assert view.read_rows is not None and view.read_slice is None
     pool.truncate_to(a, 7)  # back to blocks 0, 1
     assert pool.block_table(a) == [0, 1]
-    assert pool.chunk_view([a], [1]).read_rows is None
+    assert pool.view([a], [1]).read_rows is None
     pool.truncate_to(a, 7)
     assert write(pool, a, 1, 3.0)[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] + [3.0]
 
@@ -106,7 +106,7 @@ def test_blocks_released_by_a_rollback_are_taken_again_in_order():
     pool.truncate_to(a, 3)
     write(pool, a, 9, 2.0)
     assert pool.block_table(a) == [0, 1, 2]
-    assert pool.chunk_view([a], [1]).read_rows is None
+    assert pool.view([a], [1]).read_rows is None
 
 
 def test_prefix_cache_reuses_full_blocks_and_never_truncates_them():
@@ -169,7 +169,7 @@ def test_paged_out_of_blocks_allocates_nothing():
     write(pool, s, 6, 1.0)
     t, _ = pool.allocate_slot([1])
     with pytest.raises(OutOfKVCache):
-        pool.chunk_view([s, t], [2, 4])  # needs 2 more blocks, none free
+        pool.view([s, t], [2, 4])  # needs 2 more blocks, none free
     assert pool.seq_len(s) == 6 and pool.seq_len(t) == 0
     assert not pool.ensure_capacity(t, 1)
     assert pool.free_token_capacity() == 0
@@ -188,6 +188,8 @@ def test_slotted_slots_truncate_and_capacity():
     keys = write(pool, a, 1, 4.0)
     assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 4]
     assert not pool.ensure_capacity(a, 17)
+    assert pool.free_token_capacity() is None  # a slot holds a whole sequence: no shared limit
+    assert pool.view([b], [1]).read_rows is None  # each slot's keys are one slice of storage
     pool.free_slot(a)
     pool.free_slot(b)
     assert pool.num_used_slots() == 0
@@ -208,11 +210,11 @@ def test_large_gathers_per_head_read_what_the_single_gather_reads(monkeypatch):
     slots = [pool.allocate_slot([])[0] for _ in range(batch)]
     for s in slots:
         kv = torch.randn(1, length, 2, 4)
-        pool.chunk_view([s], [length]).write_and_read(0, kv, -kv)
+        pool.view([s], [length]).write_and_read(0, kv, -kv)
     reads = {}
     for threshold in (protocol.PER_HEAD_GATHER_ROWS, 10**9):
         monkeypatch.setattr(protocol, "PER_HEAD_GATHER_ROWS", threshold)
-        view = pool.decode_view(slots)
+        view = pool.view(slots, [1] * len(slots))
         assert view.read_rows.numel() >= 2048
         new = torch.randn(batch, 1, 2, 4)
         reads[threshold] = view.write_and_read(0, new, -new)
@@ -236,8 +238,8 @@ def test_views_over_very_different_lengths_read_keys_in_groups(monkeypatch):
                        enable_prefix_caching=False)
     slots = [pool.allocate_slot([])[0] for _ in lengths]
     for s, n in zip(slots, lengths):
-        pool.chunk_view([s], [n]).write(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
-    view = pool.decode_view(slots)
+        pool.view([s], [n]).write(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+    view = pool.view(slots, [1] * len(slots))
     assert view.groups is not None
     assert [g.key_len for g in view.groups] == [64, 320]
     assert [g.index.tolist() for g in view.groups] == [list(range(20)), [20, 21]]
@@ -250,7 +252,7 @@ def test_views_over_very_different_lengths_read_keys_in_groups(monkeypatch):
         pool.truncate_to(s, n)
     # below the threshold of spared rows, one group as before
     monkeypatch.setattr(protocol, "GROUPED_READ_MIN_SAVED_ROWS", 10**9)
-    assert pool.decode_view(slots).groups is None
+    assert pool.view(slots, [1] * len(slots)).groups is None
 
 
 @pytest.mark.parametrize("verify_width", [1, 4])
@@ -259,11 +261,12 @@ def test_grouped_attention_gives_the_logits_of_one_group(tiny_model, monkeypatch
     speculative-verify-like pass of several tokens per sequence)."""
     from pathlib import Path
 
+    from engine.config import ModelPlan
     from engine.kv import make_pool, protocol
     from engine.model.loader import load_llama
-    from engine.runner import forward_chunks
+    from engine.model.passes import forward_chunks
 
-    model = load_llama(Path(tiny_model[0]), "float32", "cpu", max_positions=512)
+    model = load_llama(Path(tiny_model[0]), ModelPlan("float32"), "cpu", max_positions=512)
     s = model.shape
     lengths = [5, 7, 150]
     logits = {}

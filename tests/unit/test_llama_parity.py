@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import build_pool
+from engine.config import ModelPlan
 from engine.model.loader import load_llama
-from engine.runner import ContinuousRunner, forward_chunks
-from tests.helpers import make_model
+from engine.model.passes import forward_chunks
+from tests.helpers import make_model, pool_for
+
+F32 = ModelPlan("float32")
 
 CONFIGS = {
     "gqa_untied": dict(),
@@ -32,19 +33,17 @@ PROMPTS = [
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers(tmp_path, tok_dir, name):
     hf = make_model(tmp_path, tok_dir, seed=3, **CONFIGS[name])
-    ours = load_llama(tmp_path, "float32", "cpu", max_positions=512)
-    cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=4, max_seq_len=256)
-    runner = ContinuousRunner(ours, build_pool(cfg, ours))
+    ours = load_llama(tmp_path, F32, "cpu", max_positions=512)
+    pool = pool_for(ours)
     torch.manual_seed(0)
     ids = torch.randint(0, hf.config.vocab_size, (3, 150))
     with torch.no_grad():
         expected = hf(input_ids=ids).logits  # [3, 150, vocab]
-    slots = [runner.pool.allocate_slot([])[0] for _ in range(3)]
+    slots = [pool.allocate_slot([])[0] for _ in range(3)]
     # different prefill split per row: exercises chunked writes and the batched mask
-    first = forward_chunks(ours, runner.pool, slots, [ids[i, :100].tolist() for i in range(3)],
-                                  [0, 0, 0], all_logits=True)
-    rest = forward_chunks(ours, runner.pool, slots, [ids[i, 100:].tolist() for i in range(3)],
-                                 [100, 100, 100], all_logits=True)
+    first = forward_chunks(ours, pool, slots, [ids[i, :100].tolist() for i in range(3)], [0, 0, 0], all_logits=True)
+    rest = forward_chunks(ours, pool, slots, [ids[i, 100:].tolist() for i in range(3)], [100, 100, 100],
+                          all_logits=True)
     got = torch.cat([first, rest], dim=1)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
@@ -77,10 +76,8 @@ def test_greedy_generation_matches_transformers(tiny_model, backend):
 def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir, backend):
     """Decode steps over > 128 keys take the explicit-attention path; batched rows differ in length."""
     hf = make_model(tmp_path, tok_dir, seed=4)
-    ours = load_llama(tmp_path, "float32", "cpu", max_positions=512)
-    cfg = EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=4, max_seq_len=256,
-                       kv_cache_backend=backend, block_size=8)
-    pool = build_pool(cfg, ours)
+    ours = load_llama(tmp_path, F32, "cpu", max_positions=512)
+    pool = pool_for(ours, backend, block_size=8)
     torch.manual_seed(1)
     lengths = [140, 170, 131]
     ids = torch.randint(0, hf.config.vocab_size, (3, 180))
@@ -97,27 +94,27 @@ def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir
     torch.testing.assert_close(single[0], expected[0, lengths[0] + 6], atol=2e-4, rtol=1e-4)
 
 
-def test_bf16_checkpoint_on_a_cpu_without_bf16_kernels_computes_in_float32(tmp_path, tok_dir, monkeypatch):
-    """On CPUs without bf16 matmul kernels (AVX2 only) a bf16 request computes in float32: the
-    model is the checkpoint's, bit for bit what a float32 load computes, and its KV pool is float32.
-    The missing kernels are simulated here, whatever this CPU supports."""
+def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok_dir, monkeypatch):
+    """Where oneDNN cannot pack bf16 (AVX2-only CPUs, simulated here), every candidate plan of a
+    bf16 model computes in float32: the checkpoint's bf16 weights upcast exactly, a float32 KV
+    pool, bit for bit what a float32 load computes."""
     from engine.model import llama as llama_module
+    from engine.model import plan as plan_module
 
     if not llama_module.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
+    monkeypatch.setattr(plan_module, "cpu_packs", lambda dtype: dtype == torch.float32)
+    for role in ("target", "draft"):
+        assert {p.dtype for p in plan_module.candidates(role, "bfloat16", "cpu")} == {"float32"}
+    assert {p.dtype for p in plan_module.candidates("target", "bfloat16", "cuda")} == {"bfloat16"}
     make_model(tmp_path, tok_dir, seed=5, dtype=torch.bfloat16)
-    reference = load_llama(tmp_path, "float32", "cpu", max_positions=256)
-    monkeypatch.setattr(llama_module, "cpu_packs", lambda dtype: dtype == torch.float32)
-    assert llama_module.compute_dtype(torch.bfloat16, "cpu") == torch.float32
-    assert llama_module.compute_dtype(torch.float16, "cpu") == torch.float16
-    model = load_llama(tmp_path, "bfloat16", "cpu", max_positions=256)
-    assert model.dtype == torch.float32 and model._linear is llama_module._packed_linear
+    model = load_llama(tmp_path, plan_module.candidates("target", "bfloat16", "cpu")[0], "cpu", max_positions=256)
+    reference = load_llama(tmp_path, F32, "cpu", max_positions=256)
     torch.manual_seed(1)
     ids = torch.randint(0, reference.shape.vocab_size, (2, 40))
     logits = []
     for m in (reference, model):
-        cfg = EngineConfig(model=str(tmp_path), dtype="bfloat16", max_batch_size=2, max_seq_len=128)
-        pool = build_pool(cfg, m)
+        pool = pool_for(m, max_slots=2, max_seq_len=128)
         assert pool.storage.dtype == torch.float32
         slots = [pool.allocate_slot([])[0] for _ in range(2)]
         logits.append(forward_chunks(m, pool, slots, ids.tolist(), [0, 0], all_logits=True))
@@ -144,29 +141,11 @@ def _prefill_then_steps(model_dir, m) -> tuple[torch.Tensor, torch.Tensor]:
     [1, 30, vocab]) and then ten one-row decode steps ([10, vocab])."""
     torch.manual_seed(2)
     ids = torch.randint(0, m.shape.vocab_size, (40,)).tolist()
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=1, max_seq_len=128)
-    pool = build_pool(cfg, m)
+    pool = pool_for(m, max_slots=1, max_seq_len=128)
     slot = pool.allocate_slot([])[0]
     prefill = forward_chunks(m, pool, [slot], [ids[:30]], [0], all_logits=True)  # [1, 30, vocab]
     steps = [forward_chunks(m, pool, [slot], [[t]], [30 + i]) for i, t in enumerate(ids[30:])]
     return prefill, torch.cat(steps)  # [10, vocab]
-
-
-def test_a_draft_one_row_step_takes_the_plain_kernels_and_matches_the_target_kernels(tmp_path, tok_dir):
-    """A model loaded with row_invariant=False (a draft) runs one-row passes through plain
-    matmuls over transposed copies of its small matrices; its logits agree with the row-invariant
-    load to float32 rounding, and passes of several rows are bit-identical to it."""
-    from engine.model import llama as llama_module
-
-    if not llama_module.cpu_packs(torch.float32):
-        pytest.skip("oneDNN weight packing is not available in this torch build")
-    make_model(tmp_path, tok_dir, seed=4)
-    invariant = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
-    draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False)
-    assert invariant._few_rows is None and draft._few_rows is not None and draft._few_rows.max_rows == 1
-    out = {name: _prefill_then_steps(tmp_path, m) for name, m in (("invariant", invariant), ("draft", draft))}
-    assert torch.equal(out["draft"][0], out["invariant"][0])
-    torch.testing.assert_close(out["draft"][1], out["invariant"][1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("hidden", [256, 512])
@@ -176,7 +155,7 @@ def test_float32_rms_norm_matches_torch_and_rows_do_not_depend_on_the_batch(tmp_
     import torch.nn.functional as F
 
     make_model(tmp_path, tok_dir, seed=4)
-    model = load_llama(tmp_path, "float32", "cpu", max_positions=64)
+    model = load_llama(tmp_path, F32, "cpu", max_positions=64)
     torch.manual_seed(0)
     x = torch.randn(64, 7, hidden) * 3  # [B, T, hidden]
     w = torch.randn(hidden)
@@ -207,19 +186,19 @@ def test_int8_weights_round_trip_and_multiply_like_the_float_weights():
 
 
 def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path, tok_dir):
-    """A draft loaded with int8_few_rows: passes of at most INT8_MAX_ROWS rows take the int8
-    weights (logits near the float ones, same greedy token); wider passes keep the float
-    weights, bit-identical to the row-invariant load. A target cannot ask for int8."""
+    """A draft planned with int8: passes of at most INT8_MAX_ROWS rows take the int8 weights
+    (logits near the float ones, same greedy token); wider passes keep the float weights,
+    bit-identical to a plain load. A target's plan cannot ask for int8."""
     from engine.model import llama as llama_module
     from engine.model.int8 import Int8Weight, int8_matmul_available
 
     if not int8_matmul_available("cpu"):
         pytest.skip("this torch has no int8 weight-only matmul on CPU")
     make_model(tmp_path, tok_dir, seed=4)
-    with pytest.raises(ValueError, match="int8_few_rows needs row_invariant=False"):
-        load_llama(tmp_path, "float32", "cpu", max_positions=256, int8_few_rows=True)
-    exact = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
-    draft = load_llama(tmp_path, "float32", "cpu", max_positions=256, row_invariant=False, int8_few_rows=True)
+    with pytest.raises(ValueError, match="forward_plan.target: token_step and int8 are draft-only"):
+        ModelPlan.from_dict("target", {"int8": True}, "float32")
+    exact = load_llama(tmp_path, F32, "cpu", max_positions=256)
+    draft = load_llama(tmp_path, ModelPlan("float32", int8=True), "cpu", max_positions=256)
     few = draft._few_rows
     assert few is not None and few.max_rows == llama_module.INT8_MAX_ROWS
     assert isinstance(few.lm_head, Int8Weight) and all(isinstance(lw.qkv, Int8Weight) for lw in few.layers)
@@ -246,8 +225,8 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     if one_sequence.load() is None:
         pytest.skip("the one-sequence CPU kernel does not build on this machine")
     make_model(tmp_path, tok_dir, seed=5, dtype=checkpoint_dtype)
-    target = load_llama(tmp_path, "float32", "cpu", max_positions=256)
-    onednn = load_llama(tmp_path, "float32", "cpu", max_positions=256, one_sequence_kernels=False)
+    target = load_llama(tmp_path, ModelPlan("float32", one_sequence_kernel=True), "cpu", max_positions=256)
+    onednn = load_llama(tmp_path, F32, "cpu", max_positions=256)
     few = target._few_rows
     assert few is not None and few.one_sequence and onednn._few_rows is None
     assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype
@@ -255,9 +234,9 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
 
     def counted(x, w):
         calls.append(x.shape[:-1])
-        return few.lm_head_kernel(x, w)
+        return few.kernel(x, w)
 
-    target._few_rows = few._replace(kernels=type(few.kernels)(*[counted] * len(few.kernels)), lm_head_kernel=counted)
+    target._few_rows = few._replace(kernel=counted)
     prefill, steps = _prefill_then_steps(tmp_path, target)  # [1, 30, vocab], [10, vocab]
     _, reference_steps = _prefill_then_steps(tmp_path, onednn)
     # the 30-token prefill and the ten steps each ran every layer's four matmuls and the output layer
@@ -266,7 +245,7 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     # the same ten tokens again, as one pass (a verify pass of K = 9)
     torch.manual_seed(2)
     ids = torch.randint(0, target.shape.vocab_size, (40,)).tolist()
-    pool = build_pool(EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=2, max_seq_len=128), target)
+    pool = pool_for(target, max_slots=2, max_seq_len=128)
     slot = pool.allocate_slot([])[0]
     forward_chunks(target, pool, [slot], [ids[:30]], [0])
     verify = forward_chunks(target, pool, [slot], [ids[30:]], [30], all_logits=True)[0]  # [10, vocab]
@@ -276,7 +255,7 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     calls.clear()
     two = {}
     for name, m in (("target", target), ("onednn", onednn)):
-        pool = build_pool(EngineConfig(model=str(tmp_path), dtype="float32", max_batch_size=2, max_seq_len=128), m)
+        pool = pool_for(m, max_slots=2, max_seq_len=128)
         slots = [pool.allocate_slot([])[0] for _ in range(2)]
         two[name] = forward_chunks(m, pool, slots, [ids[:12], ids[12:24]], [0, 0])  # [2, vocab]
     assert torch.equal(two["target"], two["onednn"]) and not calls

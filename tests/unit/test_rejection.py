@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.spec.rejection import verify, verify_greedy
+from engine.speculative.rejection import verify, verify_greedy
 
 
 def test_acceptance_probability_is_min_one_p_over_q():

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.cli import build_parser
+from engine.config import SpecConfig
+from serve_app.cli import build_parser
 from tests.helpers import make_model, make_tokenizer
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "import os\nimport sys\n", "for i in range(10):\n"]
@@ -22,7 +23,7 @@ def spec_llm(target, draft, **kw):
 
 def test_one_step_emits_several_outputs_per_request_in_order(tiny_model):
     path = str(tiny_model[0])
-    llm = spec_llm(path, path, draft_quantization="none")  # draft == target: everything accepted
+    llm = spec_llm(path, path, forward_plan="torch")  # draft == target, same kernels: everything accepted
     eng = llm.engine
     rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     first = eng.step()  # prefill -> first token
@@ -34,7 +35,7 @@ def test_one_step_emits_several_outputs_per_request_in_order(tiny_model):
     final = eng.get_output(rid)
     assert [o.token_id for o in first + outs] == final.token_ids
     assert final.acceptance_rate == 1.0 and final.num_spec_rounds > 0
-    stats = eng.runner.last_decode
+    stats = eng.last_step.decode
     assert stats is None or stats.accepted_by_position == [1] * stats.k
 
 
@@ -74,9 +75,8 @@ def test_no_blocks_or_slots_leak_over_200_mixed_requests_with_aborts(tiny_model,
             eng.abort(victim)
             live.remove(victim)
             eng.release(victim)
-    runner = eng.runner
-    assert runner.pool.num_used_blocks() == 0 and runner.pool.num_used_slots() == 0
-    assert runner.draft.pool.num_used_blocks() == 0 and runner.draft.num_used_slots() == 0
+    for pool in (eng.kv.target, eng.kv.draft):
+        assert pool.num_used_blocks() == 0 and pool.num_used_slots() == 0
 
 
 def test_tokenizer_mismatch_is_a_clear_error(tmp_path, tiny_model):
@@ -88,30 +88,42 @@ def test_tokenizer_mismatch_is_a_clear_error(tmp_path, tiny_model):
 
 
 def test_spec_config_validation():
-    with pytest.raises(ValueError, match="draft_model is required"):
-        EngineConfig(use_speculative_decoding=True, speculative_method="hybrid")
-    EngineConfig(use_speculative_decoding=True, speculative_method="ngram")  # needs no draft
-    with pytest.raises(ValueError, match="use_cuda_graphs"):
-        EngineConfig(use_speculative_decoding=True, draft_model="d", use_cuda_graphs=True, device="cuda")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpecConfig(use_speculative_decoding=True, speculative_method="hybrid")
+    SpecConfig(use_speculative_decoding=True, speculative_method="ngram")  # needs no draft
     with pytest.raises(ValueError, match="speculative_method"):
-        EngineConfig(speculative_method="medusa")
+        SpecConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="spec_policy"):
-        EngineConfig(spec_policy="sometimes")
+        SpecConfig(spec_policy="sometimes")
     with pytest.raises(ValueError, match="ngram_one_token_match_max"):
-        EngineConfig(ngram_one_token_match_max=0)
+        SpecConfig(ngram_one_token_match_max=0)
+    with pytest.raises(ValueError, match=r"unknown speculative field\(s\): \['spec_lenght'\]"):
+        EngineConfig(speculative={"spec_lenght": 3})
+    # flat keywords and the nested form are one configuration
+    flat = EngineConfig.from_kwargs(draft_model="d", use_speculative_decoding=True, spec_length=3)
+    nested = EngineConfig(speculative={"draft_model": "d", "use_speculative_decoding": True, "spec_length": 3})
+    assert flat == nested and flat.speculative == SpecConfig(True, "d", spec_length=3)
+    assert (flat.draft_model, flat.use_speculative_decoding) == ("d", True)
 
 
 def test_reconfigure_changes_method_and_validates(tiny_model, tiny_draft):
     llm = spec_llm(tiny_model[0], tiny_draft[0])
-    runner = llm.engine.runner
-    runner.reconfigure(method="ngram", spec_length=2, policy="adaptive")
-    assert (runner.method, runner.policy.spec_length, runner.policy.mode) == ("ngram", 2, "adaptive")
+    eng = llm.engine
+    settings = eng.reconfigure_speculation(speculative_method="ngram", spec_length=2, spec_policy="adaptive")
+    assert (settings.speculative_method, settings.spec_length, settings.spec_policy) == ("ngram", 2, "adaptive")
+    assert eng.stats()["speculation"]["speculative_method"] == "ngram" and eng.speculation.proposer.name == "ngram"
     with pytest.raises(ValueError, match="spec_length"):
-        runner.reconfigure(spec_length=0)
+        eng.reconfigure_speculation(spec_length=0)
+    with pytest.raises(ValueError, match=r"unknown speculation field\(s\): \['draft_model'\]"):
+        eng.reconfigure_speculation(draft_model="other")
+    assert eng.config.speculative.spec_length == 2  # a refused change changes nothing
     ngram_only = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
                      dtype="float32", max_seq_len=160)
     with pytest.raises(ValueError, match="needs a draft model"):
-        ngram_only.engine.runner.reconfigure(method="draft")
+        ngram_only.engine.reconfigure_speculation(speculative_method="draft")
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160)
+    with pytest.raises(ValueError, match="not configured for this engine"):
+        plain.engine.reconfigure_speculation(use_speculative_decoding=True)
 
 
 def test_cli_flags_map_to_config():
@@ -130,7 +142,8 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
     """Every step's wall time lands in exactly one phase; drafting shows up only when speculating."""
     import time
 
-    from engine.metrics import InMemoryRecorder, StepMetrics
+    from engine.metrics import StepMetrics
+    from tests.helpers import InMemoryRecorder
 
     llm = spec_llm(tiny_model[0], tiny_draft[0], use_speculative_decoding=speculative)
     eng = llm.engine
@@ -143,7 +156,7 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
         t0 = time.perf_counter()
         outs = eng.step()
         outer += time.perf_counter() - t0
-        step = dict(eng.last_step_phases.items())
+        step = dict(eng.last_step.phases.items())
         assert all(v >= 0 for v in step.values())
         metrics.on_step(eng, outs)
     totals = _phase_totals(rec)
@@ -153,7 +166,8 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
 
 
 def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
-    from engine.metrics import METRIC_BY_NAME, InMemoryRecorder, StepMetrics
+    from engine.metrics import METRIC_BY_NAME, StepMetrics
+    from tests.helpers import InMemoryRecorder
 
     llm = spec_llm(tiny_model[0], tiny_draft[0])
     eng = llm.engine
@@ -178,51 +192,76 @@ def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
 
 def test_free_kv_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
     llm = spec_llm(tiny_model[0], tiny_draft[0], num_kv_blocks=50)
-    runner = llm.engine.runner
-    assert runner.free_kv_tokens() == 50 * 4
+    kv = llm.engine.kv
+    assert kv.free_tokens() == 50 * 4
     req_id = llm.engine.add_request("def add(a, b):" * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     llm.engine.step()  # prefill: target blocks only (the draft catches up lazily)
-    target_free = runner.pool.free_token_capacity()
-    assert runner.free_kv_tokens() == min(target_free, runner.draft.pool.free_token_capacity()) == target_free
+    target_free = kv.target.free_token_capacity()
+    assert kv.free_tokens() == min(target_free, kv.draft.free_token_capacity()) == target_free < 50 * 4
     llm.engine.abort(req_id)
-    assert runner.free_kv_tokens() == 50 * 4
+    assert kv.free_tokens() == 50 * 4
 
 
 def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_model, tiny_draft):
     """A probe (one speculative step after a run of plain ones) drafts for the single request
     the draft lags least behind, so it never costs a draft catch-up over the whole batch."""
-    from engine.spec.policy import Choice
+    from engine.speculative.policy import Choice
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
     llm = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive")
-    runner = llm.engine.runner
-    runner.policy.choose = lambda alphas, caps, draft_rows=None, catch_up_tokens=0: Choice(2, "probe", {})
     eng = llm.engine
+    eng.speculation.policy.choose = lambda alphas, caps, draft_rows=None, catch_up_tokens=0: Choice(2, "probe", {})
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     speculating_rows = []
     while eng.has_unfinished_requests():
         eng.step()
-        stats = runner.last_decode
+        stats = eng.last_step.decode
         if stats is not None and stats.k > 0:
             speculating_rows.append(stats.batch_size - stats.rows_without_proposal)
     assert speculating_rows and set(speculating_rows) == {1}
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 
+class RecordingObserver:
+    """A CostObserver that keeps every observation."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def observe_target(self, batch, tokens, seconds):
+        self.seen.append(("target", batch, tokens))
+
+    def observe_draft_first(self, batch, seconds):
+        self.seen.append(("first", batch))
+
+    def observe_draft_step(self, batch, seconds):
+        self.seen.append(("step", batch))
+
+    def observe_catch_up(self, tokens, seconds):
+        self.seen.append(("catch_up", tokens))
+
+
 def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
-    """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: propose
-    says how long the long catch-up took, and a steady round has none."""
+    """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: the draft
+    reports the long catch-up apart, and a steady round has none, only a first pass and steps."""
+    from engine.speculative.draft import DraftModelProposer
+
     llm = spec_llm(tiny_model[0], tiny_draft[0])
-    eng, draft = llm.engine, llm.engine.runner.draft
+    eng = llm.engine
+    observer = RecordingObserver()
+    draft = DraftModelProposer(eng.draft_model, eng.kv, observer)
     eng.add_request(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     eng.step()  # target prefill + first token; the draft has seen nothing yet
     req = next(iter(eng.scheduler.running))
-    first = draft.propose([req], [2], want_probs=False)
-    assert len(first.tokens[0]) == 2 and first.q is None and first.catch_up_seconds > 0
-    draft.rollback(req, req.num_tokens)  # as after a round: the draft has seen every token
-    req.output_token_ids.append(first.tokens[0][0])  # one new token to catch up on
-    steady = draft.propose([req], [2], want_probs=False)
-    assert steady.catch_up_seconds == 0.0
-    # a steady round: one short first pass (giving the first token), then one single-token step
-    assert first.first_pass_seconds == 0.0 and steady.first_pass_seconds > 0 and steady.steps == 1
+    first = draft.propose([req], [2], with_q=False)
+    assert len(first.tokens[0]) == 2 and first.q is None and first.sources == ["draft"]
+    assert observer.seen == [("catch_up", req.num_tokens), ("step", 1)]
+    eng.kv.rollback(req, eng.kv.computed(req))  # as after a round: both pools hold the accepted tokens
+    req.output_token_ids.append(first.tokens[0][0])  # the round's final token: two to catch up on
+    assert draft.lag([req]) == [2]
+    observer.seen.clear()
+    steady = draft.propose([req], [2], with_q=True)
+    assert observer.seen == [("first", 1), ("step", 1)]
+    assert steady.q.shape == (1, 2, eng.model.shape.vocab_size)
+    assert draft.lag([req]) == [-1]  # the first proposal's K/V is written (the last one's never is)

@@ -22,21 +22,37 @@ def greedy(n=24):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def reference_plan(tiny_model) -> dict:
+    """The target's plan as the reference engine measured it (what `forward_plan: auto` chose)."""
+    plan = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).engine.forward_plan["target"]
+    return {k: plan[k] for k in ("dtype", "one_sequence_kernel")}
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=8)
     return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
+# draft plans: its torch forward, int8 narrow passes, token steps with int8 (the target's is measured)
+DRAFT_PLANS = {"torch": {"dtype": "float32"}, "int8": {"dtype": "float32", "int8": True},
+               "token_step": {"dtype": "float32", "token_step": True, "int8": True}}
+
+
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("method,quantization", [("draft", "int8"), ("draft", "none"), ("ngram", "int8"),
-                                                 ("hybrid", "int8")])
+@pytest.mark.parametrize("method,draft_plan", [("draft", "int8"), ("draft", "torch"), ("draft", "token_step"),
+                                               ("ngram", "torch"), ("hybrid", "int8")])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, quantization, policy):
+def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, draft_plan, policy):
+    from engine.model.kernels import one_sequence
+
+    if draft_plan == "token_step" and one_sequence.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    target = reference_plan(tiny_model)
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
               speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
-              draft_quantization=quantization)
+              forward_plan={"target": target, "draft": DRAFT_PLANS[draft_plan]})
     alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
     batched = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in alone] == reference
@@ -47,16 +63,13 @@ def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, back
         assert drafted > 0
         if method == "draft":  # a different random model: acceptance clearly below 1
             assert 0 < accepted < drafted
-    if backend == "paged":
-        assert llm.engine.runner.pool.num_used_blocks() == 0
-    if llm.engine.runner.draft is not None:
-        assert llm.engine.runner.draft.num_used_slots() == 0
+    assert all(pool.num_used_slots() == 0 for pool in llm.engine.kv.pools().values())
 
 
 def test_draft_identical_to_target_accepts_everything(tiny_model):
     path = str(tiny_model[0])
     llm = LLM(model=path, draft_model=path, use_speculative_decoding=True, spec_policy="fixed",
-              spec_length=4, dtype="float32", max_seq_len=160, draft_quantization="none")
+              spec_length=4, dtype="float32", max_seq_len=160, forward_plan="torch")
     out = llm.generate(PROMPTS[0], greedy(21))[0]
     assert out.acceptance_rate == 1.0
     assert out.accepted_per_round == [4, 4, 4, 4]  # 4 rounds x 5 tokens, then 1 left: plain

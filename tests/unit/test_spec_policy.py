@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.spec.costs import TimingTable, batch_bucket
-from engine.spec.ngram import ngram_propose
-from engine.spec.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
+from engine.speculative.costs import TimingTable, batch_bucket
+from engine.speculative.ngram import ngram_propose
+from engine.speculative.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
 
 
 class MemoryBoundCosts:
@@ -279,7 +279,7 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
 
 
 def test_non_decreasing_fit_pools_falling_runs_by_weight():
-    from engine.spec.policy import non_decreasing_fit
+    from engine.speculative.policy import non_decreasing_fit
 
     assert non_decreasing_fit([1, 3, 2, 4], [1, 1, 1, 1]) == [1, 2.5, 2.5, 4]
     assert non_decreasing_fit([1, 3, 2, 4], [1, 3, 1, 1]) == [1, 2.75, 2.75, 4]

@@ -14,18 +14,17 @@ Significance: each chi-square test rejects at p < 1e-3 (8 tests -> family-wise f
 from __future__ import annotations
 
 import itertools
-import json
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine.spec.runner as spec_runner
+import engine.speculative.accept as accept_module
 from engine import LLM, SamplingParams
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
-from engine.spec.draft_vocab import RANKING_FILE
-from engine.spec.rejection import Acceptance, verify
+from engine.speculative.proposer import Proposal
+from engine.speculative.rejection import Acceptance, verify
 from tests.helpers import make_model
 
 VOCAB = 16
@@ -76,10 +75,11 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     return m2.numpy(), m3.numpy()
 
 
-def sample_speculative(tpath, dpath, params: SamplingParams, **engine_kw) -> tuple[np.ndarray, float]:
+def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None) -> tuple[np.ndarray, float]:
     llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True,
-              spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64,
-              seed=1, **engine_kw)
+              spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64, seed=1)
+    if proposer is not None:
+        llm.engine.speculation.proposer = proposer(llm.engine)
     kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}
     outs = llm.generate([PROMPT] * N, [SamplingParams(**{**kw, "seed": i}) for i in range(N)])
     tokens = np.array([o.token_ids for o in outs])  # [N, 4]
@@ -115,7 +115,7 @@ def test_teeth_correction_replaced_by_p_is_detected(pair, monkeypatch):
         rows = torch.arange(p.shape[0])
         return good._replace(final_probs=p[rows, good.num_accepted])  # resample from p on rejection
 
-    monkeypatch.setattr(spec_runner, "verify", broken)
+    monkeypatch.setattr(accept_module, "verify", broken)
     tpath, dpath, hf = pair
     params = SamplingParams(**CONFIGS["t1"])
     m2, m3 = exact_marginals(hf, params)
@@ -124,15 +124,37 @@ def test_teeth_correction_replaced_by_p_is_detected(pair, monkeypatch):
     assert min(p2, p3) < 1e-3
 
 
-def test_draft_restricted_to_half_the_vocabulary_keeps_sampling_exact(pair):
-    """The draft scores only the 8 even token ids (q = 0 on the odd ones), so every odd token
-    the target emits must come from the correction distribution norm(max(0, p - q))."""
+class EvenTokensDraft:
+    """A proposer behind the Proposer seam whose q is zero on every odd token: the draft model's
+    distribution restricted to the even ids and renormalised (what a reduced draft vocabulary,
+    EAGLE-3's, gives), so every odd token the target emits must come from norm(max(0, p - q))."""
+
+    name = "even"
+    runs_model = True
+
+    def __init__(self, engine):
+        self.inner = engine.speculation.draft
+        self.generator = torch.Generator().manual_seed(0)
+
+    def propose(self, requests, ks, with_q) -> Proposal:
+        drafted = self.inner.propose(requests, ks, with_q=True)  # runs the draft, keeps its KV in step
+        q = drafted.q.clone()  # [N, K, V]
+        q[..., 1::2] = 0.0
+        q /= q.sum(-1, keepdim=True)
+        tokens = [[int(torch.multinomial(q[i, j], 1, generator=self.generator)) for j in range(len(t))]
+                  for i, t in enumerate(drafted.tokens)]
+        return Proposal(tokens, q, [self.name] * len(tokens))
+
+    def lag(self, requests):
+        return self.inner.lag(requests)
+
+
+def test_a_proposer_with_zero_q_on_half_the_vocabulary_keeps_sampling_exact(pair):
     tpath, dpath, hf = pair
-    (dpath / RANKING_FILE).write_text(json.dumps({"token_ids": list(range(0, VOCAB, 2)) + list(range(1, VOCAB, 2))}))
     params = SamplingParams(**CONFIGS["t1"])
     m2, m3 = exact_marginals(hf, params)
-    tokens, acceptance = sample_speculative(tpath, dpath, params, draft_vocab_size=VOCAB // 2)
+    tokens, acceptance = sample_speculative(tpath, dpath, params, proposer=EvenTokensDraft)
     assert 0.1 < acceptance < 0.9
-    assert (tokens[:, 1:3] % 2 == 1).mean() > 0.1  # tokens the draft could never propose do occur
+    assert (tokens[:, 1:3] % 2 == 1).mean() > 0.1  # tokens the proposer could never propose do occur
     assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
     assert chi2_pvalue(tokens[:, 2], m3) > 1e-3

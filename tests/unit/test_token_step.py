@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import build_pool
+from engine.config import EngineConfig, ModelPlan
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_llama
+from engine.model.passes import forward_chunks
 from engine.model.token_step import WeightKind
-from engine.runner import forward_chunks
-from tests.helpers import make_model
+from tests.helpers import make_model, pool_for
 
 needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
 
@@ -21,9 +20,7 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
     16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
     sequences stepping together, and a 4-token chunk (too wide for token steps). Returns each
     pass's logits, the KV storage before the 4-token chunk and after it."""
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
-                       kv_cache_backend=backend, enable_prefix_caching=False)
-    pool = build_pool(cfg, model)
+    pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
     torch.manual_seed(1)
     ids = torch.randint(0, model.shape.vocab_size, (3, 80)).tolist()
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
@@ -41,19 +38,14 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
 @needs_kernels
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8 draft"])
-@pytest.mark.parametrize("restricted", [False, True])
-def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights, restricted):
-    """Logits and the K/V left in the pool agree with the torch forward to float32 rounding, with
-    the same -inf outside a restricted vocabulary; passes of at most three tokens run as token
-    steps (bfloat16 weights when the checkpoint's values are bf16 values; full-precision weights
-    in an int8 draft too), wider ones do not (an int8 draft's take torch's int8 kernel: not
-    compared)."""
+def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights):
+    """Logits and the K/V left in the pool agree with the torch forward to float32 rounding;
+    passes of at most three tokens run as token steps (bfloat16 weights when the checkpoint's
+    values are bf16 values; full-precision weights in an int8 draft too), wider ones do not (an
+    int8 draft's take torch's int8 kernel: not compared)."""
     make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
-    vocab = load_llama(tmp_path, "float32", "cpu", max_positions=256).shape.vocab_size
-    output_ids = torch.arange(0, vocab, 3) if restricted else None
-    reference = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False)
-    stepped = load_llama(tmp_path, "float32", "cpu", 256, output_ids, row_invariant=False, token_step=True,
-                         int8_few_rows=weights == "int8 draft")
+    reference = load_llama(tmp_path, ModelPlan("float32"), "cpu", 256)
+    stepped = load_llama(tmp_path, ModelPlan("float32", token_step=True, int8=weights == "int8 draft"), "cpu", 256)
     step = stepped._token_step
     assert reference._token_step is None and step is not None
     assert step._model.kind == (WeightKind.BF16 if weights == "bfloat16" else WeightKind.F32)
@@ -74,9 +66,7 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
     else:
         want, got = want[:-1], got[:-1]
     for w, g in zip(want, got):
-        assert torch.equal(torch.isinf(w), torch.isinf(g))
-        finite = torch.isfinite(w)
-        torch.testing.assert_close(g[finite], w[finite], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)
 
@@ -84,7 +74,7 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
 @needs_kernels
 def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_output_exact(tmp_path, tok_dir):
     """Speculative greedy output with the draft on token steps equals plain greedy output, and
-    the draft's steps did run as token steps (cpu_draft_token_step=False: they do not)."""
+    the draft's steps did run as token steps (a plan without token_step: they do not)."""
     from engine import LLM, SamplingParams
 
     make_model(tmp_path / "target", tok_dir, seed=1, layers=3)
@@ -92,11 +82,11 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
     prompts = ["def add(a, b):", "for i in range(3):"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     common = dict(model=str(tmp_path / "target"), dtype="float32", max_batch_size=4, max_seq_len=128)
-    plain = [o.token_ids for o in LLM(**common).generate(prompts, params)]
+    plain = [o.token_ids for o in LLM(**common, forward_plan="torch").generate(prompts, params)]
     for on in (True, False):
         llm = LLM(**common, use_speculative_decoding=True, draft_model=str(tmp_path / "draft"),
-                  spec_length=4, spec_policy="fixed", cpu_draft_token_step=on)
-        draft = llm.engine.runner.draft.model
+                  spec_length=4, spec_policy="fixed", forward_plan={"draft": {"dtype": "float32", "token_step": on}})
+        draft = llm.engine.draft_model
         assert (draft._token_step is not None) == on
         calls = []
         if on:
@@ -111,7 +101,11 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
 
 def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
     make_model(tmp_path, tok_dir, seed=4)
-    with pytest.raises(ValueError, match="token_step needs row_invariant=False"):
-        load_llama(tmp_path, "float32", "cpu", 256, row_invariant=True, token_step=True)
-    with pytest.raises(ValueError, match="cpu_draft_token_step must be a bool"):
-        EngineConfig(model=str(tmp_path), cpu_draft_token_step="yes")
+    with pytest.raises(ValueError, match="forward_plan.target: token_step and int8 are draft-only"):
+        EngineConfig(model=str(tmp_path), forward_plan={"target": {"dtype": "float32", "token_step": True}})
+    with pytest.raises(ValueError, match="token_step needs dtype 'float32'"):
+        EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "bfloat16", "token_step": True}})
+    with pytest.raises(ValueError, match="forward_plan token_step must be a bool"):
+        EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "float32", "token_step": "yes"}})
+    with pytest.raises(ValueError, match=r"unknown forward_plan.draft field\(s\): \['steps'\]"):
+        EngineConfig(model=str(tmp_path), forward_plan={"draft": {"steps": True}})

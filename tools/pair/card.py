@@ -10,7 +10,6 @@ from pathlib import Path
 
 log = logging.getLogger("recipe.card")
 
-RESTRICTED_VOCAB = 2048  # the card also measures the draft scoring only its 2,048 most frequent tokens
 TIMING_REPEATS = 15  # c is a ratio of two timings on a shared, noisy host: more runs, steadier median
 
 
@@ -75,7 +74,7 @@ def _decode_seconds_per_token(model, tokens: int = 128) -> float:
     """One sequence decoded token by token through our forward and KV pool (growing context,
     no engine bookkeeping): seconds per token."""
     from engine.kv import make_pool
-    from engine.runner import forward_chunks
+    from engine.model.passes import forward_chunks
 
     s = model.shape
     pool = make_pool("paged", num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
@@ -89,48 +88,42 @@ def _decode_seconds_per_token(model, tokens: int = 128) -> float:
     return (time.perf_counter() - t0) / tokens
 
 
-def measure(models: Path, prompts: list[str], vocab_sizes: dict[str, int | None], threads: int = 2) -> dict:
-    """Acceptance (greedy, K = 5, 96 new tokens) and cost coefficient c with our engine, for the
-    draft scoring the whole vocabulary (size None) or only its N most frequent tokens.
+def measure(models: Path, prompts: list[str], threads: int = 2) -> dict:
+    """Acceptance (greedy, K = 5, 96 new tokens) and cost coefficient c with our engine.
 
-    c = draft forward time per token / target forward time per token, batch 1, bf16, each model
-    decoding 128 tokens through our forward and KV pool; target and every draft variant are timed
-    interleaved in one loop (medians of TIMING_REPEATS), so they share whatever the machine is doing."""
+    c = draft forward time per token / target forward time per token, batch 1, each model on
+    the engine's forward plan for this host, decoding 128 tokens through our forward and KV pool;
+    the two are timed interleaved in one loop (medians of TIMING_REPEATS)."""
+    import platform
+
     import torch
 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    target, draft = str(models / "target"), str(models / "draft")
-    greedy = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    figures, timed = {}, {}
-    for name, size in vocab_sizes.items():
-        spec = LLM(model=target, draft_model=draft, use_speculative_decoding=True, speculative_method="draft",
-                   spec_policy="fixed", spec_length=5, max_seq_len=512, draft_vocab_size=size)
-        outs = spec.generate(prompts, greedy)
-        drafted = sum(o.num_draft_tokens for o in outs)
-        accepted = sum(o.num_accepted_tokens for o in outs)
-        rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
-        figures[name] = {"draft_vocab_size": size, "alpha_greedy_k5": accepted / drafted,
-                         "alpha_per_token": accepted / (accepted + rejections), "drafted": drafted,
-                         "accepted": accepted, "prompts": len(prompts), "threads": threads, "torch": torch.__version__,
-                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "compute_dtype": str(spec.engine.model.dtype).removeprefix("torch.")}
-        timed.setdefault("target", spec.engine.model)
-        timed[name] = spec.engine.runner.draft.model
+    spec = LLM(model=str(models / "target"), draft_model=str(models / "draft"), use_speculative_decoding=True,
+               speculative_method="draft", spec_policy="fixed", spec_length=5, max_seq_len=512)
+    outs = spec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
+    timed = {"target": spec.engine.model, "draft": spec.engine.draft_model}
     times: dict[str, list[float]] = {name: [] for name in timed}
     for model in timed.values():
         _decode_seconds_per_token(model, 16)  # warm-up
-    for _ in range(TIMING_REPEATS):  # interleaved: target, draft variants, target, ...
+    for _ in range(TIMING_REPEATS):  # interleaved: target, draft, target, ...
         for name, model in timed.items():
             times[name].append(_decode_seconds_per_token(model))
-    t_target = statistics.median(times["target"])
-    for name, f in figures.items():
-        t_draft = statistics.median(times[name])
-        ratios = [d / t for d, t in zip(times[name], times["target"])]  # one per interleaved run
-        f.update(target_ms_per_token=t_target * 1e3, draft_ms_per_token=t_draft * 1e3, c=t_draft / t_target,
-                 c_min=min(ratios), c_max=max(ratios))
-    return figures
+    ratios = [d / t for d, t in zip(times["draft"], times["target"])]  # one per interleaved run
+    plan = {role: {k: v for k, v in p.items() if k != "ms"} for role, p in spec.engine.forward_plan.items()}
+    return {"alpha_greedy_k5": accepted / drafted, "alpha_per_token": accepted / (accepted + rejections),
+            "drafted": drafted, "accepted": accepted, "prompts": len(prompts), "threads": threads,
+            "torch": torch.__version__, "cpu": platform.processor() or torch.backends.cpu.get_cpu_capability(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "forward_plan": plan,
+            "target_ms_per_token": statistics.median(times["target"]) * 1e3,
+            "draft_ms_per_token": statistics.median(times["draft"]) * 1e3,
+            "c": statistics.median(times["draft"]) / statistics.median(times["target"]),
+            "c_min": min(ratios), "c_max": max(ratios)}
 
 
 def greedy_samples(models: Path, prompts: list[str], n: int = 3) -> list[tuple[str, str]]:
@@ -141,74 +134,45 @@ def greedy_samples(models: Path, prompts: list[str], n: int = 3) -> list[tuple[s
     return [(p, o.text) for p, o in zip(prompts, outs)]
 
 
-def measure_both(models: Path, prompts: list[str]) -> dict:
-    """The figures for the whole-vocabulary draft and for the engine's default restricted draft;
-    written to models/measurements.json."""
-    figures = measure(models, prompts, {"full_vocabulary": None, "restricted": RESTRICTED_VOCAB})
+def measure_and_save(models: Path, prompts: list[str]) -> dict:
+    """The figures, also written to models/measurements.json."""
+    figures = measure(models, prompts)
     (models / "measurements.json").write_text(json.dumps(figures, indent=2))
     return figures
 
 
 def _theory(f: dict, k: int = 5) -> float:
     """Expected speedup (Leviathan et al., Thm 3.8) from a figure's per-token alpha and c."""
-    from engine.spec.policy import expected_tokens
+    from engine.speculative.policy import expected_tokens
 
     return expected_tokens(f["alpha_per_token"], k) / (k * f["c"] + 1)
 
 
-def figures_section(figures: dict) -> list[str]:
+def figures_section(f: dict) -> list[str]:
     """The model card's '## Speculation figures' section (ends with a blank line)."""
-    host = figures["full_vocabulary"]
-    lines = [f"## Speculation figures (our engine, this machine: 2 cores, {host.get('cpu_capability', '?')}, "
-             f"the bf16 pair computing in {host.get('compute_dtype', 'bfloat16')})", "",
-             f"K = 5, greedy, 96 new tokens, {figures['full_vocabulary']['prompts']} validation prompts (first lines "
-             "of a function or class). α is the per-token acceptance rate (accepted ÷ (accepted + rejections), "
-             "the paper's α); accepted ÷ proposed counts every proposed token, including those after a "
-             "rejection. c = draft forward time per token ÷ target forward time per token, batch 1, each "
-             f"decoding 128 tokens through our forward and KV pool (medians of {TIMING_REPEATS} interleaved runs).", "",
-             "| draft output layer | α (per token) | accepted ÷ proposed | draft ms/token | target ms/token | c | c, range over runs |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for f in figures.values():
-        head = (f"{f['draft_vocab_size']:,} most frequent tokens" if f["draft_vocab_size"]
-                else "whole vocabulary (8,192; the default)")
-        lines.append(f"| {head} | {f['alpha_per_token']:.3f} | {f['alpha_greedy_k5']:.3f} "
-                     f"({f['accepted']} of {f['drafted']}) | {f['draft_ms_per_token']:.3f} | "
-                     f"{f['target_ms_per_token']:.3f} | {f['c']:.3f} | {f.get('c_min', f['c']):.3f} to {f.get('c_max', f['c']):.3f} |")
-    best, restricted = figures["full_vocabulary"], figures["restricted"]
-    lines += ["", "The restricted draft (`draft_vocab_size`) scores only the tokens ranked highest in "
-              "`draft/token_ranking.json` (frequencies on the training split; `engine/spec/draft_vocab.py`): "
-              "outputs stay exact and its output layer shrinks by three quarters, but on this small draft a "
-              "forward pass is mostly per-operation costs, so what c gains α gives back (paper Thm 3.8 at "
-              f"K = 5: {_theory(best):.2f}x whole vocabulary vs {_theory(restricted):.2f}x restricted): the "
-              "engine's default keeps the whole vocabulary. It pays for drafts whose output layer is a "
-              "large share of their weights (a 128K-token vocabulary).", "",
-              f"Against the project's goals (per-token α ≥ 0.75, c ≤ 0.15), with the default draft: α "
-              f"{best['alpha_per_token']:.4f} {'meets' if best['alpha_per_token'] >= 0.75 else 'misses'} it, c "
-              f"{best['c']:.3f} {'meets' if best['c'] <= 0.15 else 'misses'} it. About 40% of a draft step "
-              "is per-operation overhead, which swings more with the host's load than the target's weight "
-              "reads do, so c moves between runs: see the range column.", "",
-              "The draft's one-row steps multiply its small matrices with plain matmuls over transposed "
-              "copies instead of the packed oneDNN kernel, whose fixed cost is ~25 µs per call (the engine "
-              "loads drafts with `row_invariant=False`; the target keeps kernels whose rows do not depend on "
-              "the batch). On an AVX2 host that change alone took a draft step from 1.46 to 1.34 ms and "
-              "from 1.37 to 1.11 ms in two runs (each against the packed kernels in the same run), and "
-              "the card's c from 0.175 (the previous card) to 0.147. A cheaper float32 RMSNorm then sped "
-              "up both models; three runs of that code measured c 0.158, 0.138 and 0.133 (in that order, "
-              "the same host, over two hours; the last is this table). The output layer "
-              "(8,192 × 256, 58% of the draft's weights) is about 30% of a draft step and the other eight "
-              "matmuls another 30%: the draft's weights are read from memory, not cache, at every step.", "",
-              "Compute precision moves these figures a little: on an AVX-512 host computing in bf16 the same "
-              "pair measured α 0.7499 and c 0.189 (range 0.157 to 0.238), before the one-row kernels above, "
-              "which apply to float32 compute only; AVX2 hosts compute in float32 (README, \"CPUs\").", "",
-              "Measured by `tools/pair/card.py` (raw numbers in `measurements.json`; "
-              "`python tools/pair/card.py` re-measures and rewrites this section).", ""]
-    return lines
+    plan = ", ".join(f"{role}: {p['dtype']}" + "".join(f" + {n}" for n in ("one_sequence_kernel", "token_step", "int8")
+                                                      if p.get(n)) for role, p in f["forward_plan"].items())
+    return [f"## Speculation figures (our engine, this machine: 2 cores, {f['cpu_capability']}; forward plan {plan})",
+            "", f"K = 5, greedy, 96 new tokens, {f['prompts']} validation prompts (first lines of a function or "
+            "class). α is the per-token acceptance rate (accepted ÷ (accepted + rejections), the paper's α); "
+            "accepted ÷ proposed counts every proposed token, including those after a rejection. c = draft "
+            "forward time per token ÷ target forward time per token, batch 1, each decoding 128 tokens through "
+            f"our forward and KV pool on the engine's forward plan (medians of {TIMING_REPEATS} interleaved runs).",
+            "", "| α (per token) | accepted ÷ proposed | draft ms/token | target ms/token | c | c, range over runs | "
+            "Thm 3.8 at K = 5 |", "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| {f['alpha_per_token']:.3f} | {f['alpha_greedy_k5']:.3f} ({f['accepted']} of {f['drafted']}) | "
+            f"{f['draft_ms_per_token']:.3f} | {f['target_ms_per_token']:.3f} | {f['c']:.3f} | {f['c_min']:.3f} to "
+            f"{f['c_max']:.3f} | {_theory(f):.2f}x |", "",
+            "c depends on the host and on the forward plan the engine measures there (see the README's "
+            "\"Forward plan\"); α does not depend on the host beyond rounding.", "",
+            "Measured by `tools/pair/card.py` (raw numbers in `measurements.json`; "
+            "`python tools/pair/card.py` re-measures and rewrites this section).", ""]
 
 
 def remeasure(models: Path, prompts_jsonl: Path) -> dict:
     """Re-measures the shipped pair and rewrites only the card's figures section."""
     texts = [json.loads(line)["prompt"] for line in prompts_jsonl.read_text().splitlines()]
-    figures = measure_both(models, texts)
+    figures = measure_and_save(models, texts)
     card = models / "README.md"
     text = card.read_text()
     start, end = text.index("## Speculation figures"), text.index("## Training data")
@@ -222,7 +186,7 @@ def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
 
     plot_losses(work, models / "loss_curves.png")
     texts = [p["prompt"] for p in prompts]
-    figures = measure_both(models, texts)
+    figures = measure_and_save(models, texts)
     samples = greedy_samples(models, texts)
     manifest = json.loads((work / "corpus" / "manifest.json").read_text())
     counts = {s: (work / "tokens" / f"{s}.u16").stat().st_size // 2 for s in ("train", "val")}

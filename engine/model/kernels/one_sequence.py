@@ -5,7 +5,7 @@ over a few tokens (one_sequence.c) and a draft's whole single-token step (token_
 (about a second), into one library in a cache directory shared by later processes, and loads
 it with ctypes.
 Where it cannot (not x86-64, no AVX2/FMA, no compiler, a failed build), it returns None once
-and logs why: the model keeps oneDNN's kernels, which are correct everywhere.
+and logs why: the forward plan then offers only oneDNN's kernels, correct everywhere.
 
 `linear(x, weight)` is x [..., in] @ weight.T for weights [out, in] in float32 or bfloat16; the
 result is float32 and each row is bit-identical whatever the number of rows (one_sequence.c

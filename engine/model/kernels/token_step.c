@@ -1,10 +1,8 @@
 /* One token through a whole Llama, on CPU: a draft model's step over one sequence.
  *
- * Why: a small draft's single-token step reads a few megabytes of weights, which takes a
- * fraction of a millisecond, but as ~100 eager torch operations (norms, RoPE, cache writes,
- * attention, matmuls, each with its dispatch cost) it took 1.3 ms on the shipped draft. Here the
- * whole step is one call: the matmuls are one_sequence.c's kernel with M = 1, attention and
- * everything else are loops over vectors of the head or hidden size.
+ * Why: a small draft's torch step is mostly dispatch cost of ~100 eager operations
+ * (docs/performance-notes.md#draft-token-step). Here the whole step is one call: the matmuls are
+ * one_sequence.c's kernel with M = 1, attention and the rest loops over head or hidden vectors.
  *
  * A draft's rounding may differ from its batched passes (only the target's verify pass and the
  * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
@@ -40,7 +38,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, intermediate, layers, heads, kv_heads, head_dim;
-    int64_t head_rows;        /* rows of lm_head (the draft's scored vocabulary) */
+    int64_t head_rows;        /* rows of lm_head (the vocabulary) */
     int64_t kv_rows;          /* rows of the KV storage per (layer, k|v, kv_head) */
     int64_t max_keys;         /* the most keys a step may attend to (the scratch is sized for it) */
     float eps, scale;
@@ -49,7 +47,6 @@ typedef struct {
     const float *cos, *sin;   /* [max_positions, head_dim] */
     const float *final_norm;  /* [hidden] */
     Weight lm_head;           /* [head_rows, hidden] */
-    const int64_t *head_ids;  /* [head_rows] logits column of each head row, or NULL (identity) */
     const StepLayer *layer;   /* [layers] */
     float *kv;
     float *scratch;           /* see token_step_scratch_floats */
@@ -57,7 +54,7 @@ typedef struct {
 
 int64_t token_step_scratch_floats(const StepModel *m, int64_t max_keys) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys + m->head_rows;
+    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys;
 }
 
 static inline float lanes_total(__m256 v) {
@@ -127,7 +124,7 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
 
 /* Runs `token` at position `pos`: writes its K/V at write_row, attends to keys 0..pos.
  * logits: NULL skips the output layer (a token of a chunk before its last); otherwise
- * logits[head_ids[r]] (or logits[r]) gets head row r's score, other entries are left alone.
+ * [head_rows] scores.
  * Returns 0, or -1 if an argument is out of range. */
 int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
                int64_t first_key_row, float *logits, int threads) {
@@ -138,7 +135,7 @@ int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row
         return -1;
     float *h = m->scratch, *x = h + H, *tmp = x + H;
     float *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
-    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *head = scores + Hq * m->max_keys;
+    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I;
     memcpy(h, m->embed + token * H, H * sizeof(float));
     const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
     for (int64_t l = 0; l < m->layers; l++) {
@@ -161,10 +158,6 @@ int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row
     }
     if (logits == NULL) return 0;
     rms_norm(h, m->final_norm, x, H, m->eps);
-    matmul(m, m->lm_head, x, head, m->head_rows, H, threads);
-    if (m->head_ids == NULL)
-        memcpy(logits, head, m->head_rows * sizeof(float));
-    else
-        for (int64_t r = 0; r < m->head_rows; r++) logits[m->head_ids[r]] = head[r];
+    matmul(m, m->lm_head, x, logits, m->head_rows, H, threads);
     return 0;
 }

@@ -1,40 +1,17 @@
 """Choosing K (tokens to propose) each step from measured costs and estimated acceptance.
 
-Paper §3.3-3.5 for one sequence: with acceptance rate a and K proposals a round yields
-E(K) = (1 - a^(K+1)) / (1 - a) tokens and costs K draft steps plus one verify pass. That
-assumes every proposal is accepted independently with the same a. Measured on code it is not:
-a proposal that follows accepted ones is itself more likely to be accepted (the shipped pair,
-K = 8: 0.75 at the first position, 0.77, 0.76, 0.82, 0.84, 0.86, ...), so one pooled rate
-overrates short rounds against long ones. The policy therefore estimates, per request, the
-acceptance rate at each draft position given the earlier ones were accepted, h_1, h_2, ...,
-and E(K) = 1 + h_1 + h_1 h_2 + ... + h_1 ... h_K. For a batch of B requests we maximise
-expected tokens per second:
+For a batch of B requests the policy maximises expected tokens per second:
 
     goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1))
     goodput(0) = B / (t_step + t_target(B, 1))                          (plain decode)
     t_draft(B, K) = t_first(B) + (K - 1) t_one(B) + t_catch_up(U) / S(K)
 
-with t_* read from a `CostModel` of measured forward times and t_step the engine's measured
-per-step overhead outside the model passes. A round's first draft pass (t_first) feeds the
-tokens the draft has not seen yet, so it costs more than the one-token steps after it. When
-the draft is U tokens behind in long runs (a new prompt, or the tokens of plain steps taken
-while it sat idle), speculating means catching up on them first. That cost is spread over
-S(K), the steps the batch has left at K (the requests' remaining token budgets over the
-tokens a step yields): a near tie between plain and speculative decoding does not flip to
-speculation and pay a batch-wide catch-up every time, and requests near their end do not
-restart the draft for a handful of tokens, while long generations hardly notice the charge.
-
-Because the verify pass stops being nearly free as B grows (compute-bound), the best K falls
-to 0 at large batches by itself and, since goodput is compared continuously, there is no
-cliff at a threshold. A hysteresis margin keeps K from flipping between near-equal choices
-step to step.
-
-Plain decode produces no new evidence about the proposer (its cost, its acceptance), so after
-`probe_every` consecutive plain steps the policy takes one step with the best K > 0 ("probe"):
-estimates that were too pessimistic, or a workload that changed, are noticed. A probe is not
-free (the whole batch's target pass widens to K + 1 tokens for one request's proposals), so
-each probe that leaves the verdict at plain decoding doubles the wait before the next one, up
-to `MAX_PROBE_BACKOFF` times `probe_every`; a step that speculates on its merits resets it.
+E_i(K) = 1 + h_1 + h_1 h_2 + ... + h_1 ... h_K from request i's acceptance rates by draft
+position; t_* are measured (costs.py); U tokens the draft must catch up on are spread over the
+S(K) steps the batch has left. The verify pass stops being nearly free as B grows, so the best
+K falls to 0 by itself, with no cliff; a hysteresis margin keeps K from flipping; after a run of
+plain steps one probe step speculates again, with exponential backoff. The derivation and the
+measurements behind each part: docs/performance-notes.md#adaptive-policy.
 """
 
 from __future__ import annotations
@@ -43,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard", "no_proposal", "disabled"]
+Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
 
 
 class Costs(Protocol):
@@ -98,6 +75,32 @@ class AcceptanceByPosition:
             accepted = self.accepted[j] if j < len(self.accepted) else 0.0
             out.append(p if judged + weight == 0 else (accepted + weight * p) / (judged + weight))
         return tuple(out)
+
+
+class AcceptanceEstimates:
+    """Each request's acceptance rates by draft position, shrunk towards those of all recent
+    rounds (decayed), which start from a prior rate."""
+
+    PRIOR_RATE = 0.6  # acceptance assumed before any round was judged
+    RECENT_WEIGHT = 2.0  # rounds' worth of evidence the prior is worth against recent rounds
+    REQUEST_WEIGHT = 16.0  # ... and recent rounds against a request's own
+
+    def __init__(self):
+        self._by_request: dict[str, AcceptanceByPosition] = {}
+        self._recent = AcceptanceByPosition(decay=0.98)
+
+    def rates(self, request_ids: list[str], positions: int) -> list[tuple[float, ...]]:
+        """h_1..h_positions for each request."""
+        recent = self._recent.rates((self.PRIOR_RATE,), self.RECENT_WEIGHT, positions)
+        fresh = AcceptanceByPosition()
+        return [self._by_request.get(rid, fresh).rates(recent, self.REQUEST_WEIGHT, positions) for rid in request_ids]
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        self._by_request.setdefault(request_id, AcceptanceByPosition()).update(num_accepted, num_proposed)
+        self._recent.update(num_accepted, num_proposed)
+
+    def forget(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
 
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:
@@ -163,29 +166,21 @@ class SpecPolicy:
 
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
         """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
-        non-decreasing in K: a pass over more tokens never costs less. Entries that disagree
-        are pooled by how much each is trusted (recent, frequent measurements over old ones),
-        so a stale entry, cheap or dear, neither lures the policy to its K nor drives it
-        away from the K above it."""
+        non-decreasing in K, entries pooled by how much each is trusted."""
         times = [self.costs.target_time(batch, k + 1) for k in range(k_max + 1)]
         weights = [max(self.costs.target_weight(batch, k + 1), 1e-6) for k in range(k_max + 1)]
         return non_decreasing_fit(times, weights)
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
                  verify_seconds: float, catch_up_tokens: int = 0) -> float:
-        """Expected tokens/s with K = k, from each request's expected-tokens curve
-        (curves[i][k] = E_i(k)) and the target pass time for k + 1 tokens per sequence;
-        draft_rows = requests drafted by the draft model (None = all; n-gram proposals cost
-        no model forward); catch_up_tokens: unseen tokens the draft must feed first."""
+        """Expected tokens/s with K = k (curves[i][k] = E_i(k); see `choose` for the rest)."""
         batch = len(curves)
         overhead = self.costs.step_overhead()
         if k == 0:
             return batch / (overhead + verify_seconds)
         tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
         draft_rows = batch if draft_rows is None else draft_rows
-        # K proposals: the round's first pass (which catches up on unseen tokens, so it costs
-        # more than a step) gives the first, K - 1 single-token steps the rest
-        draft = 0.0
+        draft = 0.0  # the round's first pass (catching up on unseen tokens), then K - 1 steps
         if draft_rows:
             draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows)
             if catch_up_tokens:
@@ -195,9 +190,8 @@ class SpecPolicy:
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
                catch_up_tokens: int = 0) -> Choice:
-        """alphas: estimated acceptance per request (a rate, or rates by position);
-        k_caps: most each request may propose;
-        draft_rows: how many of them the draft model would draft (None = all);
+        """alphas: estimated acceptance per request (a rate, or rates by position); k_caps: most
+        each may propose; draft_rows: how many a model drafts (None = all, 0 = a lookup);
         catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose."""
         batch = len(alphas)
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:

@@ -1,7 +1,7 @@
 """Command line: generate with the engine in-process (no Ray).
 
-    python -m engine.cli --prompt "def fib(n):" --max-tokens 64
-    python -m engine.cli --model path/to/target --draft-model path/to/draft --speculative-decoding
+    python -m serve_app.cli --prompt "def fib(n):" --max-tokens 64
+    python -m serve_app.cli --model path/to/target --draft-model path/to/draft --speculative-decoding
 
 Every EngineConfig field is a flag (`--spec-length 4`, `--kv-cache-backend slotted`, ...);
 with no --model the embedded default pair is used with speculation on.
@@ -17,14 +17,14 @@ import time
 import types
 import typing
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, SpecConfig
 
 _DEFAULT_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef"]
 _ALIASES = {"use_speculative_decoding": "--speculative-decoding"}
 
 
-def _flag_type(field: dataclasses.Field):
-    hint = typing.get_type_hints(EngineConfig)[field.name]
+def _flag_type(owner: type, field: dataclasses.Field):
+    hint = typing.get_type_hints(owner)[field.name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is typing.Literal:
@@ -32,12 +32,23 @@ def _flag_type(field: dataclasses.Field):
     return hint
 
 
+def _plan_flag(value: str):
+    """--forward-plan: auto, torch, or a JSON object such as '{"draft": {"dtype": "float32"}}'."""
+    return value if value in ("auto", "torch") else json.loads(value)
+
+
+def config_fields() -> list[tuple[type, dataclasses.Field]]:
+    """Every field a flag sets: EngineConfig's own, then SpecConfig's (flat, as LLM takes them)."""
+    own = [(EngineConfig, f) for f in dataclasses.fields(EngineConfig) if f.name != "speculative"]
+    return own + [(SpecConfig, f) for f in dataclasses.fields(SpecConfig)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve-generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(EngineConfig):
+    for owner, f in config_fields():
         flag = _ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
-        kind = _flag_type(f)
+        kind = _plan_flag if f.name == "forward_plan" else _flag_type(owner, f)
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
         else:
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from engine import LLM
 
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    names = {f.name for _, f in config_fields()}
     kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
     try:
         llm = LLM(**kwargs)

@@ -3,13 +3,20 @@
 Times are kept per (batch bucket, tokens per sequence) as exponential moving averages of
 real measurements; the batch bucket is the next power of two. An unmeasured entry is
 interpolated linearly in batch size between measured buckets (and extrapolated from the
-nearest ones). `calibrate` fills the table once at start-up so the first steps are informed.
+nearest ones). `calibrate` fills the tables at start-up so the first steps are informed.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+import time
 from collections import defaultdict
+from typing import Protocol
+
+from engine.kv import CachePool
+from engine.model.llama import Llama
+from engine.model.passes import forward_chunks
 
 
 def smoothed(old: float | None, new: float, smoothing: float) -> float:
@@ -67,12 +74,21 @@ class TimingTable:
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
 
 
+class CostObserver(Protocol):
+    """Where proposers and the step report what their passes took."""
+
+    def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None: ...
+    def observe_draft_first(self, batch: int, seconds: float) -> None: ...
+    def observe_draft_step(self, batch: int, seconds: float) -> None: ...
+    def observe_catch_up(self, tokens: int, seconds: float) -> None: ...
+
+
 class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by B (it
     catches up on the tokens the draft has not seen, usually one or two per sequence, and gives
-    the first proposal) and each further one-token draft step by B; and the engine's per-step
-    overhead outside the model passes (scheduling, output processing, detokenisation): paid once
-    per step whatever K is, so it favours longer rounds."""
+    the first proposal) and each further one-token draft step by B; long (prefill-like) draft
+    catch-ups per token; and the engine's per-step overhead outside the model passes (paid once
+    per step whatever K is, so it favours longer rounds)."""
 
     def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
@@ -81,6 +97,18 @@ class MeasuredCosts:
         self.smoothing = smoothing
         self._overhead: float | None = None
         self._catch_up_per_token: float | None = None
+
+    def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
+        self.target.observe(batch, tokens_per_seq, seconds)
+
+    def observe_draft_first(self, batch: int, seconds: float) -> None:
+        self.draft_first.observe(batch, 1, seconds)
+
+    def observe_draft_step(self, batch: int, seconds: float) -> None:
+        self.draft.observe(batch, 1, seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        self._catch_up_per_token = smoothed(self._catch_up_per_token, seconds / tokens, self.smoothing)
 
     def observe_overhead(self, seconds: float) -> None:
         self._overhead = smoothed(self._overhead, max(seconds, 0.0), self.smoothing)
@@ -99,15 +127,47 @@ class MeasuredCosts:
         t = self.draft.estimate(batch, 1)
         return t if t is not None else 0.0
 
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """A long (prefill-like) draft catch-up over `tokens` tokens took `seconds`."""
-        self._catch_up_per_token = smoothed(self._catch_up_per_token, seconds / tokens, self.smoothing)
-
-    def catch_up_time(self, tokens: int) -> float:
-        """Estimated seconds for the draft to catch up on `tokens` unseen tokens (0 until one
-        catch-up has been measured)."""
-        return tokens * (self._catch_up_per_token or 0.0)
-
     def draft_first_time(self, batch: int) -> float:
         t = self.draft_first.estimate(batch, 1)
         return t if t is not None else self.draft_time(batch)
+
+    def catch_up_time(self, tokens: int) -> float:
+        """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
+        return tokens * (self._catch_up_per_token or 0.0)
+
+
+def calibrate(costs: MeasuredCosts, target: tuple[Llama, CachePool], draft: tuple[Llama, CachePool] | None,
+              max_tokens: int, max_batch: int, repeats: int = 3) -> None:
+    """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
+    first, catching up on two tokens, and a one-token step) at power-of-two batch sizes up to
+    max_batch. Each shape runs once untimed first (its first call pays one-off costs a policy
+    must not mistake for the steady cost); the median of `repeats` is recorded."""
+    batch = 1
+    while True:
+        b = min(batch, max_batch)
+        for t in range(1, max_tokens + 1):
+            costs.observe_target(b, t, _median_pass(*target, b, t, repeats, all_logits=t > 1))
+        if draft is not None:
+            costs.observe_draft_first(b, _median_pass(*draft, b, 2, repeats))
+            costs.observe_draft_step(b, _median_pass(*draft, b, 1, repeats))
+        if b >= max_batch:
+            return
+        batch *= 2
+
+
+def _median_pass(model: Llama, pool: CachePool, batch: int, tokens: int, repeats: int, all_logits: bool = False) -> float:
+    slots = [pool.allocate_slot([])[0] for _ in range(batch)]
+    try:
+        forward_chunks(model, pool, slots, [[i % model.shape.vocab_size] * 8 for i in range(batch)], [0] * batch)
+        times = []
+        for i in range(repeats + 1):  # the first run warms up, untimed
+            t0 = time.perf_counter()
+            forward_chunks(model, pool, slots, [[1] * tokens] * batch, [8] * batch, all_logits=all_logits)
+            if i:
+                times.append(time.perf_counter() - t0)
+            for s in slots:
+                pool.truncate_to(s, 8)
+        return statistics.median(times)
+    finally:
+        for s in slots:
+            pool.free_slot(s)

@@ -2,21 +2,18 @@
 
 For a sequence x_1..x_n: take its last m tokens (m from `max_n` down to `min_n`), find the
 most recent earlier place where those m tokens occur, and propose the (up to k) tokens that
-followed there. No match for any m -> no proposal. The proposal's q is one-hot, so exact
-acceptance keeps the output distribution the target's.
-
-A match of a single token is weak evidence (one token recurs everywhere in code), so what
-follows it is cut to `one_token_match_max` tokens: a rejected tail costs verify rows and buys
-nothing. Measured by replaying the target's greedy outputs on 32 code and 24 edit validation
-prompts, 16 of them not used to choose the rule (accepted prefix + 1 per round, each round
-priced by the measured verify cost of its width): the cut to 2 tokens raised tokens per unit
-of target time by 4% (edit) and 1.5% (code) at K = 7 on those 16; cuts to 1 or 3 did worse.
+followed there. No match for any m -> no proposal. q is one-hot, so exact acceptance keeps the
+output distribution the target's. What follows a match of a single token (weak evidence) is
+cut to `one_token_match_max` tokens (docs/performance-notes.md#n-gram-one-token-cut).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from engine.request import Request
+from engine.speculative.proposer import Proposal, one_hot_q
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int,
@@ -36,3 +33,22 @@ def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int,
             limit = k if m > 1 or one_token_match_max is None else min(k, one_token_match_max)
             return tokens[start:start + limit]
     return []
+
+
+class NgramProposer:
+    name = "ngram"
+    runs_model = False
+
+    def __init__(self, vocab_size: int, device, max_n: int, min_n: int, one_token_match_max: int):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_n, self.min_n, self.one_token_match_max = max_n, min_n, one_token_match_max
+
+    def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        tokens = [ngram_propose(r.all_token_ids, k, self.max_n, self.min_n, self.one_token_match_max)
+                  for r, k in zip(requests, ks)]
+        q = one_hot_q(tokens, self.vocab_size, self.device) if with_q else None
+        return Proposal(tokens, q, [self.name if t else "none" for t in tokens])
+
+    def lag(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)

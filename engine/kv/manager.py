@@ -1,0 +1,117 @@
+"""The one owner of KV bookkeeping: each request's slots in the target pool and, with a draft
+model, the draft pool; allocation, reservation, rollback, release and the prefix cache.
+
+Contract:
+- A request holds KV from `allocate` until `free` (finish, abort or preemption). Its record is
+  the only place its slots live; its computed length is the target pool's length of its slot.
+- The target pool is filled by prefill and decode passes; the draft pool lazily, by the draft
+  proposer, up to the tokens the request has (`draft_len` tells how far it got).
+- `rollback(request, length)` keeps the first `length` tokens in both pools (a speculative
+  round's accepted tokens); shared prefix blocks are never released by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv.protocol import CachePool, OutOfKVCache
+from engine.request import Request
+
+
+@dataclass
+class SequenceKV:
+    """One request's place in the pools."""
+
+    target_slot: int
+    draft_slot: int | None
+
+
+class KVManager:
+    def __init__(self, target: CachePool, draft: CachePool | None = None):
+        self.target = target
+        self.draft = draft
+        self._records: dict[str, SequenceKV] = {}
+
+    def allocate(self, request: Request) -> int | None:
+        """Slots for the request (both pools); returns the tokens served from the prefix cache,
+        or None (nothing allocated) when a pool is out of slots or blocks."""
+        try:
+            slot, cached = self.target.allocate_slot(request.all_token_ids)
+        except OutOfKVCache:
+            return None
+        draft_slot = None
+        if self.draft is not None:
+            try:
+                draft_slot, _ = self.draft.allocate_slot([])
+            except OutOfKVCache:
+                self.target.free_slot(slot)
+                return None
+        self._records[request.request_id] = SequenceKV(slot, draft_slot)
+        return cached
+
+    def free(self, request: Request) -> None:
+        """Releases the request's slots (a no-op when it holds none)."""
+        record = self._records.pop(request.request_id, None)
+        if record is None:
+            return
+        self.target.free_slot(record.target_slot)
+        if record.draft_slot is not None:
+            self.draft.free_slot(record.draft_slot)
+
+    def reserve_prefill(self, request: Request, num_tokens: int) -> bool:
+        """Room for num_tokens more prompt tokens in the target pool."""
+        record = self._records[request.request_id]
+        return self.target.ensure_capacity(record.target_slot, self.computed(request) + num_tokens)
+
+    def reserve_decode(self, request: Request, num_tokens: int) -> bool:
+        """Room for a decode round writing num_tokens: in the target pool past its computed
+        tokens, and in the draft pool past every token the request has."""
+        if not self.reserve_prefill(request, num_tokens):
+            return False
+        slot = self._records[request.request_id].draft_slot
+        return slot is None or self.draft.ensure_capacity(slot, request.num_tokens + num_tokens)
+
+    def rollback(self, request: Request, length: int) -> None:
+        """Keeps the first `length` tokens' K/V in both pools."""
+        record = self._records[request.request_id]
+        self.target.truncate_to(record.target_slot, length)
+        if record.draft_slot is not None:
+            self.draft.truncate_to(record.draft_slot, min(self.draft.seq_len(record.draft_slot), length))
+
+    def register_prefix(self, request: Request) -> None:
+        """Offers the request's computed prompt blocks to the prefix cache."""
+        self.target.register_prefix(self._records[request.request_id].target_slot, request.prompt_token_ids)
+
+    def computed(self, request: Request) -> int:
+        """Tokens of the request with K/V in the target pool (0 when it holds none)."""
+        record = self._records.get(request.request_id)
+        return 0 if record is None else self.target.seq_len(record.target_slot)
+
+    def target_slot(self, request: Request) -> int:
+        return self._records[request.request_id].target_slot
+
+    def draft_slot(self, request: Request) -> int:
+        return self._records[request.request_id].draft_slot
+
+    def draft_len(self, request: Request) -> int:
+        return self.draft.seq_len(self.draft_slot(request))
+
+    def free_tokens(self) -> int | None:
+        """Tokens every pool can still take (None: no shared limit, a slot holds a whole sequence)."""
+        known = [n for n in (p.free_token_capacity() for p in self.pools().values()) if n is not None]
+        return min(known) if known else None
+
+    def pools(self) -> dict[str, CachePool]:
+        return {"target": self.target} if self.draft is None else {"target": self.target, "draft": self.draft}
+
+    def usage(self) -> dict[str, float]:
+        """Fraction of each pool's blocks in use."""
+        return {name: pool.usage_fraction() for name, pool in self.pools().items()}
+
+    def counts(self) -> dict[str, int | None]:
+        """Slots and blocks in use per pool."""
+        out: dict[str, int | None] = {}
+        for name, pool in self.pools().items():
+            out[f"{name}_kv_used_slots"] = pool.num_used_slots()
+            out[f"{name}_kv_used_blocks"] = pool.num_used_blocks()
+        return out

@@ -1,0 +1,211 @@
+"""Which kernels and compute dtype each model's passes use, chosen by measuring on this host.
+
+The candidates for a model (`candidates`): its dtype, and float32 where that represents the
+asked-for weights exactly (a bf16 model computed in float32); for a target, oneDNN or the
+one-sequence kernel for its passes over one sequence; for a draft, its torch forward or the
+token step for passes of up to 3 tokens, each with or without int8 weights for passes of up to
+8 rows. Only paths that can run here are candidates (bf16 where oneDNN packs it, the C kernels
+where they build, int8 where torch has the kernel).
+
+`load_planned` times every candidate's forward passes at batch 1 and at batch 16 (and 4 for a
+draft), interleaved, and keeps the one with the lowest geometric mean over those scenarios of
+its time relative to the fastest candidate's.
+The choice is cached on disk per (host, model, torch, dtype, role) fingerprint, so later starts
+load the chosen plan directly. On CUDA, and for models too large to hold every candidate at
+once, the plan is the asked-for dtype on torch's kernels, unmeasured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelPlan
+from engine.kv import make_pool
+from engine.model.int8 import int8_matmul_available
+from engine.model.kernels import one_sequence
+from engine.model.llama import Llama, cpu_packs
+from engine.model.loader import load_llama, read_shape
+from engine.model.passes import forward_chunks
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1  # part of the cache key: bump when candidates or measurements change
+REPEATS = 5  # timed passes per candidate and shape, each after an untimed one (docs/performance-notes.md#forward-plan)
+# per role, the work each candidate is timed on: {scenario: [((sequences, tokens each), passes)]}; a
+# target decodes (1 token) and verifies (6: K = 5), a draft catches up on 2 tokens and steps 4 times
+SCENARIOS = {"target": {"batch 1": [((1, 1), 1), ((1, 6), 1)], "batch 16": [((16, 1), 1), ((16, 6), 1)]},
+             "draft": {"batch 1": [((1, 2), 1), ((1, 1), 4)], "batch 4": [((4, 1), 5)], "batch 16": [((16, 1), 5)]}}
+CONTEXT = 256  # keys each measured sequence attends to (fewer if max positions are fewer)
+MEASURE_MEMORY_SHARE = 0.25  # measure only when every candidate's weights fit in this share of RAM
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A model's plan and how it was arrived at."""
+
+    plan: ModelPlan
+    source: str  # "measured", "cached", "explicit" or "unmeasured"
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)  # candidate -> shape -> median ms
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self.plan), "source": self.source, "ms": self.ms}
+
+
+def label(plan: ModelPlan) -> str:
+    extras = [n for n in ("one_sequence_kernel", "token_step", "int8") if getattr(plan, n)]
+    return "+".join([plan.dtype, *extras])
+
+
+def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
+    """The plans worth measuring for a model of `role` asked to run in `dtype` on `device`."""
+    if not device.startswith("cpu"):
+        return [ModelPlan(dtype)]
+    dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(_torch_dtype(d))]
+    kernels = one_sequence.load() is not None
+    out = []
+    for d in dtypes:
+        if role == "target":
+            out += [ModelPlan(d)] + ([ModelPlan(d, one_sequence_kernel=True)] if kernels and d == "float32" else [])
+            continue
+        steps = [False, True] if kernels and d == "float32" else [False]
+        int8 = [False, True] if int8_matmul_available("cpu") else [False]
+        out += [ModelPlan(d, token_step=s, int8=q) for s in steps for q in int8]
+    return out
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: int,
+                 explicit: ModelPlan | None = None) -> tuple[Llama, PlanChoice]:
+    """The model at `path` loaded with its plan: the explicit one, the cached one, or the one
+    measured fastest now (then cached)."""
+    if explicit is not None:
+        return load_llama(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
+    options = candidates(role, dtype, device)
+    if len(options) == 1 or not _fits_in_memory(path, len(options)):
+        return load_llama(path, options[0], device, max_positions), PlanChoice(options[0], "unmeasured")
+    cache = _cache_file(path, role, dtype, device)
+    cached = _read_cache(cache)
+    if cached is not None and cached.plan in options:
+        return load_llama(path, cached.plan, device, max_positions), cached
+    models = {label(p): load_llama(path, p, device, max_positions) for p in options}
+    shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
+    ms = measure(models, shapes, max_positions, all_logits=role == "target")
+    costs = relative_costs(ms, SCENARIOS[role])
+    best = min(costs, key=costs.get)
+    choice = PlanChoice(models[best].plan, "measured", ms)
+    _write_cache(cache, choice)
+    log.info("forward plan for %s %s: %s (relative cost: %s)", role, path.name, best,
+             {name: round(c, 3) for name, c in costs.items()})
+    return models[best], choice
+
+
+def relative_costs(ms: dict[str, dict[str, float]], scenarios: dict) -> dict[str, float]:
+    """Per candidate, the geometric mean over scenarios of its time / the fastest one's."""
+    work = {name: {sc: sum(n * per[f"{b}x{t}"] for (b, t), n in passes) for sc, passes in scenarios.items()}
+            for name, per in ms.items()}
+    best = {sc: min(w[sc] for w in work.values()) for sc in scenarios}
+    return {name: math.exp(statistics.fmean(math.log(w[sc] / best[sc]) for sc in scenarios)) for name, w in work.items()}
+
+
+def measure(models: dict[str, Llama], shapes, max_positions: int, all_logits: bool) -> dict[str, dict[str, float]]:
+    """Median ms of each model's pass at each (sequences, tokens) shape over CONTEXT keys,
+    interleaved across models so slow drifts of the host hit every candidate alike; passes
+    return every position's logits (a verify pass) or the last one's (a draft's catch-up)."""
+    widest = max(t for _, t in shapes)
+    context = max(1, min(CONTEXT, max_positions - widest))
+    pools = {name: _pool(m, max(b for b, _ in shapes), context + widest) for name, m in models.items()}
+    slots = {name: [pool.allocate_slot([])[0] for _ in range(max(b for b, _ in shapes))] for name, pool in pools.items()}
+    for name, m in models.items():
+        forward_chunks(m, pools[name], slots[name], [[i % m.shape.vocab_size] * context for i in range(len(slots[name]))],
+                       [0] * len(slots[name]))
+    times: dict[str, dict[str, list[float]]] = {name: {f"{b}x{t}": [] for b, t in shapes} for name in models}
+    for _ in range(REPEATS):
+        for name, m in models.items():
+            for b, t in shapes:
+                args = (m, pools[name], slots[name][:b], t, context, all_logits)
+                _time_pass(*args)  # warm: another candidate's passes may have evicted its kernels
+                times[name][f"{b}x{t}"].append(_time_pass(*args))
+    return {name: {s: 1e3 * statistics.median(v) for s, v in per.items()} for name, per in times.items()}
+
+
+def _time_pass(model: Llama, pool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
+    t0 = time.perf_counter()
+    forward_chunks(model, pool, slots, [[1] * tokens] * len(slots), [context] * len(slots),
+                   all_logits=all_logits and tokens > 1)
+    seconds = time.perf_counter() - t0
+    for s in slots:
+        pool.truncate_to(s, context)
+    return seconds
+
+
+def _pool(model: Llama, slots: int, max_seq_len: int):
+    s = model.shape
+    return make_pool("paged", block_size=16, num_blocks=None, enable_prefix_caching=False, num_layers=s.num_layers,
+                     num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, max_slots=slots, max_seq_len=max_seq_len,
+                     dtype=model.dtype, device=model.device)
+
+
+def _fits_in_memory(path: Path, copies: int) -> bool:
+    shape = read_shape(path)
+    layer = shape.hidden_size * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim \
+        + shape.hidden_size * shape.num_heads * shape.head_dim + 3 * shape.hidden_size * shape.intermediate_size
+    params = shape.num_layers * layer + 2 * shape.vocab_size * shape.hidden_size
+    return 4 * params * copies <= MEASURE_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cache_dir() -> Path:
+    return one_sequence.cache_dir().parent / "plans"
+
+
+def host_info() -> dict:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    wanted = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"cpu": model, "flags": wanted, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+
+
+def _model_fingerprint(path: Path) -> dict:
+    files = sorted(p for p in Path(path).iterdir() if p.suffix == ".safetensors")
+    return {"config": (Path(path) / "config.json").read_text(), "weights": [(p.name, p.stat().st_size) for p in files]}
+
+
+def _cache_file(path: Path, role: str, dtype: str, device: str) -> Path:
+    key = {"version": PLAN_VERSION, "host": host_info(), "torch": torch.__version__, "role": role, "dtype": dtype,
+           "device": device, "model": _model_fingerprint(path)}
+    return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+
+def _read_cache(file: Path) -> PlanChoice | None:
+    try:
+        data = json.loads(file.read_text())
+        return PlanChoice(ModelPlan(**data["plan"]), "cached", data["ms"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(file: Path, choice: PlanChoice) -> None:
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"plan": dataclasses.asdict(choice.plan), "ms": choice.ms}))
+        os.replace(tmp, file)
+    except OSError as exc:  # a read-only home only costs a measurement at the next start
+        log.warning("could not cache the forward plan at %s: %s", file, exc)

@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers, exact acceptance, adaptive K, and the speculative runner."""

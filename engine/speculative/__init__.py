@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, exact acceptance, the adaptive policy and the step pipeline."""

@@ -1,0 +1,132 @@
+"""The draft-model proposer: batched draft forwards, keeping the adjusted distribution q.
+
+Draft KV is filled lazily, in the draft pool the KVManager keeps beside the target's: each
+round the draft first catches up on every token it has not seen (a new request's prompt, one
+or two tokens in steady state, more after rounds another proposer took), in one batched pass
+whose last logits give q_1; then k - 1 single-token steps. What each part costs goes to the
+cost model through the observer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.kv import KVManager
+from engine.model.llama import Llama
+from engine.model.passes import forward_chunks, width_groups
+from engine.model.tokenizer import Tokenizer
+from engine.request import Request
+from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
+from engine.speculative.costs import CostObserver
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+
+
+def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target: Llama, draft: Llama,
+                     target_name: str, draft_name: str) -> None:
+    """A draft must speak the target's vocabulary: same size, same tokenizer, same EOS ids."""
+    problems = []
+    if target.shape.vocab_size != draft.shape.vocab_size:
+        problems.append(f"vocab size {target.shape.vocab_size} vs {draft.shape.vocab_size}")
+    if target_tok.vocab_size != draft_tok.vocab_size:
+        problems.append(f"tokenizer size {target_tok.vocab_size} vs {draft_tok.vocab_size}")
+    if target_tok.eos_token_ids != draft_tok.eos_token_ids:
+        problems.append(f"EOS ids {sorted(target_tok.eos_token_ids)} vs {sorted(draft_tok.eos_token_ids)}")
+    if problems:
+        raise ValueError(f"draft model {draft_name} is not compatible with target model {target_name}: "
+                         + "; ".join(problems))
+
+
+class DraftModelProposer:
+    name = "draft"
+    runs_model = True
+
+    def __init__(self, model: Llama, kv: KVManager, observer: CostObserver):
+        self.model = model
+        self.kv = kv
+        self.observer = observer
+
+    def lag(self, requests: list[Request]) -> list[int]:
+        return [r.num_tokens - self.kv.draft_len(r) for r in requests]
+
+    def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return Proposal([[] for _ in requests], None, ["none"] * len(requests))
+        reqs, row_ks = [requests[i] for i in rows], [ks[i] for i in rows]
+        tokens, q = self._draft(reqs, row_ks, self._catch_up(reqs), with_q)
+        part = Proposal(tokens, q, [self.name] * len(reqs))
+        if len(rows) == len(requests):
+            return part
+        return Proposal.merge(len(requests), [(rows, part)], self.model.shape.vocab_size, with_q, self.model.device)
+
+    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        """Feeds each request's unseen tokens (long runs apart from short ones); returns the
+        logits [N, V] at each request's last token."""
+        starts = [self.kv.draft_len(r) for r in reqs]
+        chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
+        long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
+        short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
+        logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)  # [N, V]
+        t0 = time.perf_counter()
+        for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
+            self._feed(reqs, [long_rows[g] for g in group], chunks, starts, logits)
+        t1 = time.perf_counter()
+        if long_rows:
+            self.observer.observe_catch_up(sum(len(chunks[i]) for i in long_rows), t1 - t0)
+        if short_rows:
+            self._feed(reqs, short_rows, chunks, starts, logits)
+            self.observer.observe_draft_first(len(reqs), time.perf_counter() - t1)
+        return logits
+
+    def _feed(self, reqs: list[Request], rows: list[int], chunks: list[list[int]], starts: list[int],
+              logits: torch.Tensor) -> None:
+        logits[rows] = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(reqs[i]) for i in rows],
+                                      [chunks[i] for i in rows], [starts[i] for i in rows])
+
+    def _draft(self, reqs: list[Request], ks: list[int], logits: torch.Tensor,
+               with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
+        """ks[i] tokens for reqs[i]: the first from the catch-up logits [N, V], the rest from
+        one-token steps; with q [N, max(ks), V] when with_q."""
+        sampling = _Sampling(reqs, self.model) if with_q else None
+        tokens: list[list[int]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        steps, t0 = 0, time.perf_counter()
+        while True:
+            drawn = logits.argmax(dim=-1).tolist() if sampling is None else sampling.draw(logits, active)
+            for i in active:
+                tokens[i].append(drawn[i])
+            active = [i for i in active if len(tokens[i]) < ks[i]]
+            if not active:
+                break
+            step_logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(reqs[i]) for i in active],
+                                         [[tokens[i][-1]] for i in active], [self.kv.draft_len(reqs[i]) for i in active])
+            if len(active) < len(reqs):  # only the requests that still need tokens step
+                step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device), step_logits)
+            logits, steps = step_logits, steps + 1
+        if steps:
+            self.observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+        return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
+
+
+class _Sampling:
+    """Draws draft tokens from each request's adjusted distribution, keeping every q."""
+
+    def __init__(self, reqs: list[Request], model: Llama):
+        self.reqs = reqs
+        self.rows = SamplingRows.build([r.params for r in reqs], model.device)
+        self.seen = context_mask([r.all_token_ids for r in reqs], model.shape.vocab_size, model.device) \
+            if self.rows.needs_penalty else None
+        self.q_steps: list[torch.Tensor] = []  # [N, V] per step
+
+    def draw(self, logits: torch.Tensor, active: list[int]) -> list[int]:
+        q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
+        self.q_steps.append(q)
+        drawn = q.argmax(dim=-1)  # [N]; greedy rows are one-hot
+        random_rows = [i for i in active if not self.reqs[i].params.greedy]
+        if random_rows:
+            drawn[random_rows] = sample(q[random_rows].cpu(), [self.reqs[i].generator for i in random_rows]).to(drawn.device)
+        if self.seen is not None:
+            self.seen.scatter_(1, drawn[:, None], True)
+        return drawn.tolist()

@@ -1,0 +1,69 @@
+"""The Proposer seam: anything that guesses the next tokens of a batch of requests.
+
+A proposer returns, per request, up to k tokens and (when asked) the distribution q each was
+drawn from: a draft model's adjusted distribution, or one-hot for a model-free proposer. Exact
+acceptance needs only that the token was drawn from q; how good q is decides speed, never the
+output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.request import Request
+
+LONG_CATCH_UP = 4  # a proposer this many tokens behind or more feeds them in a prefill-like pass
+
+
+@dataclass
+class Proposal:
+    """Proposed tokens for a batch and the distributions they were drawn from."""
+
+    tokens: list[list[int]]  # tokens[i]: the (0..ks[i]) tokens proposed for request i
+    q: torch.Tensor | None  # [N, K, V] q of each proposed token (K = longest proposal); None unless asked
+    sources: list[str]  # the proposer of row i ("none" where it proposed nothing)
+
+    @property
+    def k_max(self) -> int:
+        return max((len(t) for t in self.tokens), default=0)
+
+    @classmethod
+    def merge(cls, n: int, parts: list[tuple[list[int], Proposal]], vocab: int, with_q: bool,
+              device: torch.device | str) -> Proposal:
+        """One proposal for n rows from parts, each (the rows it covers, its proposal)."""
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        sources = ["none"] * n
+        for rows, part in parts:
+            for j, i in enumerate(rows):
+                tokens[i], sources[i] = part.tokens[j], part.sources[j]
+        q = None
+        if with_q:
+            q = torch.zeros(n, max(1, max((len(t) for t in tokens), default=0)), vocab, device=device)  # [N, K, V]
+            for rows, part in parts:
+                if part.q is not None and rows:
+                    q[rows, :part.q.shape[1]] = part.q
+        return cls(tokens, q, sources)
+
+
+def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[N, K, V] q of a model-free proposer: 1 at each proposed token (rows padded with zeros)."""
+    q = torch.zeros(len(tokens), max(1, max((len(t) for t in tokens), default=0)), vocab, device=device)
+    for i, t in enumerate(tokens):
+        if t:
+            q[i, torch.arange(len(t)), torch.tensor(t)] = 1.0
+    return q
+
+
+class Proposer(Protocol):
+    name: str
+    runs_model: bool  # proposing runs model passes (the policy prices them); False: a lookup
+
+    def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        """Up to ks[i] tokens for requests[i] (ks[i] may be 0); q [N, K, V] when with_q."""
+
+    def lag(self, requests: list[Request]) -> list[int]:
+        """Tokens each request's proposer state must catch up on before it can propose (0 for
+        a stateless proposer)."""

@@ -1,0 +1,174 @@
+"""A speculative decode step as a pipeline: plan -> propose -> verify -> accept -> commit.
+
+1. plan: the policy picks K (0 = a plain step) from measured costs and acceptance estimates;
+   each request's k is capped so neither its KV nor its max_tokens can overflow;
+2. propose: the proposer gives each request up to k tokens (and q when sampling needs it);
+3. verify: one target pass over [g, t_1..t_k] per request (g = its last sampled token);
+4. accept: exact acceptance decides how many proposals stay and the final token;
+5. commit: both pools roll back to the accepted length; the request gets accepted + 1 tokens.
+Requests without a proposal ride along with k = 0, which is exactly a plain decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.config import SpecConfig
+from engine.kv import KVManager
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.speculative.accept import accept
+from engine.speculative.costs import MeasuredCosts
+from engine.speculative.draft import DraftModelProposer
+from engine.speculative.hybrid import HybridProposer
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.policy import AcceptanceEstimates, SpecPolicy
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal, Proposer
+from engine.step_result import DecodeResult, DecodeStats, PhaseSeconds
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    k: int  # the step's K (0: plain decoding)
+    reason: str  # why: the policy's reason, or a PlainReason
+    ks: list[int]  # what each request may propose (<= k)
+
+
+def build_proposer(settings: SpecConfig, draft: DraftModelProposer | None, vocab_size: int, device) -> Proposer:
+    """The proposer `settings.speculative_method` names (a draft model where it needs one)."""
+    if settings.needs_draft_model and draft is None:
+        raise ValueError(f"speculative_method={settings.speculative_method!r} needs a draft model (draft_model); "
+                         "this engine has none")
+    if settings.speculative_method == "draft":
+        return draft
+    min_n = settings.hybrid_ngram_min if settings.speculative_method == "hybrid" else settings.ngram_min
+    lookup = NgramProposer(vocab_size, device, settings.ngram_max, min_n, settings.ngram_one_token_match_max)
+    return lookup if settings.speculative_method == "ngram" else HybridProposer(lookup, draft, vocab_size, device)
+
+
+class SpeculativeDecoder:
+    def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, draft: DraftModelProposer | None,
+                 costs: MeasuredCosts):
+        self.runner = runner
+        self.kv = kv
+        self.draft = draft
+        self.costs = costs
+        self.policy = SpecPolicy(costs, settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
+        self.acceptance = AcceptanceEstimates()
+        self.settings = settings
+        self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
+
+    def reconfigure(self, changes: dict) -> SpecConfig:
+        """Applies new speculation settings from the next step on (validated as SpecConfig)."""
+        settings = self.settings.updated(changes)
+        self.proposer = build_proposer(settings, self.draft, self.runner.model.shape.vocab_size,
+                                       self.runner.model.device)
+        self.policy.spec_length, self.policy.mode = settings.spec_length, settings.spec_policy
+        self.policy.disable_batch_size = settings.spec_disable_batch_size
+        self.settings = settings
+        return settings
+
+    def tokens_per_round(self) -> int:
+        """KV tokens a request's decode round may write: K + 1."""
+        return self.settings.spec_length + 1 if self.settings.use_speculative_decoding else 1
+
+    def forget(self, request: Request) -> None:
+        self.acceptance.forget(request.request_id)
+
+    def observe_step(self, phases: PhaseSeconds) -> None:
+        """A decode-only step's time outside its model passes: the per-step overhead."""
+        self.costs.observe_overhead(phases.other)
+
+    def decode(self, reqs: list[Request]) -> DecodeResult:
+        plan = self._plan(reqs)
+        if plan.k == 0:
+            return self._plain(reqs, plan.reason)
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
+        draft_seconds = time.perf_counter() - t0
+        if proposal.k_max == 0:
+            return self._plain(reqs, "no_proposal", draft_seconds)
+        t1 = time.perf_counter()
+        starts = [self.kv.computed(r) for r in reqs]
+        logits = self.runner.forward(reqs, [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)],
+                                     all_logits=True)  # [N, K+1, V]
+        num_accepted, finals = accept(reqs, proposal, logits)
+        target_seconds = time.perf_counter() - t1
+        self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
+        tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
+        stats = self._record(reqs, plan, proposal, num_accepted)
+        return DecodeResult(tokens, stats, draft_seconds, target_seconds)
+
+    def _plan(self, reqs: list[Request]) -> RoundPlan:
+        if not self.settings.use_speculative_decoding:
+            return RoundPlan(0, "disabled", [])
+        if all(r.params.spec_length == 0 for r in reqs):
+            return RoundPlan(0, "request_opt_out", [])
+        caps = [self._cap(r) for r in reqs]
+        rates = self.acceptance.rates([r.request_id for r in reqs], self.policy.spec_length)
+        draft_rows = None if self.proposer.runs_model else 0
+        behind = 0
+        if self.proposer.runs_model and self.policy.mode == "adaptive":
+            behind = sum(n for n in self.proposer.lag(reqs) if n > LONG_CATCH_UP)
+        choice = self.policy.choose(rates, caps, draft_rows, behind)
+        ks = [min(choice.k, c) for c in caps]
+        if choice.reason == "probe":
+            ks = self._probe_one(reqs, ks)
+        return RoundPlan(choice.k, choice.reason, ks)
+
+    def _cap(self, r: Request) -> int:
+        """Most tokens r may propose: its KV positions (max_seq_len), its max_tokens budget (the
+        final token needs one) and its own spec_length."""
+        cap = min(self.kv.target.max_seq_len - r.num_tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
+        if r.params.spec_length is not None:
+            cap = min(cap, r.params.spec_length)
+        return max(0, cap)
+
+    def _probe_one(self, reqs: list[Request], ks: list[int]) -> list[int]:
+        """A probe speculates for one request only, the one the proposer lags least behind
+        (catching the whole batch up after a run of plain steps would cost about a prefill)."""
+        candidates = [i for i, k in enumerate(ks) if k > 0]
+        if not candidates:
+            return ks
+        lag = self.proposer.lag(reqs)
+        pick = min(candidates, key=lambda i: lag[i])
+        return [k if i == pick else 0 for i, k in enumerate(ks)]
+
+    def _plain(self, reqs: list[Request], reason: str, draft_seconds: float = 0.0) -> DecodeResult:
+        result = self.runner.decode(reqs, reason)
+        self.costs.observe_target(len(reqs), 1, result.target_seconds)
+        result.draft_seconds = draft_seconds
+        if reason == "no_proposal":
+            result.stats.rows_without_proposal = len(reqs)
+        return result
+
+    def _commit(self, reqs: list[Request], starts: list[int], proposal: Proposal, num_accepted: list[int],
+                finals: list[int]) -> list[tuple[Request, list[int]]]:
+        """Rolls both pools back to each request's accepted length; its new tokens."""
+        out = []
+        for r, start, tokens, a, final in zip(reqs, starts, proposal.tokens, num_accepted, finals):
+            self.kv.rollback(r, start + a + 1)  # g and the accepted proposals have valid K/V
+            out.append((r, tokens[:a] + [final]))
+        return out
+
+    def _record(self, reqs: list[Request], plan: RoundPlan, proposal: Proposal, num_accepted: list[int]) -> DecodeStats:
+        """Per-request stats, acceptance estimates and the step's DecodeStats."""
+        k_max = proposal.k_max
+        stats = DecodeStats(batch_size=len(reqs), k=plan.k, reason=plan.reason,
+                            accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max)
+        for r, tokens, source, a in zip(reqs, proposal.tokens, proposal.sources, num_accepted):
+            k = len(tokens)
+            stats.num_tokens += a + 1
+            if k == 0:
+                stats.rows_without_proposal += 1
+                continue
+            r.spec.record_round(a, k, source)
+            self.acceptance.update(r.request_id, a, k)
+            stats.num_proposed += k
+            stats.num_accepted += a
+            stats.accepted_per_round.append(a)
+            for j in range(k):
+                stats.proposed_by_position[j] += 1
+                stats.accepted_by_position[j] += int(j < a)
+        return stats
