@@ -140,7 +140,7 @@ def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
     wall time went (engine.step_result.PhaseSeconds). Returns the outputs and seconds per phase."""
-    from engine.step_result import PHASES
+    from engine.request import PHASES
 
     eng = llm.engine
     seconds = dict.fromkeys(PHASES, 0.0)

@@ -25,7 +25,7 @@ import torch
 
 from bench.common import PLAIN, adaptive, add_model_options, fixed, generate_each, interleave, summarize, write
 from bench.workloads import load_prompts
-from engine.step_result import PHASES
+from engine.request import PHASES
 
 
 def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, repeats: int = 15) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
 from bench.workloads import load_prompts
-from engine.step_result import PHASES
+from engine.request import PHASES
 
 VARIANTS = {
     "plain": PLAIN,

@@ -1,9 +1,7 @@
-"""AsyncLLMEngine: the engine loop on its own thread, per-request async token streams.
+"""AsyncLLMEngine: the engine loop on its own thread, one async token stream per request.
 
-The serving layer's event loop never runs a forward pass: every call posts a command to the
-engine thread (adds, aborts, reconfiguration, stats) and awaits its answer as a future;
-outputs come back through one asyncio.Queue per request. Several tokens a request gets in one
-engine step (a speculative round) arrive as one `StreamDelta`.
+Every call posts a command to the engine thread and awaits its answer; outputs come back through
+one asyncio.Queue per request, the tokens of one step (a speculative round) as one StreamDelta.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SamplingParams
@@ -40,40 +38,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting; retry later."""
-
-
-class RequestStream:
-    """Async iterator over one request's deltas. Closing it before the end aborts the request
-    (its KV is freed within one engine step)."""
-
-    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue_: asyncio.Queue):
-        self.owner = owner
-        self.request_id = request_id
-        self._queue = queue_
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the consumer is gone
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    async def aclose(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.owner._abort_soon(self.request_id)
 
 
 class AsyncLLMEngine:
@@ -113,7 +77,7 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     async def add(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                  chat: list[dict] | None = None) -> RequestStream:
+                  chat: list[dict] | None = None) -> AsyncGenerator[StreamDelta, None]:
         """Queues a request and returns its stream. Raises ValueError for bad input and
         EngineOverloadedError when the engine's waiting queue is full. With `chat`, the prompt
         is built from the messages by the tokenizer's chat template (prompt is ignored)."""
@@ -129,11 +93,26 @@ class AsyncLLMEngine:
             self._streams[rid] = (loop, queue_)
             return rid
 
-        rid = await self.call(add)
-        return RequestStream(self, rid, queue_)
+        return self._stream(await self.call(add), queue_)
+
+    async def _stream(self, request_id: str, queue_: asyncio.Queue) -> AsyncGenerator[StreamDelta, None]:
+        """One request's deltas; closing it (or cancelling its consumer) before the end aborts the
+        request, whose KV is then freed within one engine step."""
+        finished = False
+        try:
+            while not finished:
+                item = await queue_.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort_soon(request_id)
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                       request_id: str | None = None) -> AsyncGenerator[StreamDelta, None]:
         """Streams a request's output (see `add`). Leaving the loop early aborts the request."""
         stream = await self.add(prompt, params, request_id)
         try:

@@ -1,8 +1,5 @@
-"""Validated configuration: `EngineConfig` (with `SpecConfig` and the forward plan inside) for an
-engine, `SamplingParams` for one request.
-
-All are dataclasses validated in `__post_init__`; every error is a `ValueError` naming the field
-and what it accepts, so bad input stops at the edge and never reaches the engine.
+"""Validated configuration: `EngineConfig` (with `SpecConfig` and the forward plan inside) and
+`SamplingParams`; every error is a `ValueError` naming the field and what it accepts.
 """
 
 from __future__ import annotations
@@ -72,10 +69,6 @@ class SpecConfig:
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
 
-    # what reconfigure() may change while serving (the draft model is loaded at start-up)
-    LIVE = ("use_speculative_decoding", "speculative_method", "spec_length", "spec_policy",
-            "spec_disable_batch_size", "ngram_max", "ngram_min", "hybrid_ngram_min", "ngram_one_token_match_max")
-
     def __post_init__(self) -> None:
         check_bool("use_speculative_decoding", self.use_speculative_decoding)
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
@@ -100,8 +93,8 @@ class SpecConfig:
         return {f.name for f in dataclasses.fields(cls)}
 
     def updated(self, changes: dict) -> SpecConfig:
-        """A validated copy with `changes` applied (only LIVE fields may change)."""
-        _check_keys("speculation", changes, self.LIVE)
+        """A validated copy with `changes` applied (any field but draft_model, loaded at start-up)."""
+        _check_keys("speculation", changes, self.field_names() - {"draft_model"})
         return dataclasses.replace(self, **changes)
 
 
@@ -111,17 +104,16 @@ class ModelPlan:
 
     dtype: weights, activations and KV cache. one_sequence_kernel (target only): passes over one
     sequence on the hand-written CPU matmul. token_step (draft only, float32): passes of at most
-    3 tokens as whole-model C calls. int8 (draft only): passes of at most 8 rows on int8 weights.
+    3 tokens as whole-model C calls.
     """
 
     dtype: DType = "bfloat16"
     one_sequence_kernel: bool = False
     token_step: bool = False
-    int8: bool = False
 
     def __post_init__(self) -> None:
         check_choice("forward_plan dtype", self.dtype, get_args(DType))
-        for name in ("one_sequence_kernel", "token_step", "int8"):
+        for name in ("one_sequence_kernel", "token_step"):
             check_bool(f"forward_plan {name}", getattr(self, name))
         if self.token_step and self.dtype != "float32":
             raise ValueError("forward_plan: token_step needs dtype 'float32'")
@@ -129,9 +121,9 @@ class ModelPlan:
     def check_role(self, role: str) -> None:
         """A target must keep each token's result independent of the pass it is in, so it never
         takes the draft-only paths; a draft never takes the target's one-sequence kernel."""
-        if role == "target" and (self.token_step or self.int8):
-            raise ValueError("forward_plan.target: token_step and int8 are draft-only (a target's rounding "
-                             "must not depend on the pass)")
+        if role == "target" and self.token_step:
+            raise ValueError("forward_plan.target: token_step is draft-only (a target's rounding must not "
+                             "depend on the pass)")
         if role == "draft" and self.one_sequence_kernel:
             raise ValueError("forward_plan.draft: one_sequence_kernel is for the target")
 
@@ -218,15 +210,11 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """`EngineConfig(**kwargs)` that also takes SpecConfig's fields flat; an unknown key is
         a ValueError naming it."""
-        own = {f.name for f in dataclasses.fields(cls)}
         spec_fields = SpecConfig.field_names()
-        _check_keys("EngineConfig", kwargs, own | spec_fields)
+        _check_keys("EngineConfig", kwargs, {f.name for f in dataclasses.fields(cls)} | spec_fields)
         flat = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_fields}
         if flat:
-            nested = kwargs.get("speculative", {})
-            if isinstance(nested, SpecConfig):
-                nested = dataclasses.asdict(nested)
-            kwargs["speculative"] = {**nested, **flat}
+            kwargs["speculative"] = {**_as_dict(kwargs.get("speculative", {})), **flat}
         return cls(**kwargs)
 
 
@@ -235,10 +223,13 @@ def with_embedded_defaults(kwargs: dict) -> dict:
     flat or in `speculative`, win)."""
     if "model" in kwargs:
         return dict(kwargs)
-    nested = kwargs.get("speculative") or {}
-    nested = dataclasses.asdict(nested) if isinstance(nested, SpecConfig) else nested
-    spec = {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True, **nested}
+    spec = {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True,
+            **_as_dict(kwargs.get("speculative") or {})}
     return {**kwargs, "speculative": spec, "model": DEFAULT_MODEL}
+
+
+def _as_dict(spec: SpecConfig | dict) -> dict:
+    return dataclasses.asdict(spec) if isinstance(spec, SpecConfig) else dict(spec)
 
 
 @dataclass

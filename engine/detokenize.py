@@ -1,10 +1,6 @@
-"""Incremental detokenization with stop strings, for streaming.
-
-Emits text as tokens arrive, never a partial UTF-8 character (a decode ending in U+FFFD is
-held back), and holds back the last (longest stop string - 1) characters so a stop string that
-spans tokens is never half-streamed. The stop string itself is not part of the text. When the
-request finishes, `finish()` releases the rest, so the streamed pieces concatenate to exactly
-the full decode of the output tokens (cut at the stop string, if one matched).
+"""Incremental detokenization with stop strings, for streaming: never a partial UTF-8 character,
+never half a stop string (the last len(longest stop) - 1 characters are held back), and the
+streamed pieces concatenate to the full decode of the output, cut at the stop string.
 """
 
 from __future__ import annotations

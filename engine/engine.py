@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -14,18 +15,18 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
 from engine.detokenize import IncrementalText
-from engine.kv import KVManager, make_pool
+from engine.kv import KVManager
 from engine.model.llama import Llama, LlamaShape
 from engine.model.loader import read_shape, resolve_model_path
+from engine.model.passes import pool_for
 from engine.model.plan import load_planned
 from engine.model.tokenizer import Tokenizer
-from engine.request import Request, RequestOutput, RequestStatus, StepOutput
+from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.speculative.costs import MeasuredCosts, calibrate
 from engine.speculative.draft import DraftModelProposer, check_compatible
 from engine.speculative.step import SpeculativeDecoder
-from engine.step_result import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.tokenizer, model_path, draft_path = self._resolve_checkpoints()
         self.model, self.draft_model = self._load_models(model_path, draft_path)
-        self.kv = KVManager(self._pool(self.model, config.enable_prefix_caching),
-                            self._pool(self.draft_model, False) if self.draft_model is not None else None)
+        pool = functools.partial(pool_for, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
+                                 backend=config.kv_cache_backend, block_size=config.block_size,
+                                 num_blocks=config.num_kv_blocks)  # the draft's is never shared: no prefix cache
+        self.kv = KVManager(pool(self.model, prefix_caching=config.enable_prefix_caching),
+                            pool(self.draft_model) if self.draft_model is not None else None)
         self.runner = ModelRunner(self.model, self.kv)
         self.speculation = self._build_speculation() if config.use_speculative_decoding else None
         decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
@@ -111,13 +115,6 @@ class LLMEngine:
                                       for role, p in self.forward_plan.items()})
         return model, draft
 
-    def _pool(self, model: Llama, prefix_caching: bool):
-        s, c = model.shape, self.config
-        return make_pool(c.kv_cache_backend, block_size=c.block_size, num_blocks=c.num_kv_blocks,
-                         enable_prefix_caching=prefix_caching, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
-                         head_dim=s.head_dim, max_slots=c.max_batch_size, max_seq_len=c.max_seq_len,
-                         dtype=model.dtype, device=c.device)
-
     def _build_speculation(self) -> SpeculativeDecoder:
         costs = MeasuredCosts()
         settings = self.config.speculative
@@ -130,8 +127,8 @@ class LLMEngine:
         return decoder
 
     def reconfigure_speculation(self, **changes) -> SpecConfig:
-        """Applies SpecConfig changes (its LIVE fields) from the next step on; ValueError names a
-        bad field. An engine started without speculation cannot turn it on."""
+        """Applies SpecConfig changes (any field but draft_model) from the next step on; ValueError
+        names a bad field. An engine started without speculation cannot turn it on."""
         if self.speculation is None:
             if changes.get("use_speculative_decoding"):
                 raise ValueError("speculation was not configured for this engine at start-up")
@@ -140,11 +137,7 @@ class LLMEngine:
         return self.config.speculative
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model.shape.vocab_size
@@ -316,17 +309,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = self._add_all(prompts, params_list)
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                bar.update(sum(out.finished for out in self.engine.step()))
         results = [self.engine.get_output(rid) for rid in ids]
         for rid in ids:
             self.engine.release(rid)

@@ -1,9 +1,6 @@
-"""Engine metrics as data: the one list of every exported metric, and the step recorder.
-
-`METRICS` defines each metric's name, type, labels, unit and help; the exporter (Ray Serve
-metrics in serve_app/metrics.py), the README table, the Grafana dashboard and the tests are
-all checked against it. `StepMetrics` turns what an engine step did into metric updates for
-any `Recorder`, so the engine itself stays free of any metrics library.
+"""Every exported metric as data (`METRICS`: name, type, labels, unit, help), and `StepMetrics`,
+which turns a step's StepResult into updates of any `Recorder`. The exporter (serve_app), the
+README table, the dashboard and the tests are all checked against `METRICS`.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
-from engine.step_result import DecodeStats, PlainReason
+from engine.request import DecodeStats, PlainReason
 
 Kind = Literal["counter", "gauge", "histogram"]
 

@@ -1,7 +1,8 @@
-"""A request's life in the engine, and what the engine reports about it.
+"""A request's life in the engine, and what the engine reports about it and about each step.
 
 `Request` is the engine's mutable record of one generation; `StepOutput` is one new token (a
-speculative step may emit several per request, in order); `RequestOutput` is what callers see.
+speculative step may emit several per request, in order); `RequestOutput` is what callers see;
+`StepResult` is what one engine step did (metrics and benchmarks read it).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -26,30 +27,21 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class SpecStats:
-    """Per-request speculation record (acceptance by round)."""
+    """Per-request speculation record: proposed and accepted tokens of each round."""
 
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: set[str] = field(default_factory=set)
 
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted_per_round)
-
     def record_round(self, num_accepted: int, num_proposed: int, proposer: str) -> None:
-        self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_accepted
         self.accepted_per_round.append(num_accepted)
         self.proposed_per_round.append(num_proposed)
         self.proposers.add(proposer)
 
     @property
     def acceptance_rate(self) -> float | None:
-        if self.num_draft_tokens == 0:
-            return None
-        return self.num_accepted_tokens / self.num_draft_tokens
+        proposed = sum(self.proposed_per_round)
+        return sum(self.accepted_per_round) / proposed if proposed else None
 
 
 @dataclass
@@ -89,30 +81,22 @@ class Request:
 
     def output(self, text: str) -> RequestOutput:
         """What callers see of this request (its text detokenized by the engine)."""
-        s = self.spec
-        metrics = {}
-        if self.first_token_time is not None:
-            metrics["ttft_s"] = self.first_token_time - self.arrival_time
-        if self.finish_time is not None:
-            metrics["e2e_s"] = self.finish_time - self.arrival_time
+        s, t0 = self.spec, self.arrival_time
+        metrics = {name: t - t0 for name, t in (("ttft_s", self.first_token_time), ("e2e_s", self.finish_time))
+                   if t is not None}
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.output_token_ids),
             text=text, finished=self.is_finished, finish_reason=self.finish_reason, error=self.error,
             num_cached_prompt_tokens=self.num_cached_prefix_tokens, acceptance_rate=s.acceptance_rate,
-            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens, num_spec_rounds=s.rounds,
-            accepted_per_round=list(s.accepted_per_round), proposed_per_round=list(s.proposed_per_round),
-            proposers=sorted(s.proposers), metrics=metrics)
+            num_draft_tokens=sum(s.proposed_per_round), num_accepted_tokens=sum(s.accepted_per_round),
+            num_spec_rounds=len(s.accepted_per_round), accepted_per_round=list(s.accepted_per_round),
+            proposed_per_round=list(s.proposed_per_round), proposers=sorted(s.proposers), metrics=metrics)
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One newly generated token of one request.
-
-    Speculative decoding may produce several StepOutputs for the same request in one engine
-    step; they are always delivered in generation order. `text` is the detokenized text this
-    token completes (may be "" while a multi-byte character is incomplete). `finished` is set
-    on the request's last output.
-    """
+    """One new token of one request (a step may give a request several, in order). `text` is what
+    it completes ("" while a multi-byte character is incomplete); `finished` marks the last."""
 
     request_id: str
     token_id: int
@@ -141,3 +125,59 @@ class RequestOutput:
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+Phase = Literal["prefill", "draft", "target", "other"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+
+# why a decode step ran without speculation
+PlainReason = Literal["disabled", "policy", "disabled_batch_size", "length_guard", "request_opt_out", "no_proposal"]
+
+
+@dataclass
+class PhaseSeconds:
+    """Where one step's wall time went."""
+
+    prefill: float = 0.0  # target prompt passes and their first-token sampling
+    draft: float = 0.0  # proposing: draft passes (catch-up included), n-gram lookups
+    target: float = 0.0  # the target's decode or verify pass, sampling and acceptance
+    other: float = 0.0  # the rest: scheduling, KV bookkeeping, detokenizing, stop checks
+
+    def items(self) -> list[tuple[Phase, float]]:
+        return [(phase, getattr(self, phase)) for phase in PHASES]
+
+
+@dataclass
+class DecodeStats:
+    """What one decode step did. k = 0: plain decoding, for `reason`."""
+
+    batch_size: int
+    k: int = 0
+    reason: str = "disabled"  # a PlainReason when k = 0; "policy", "probe" or "fixed" otherwise
+    num_proposed: int = 0
+    num_accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]
+    proposed_by_position: list[int] = field(default_factory=list)  # [k]
+    accepted_per_round: list[int] = field(default_factory=list)  # one entry per speculating request
+    rows_without_proposal: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class DecodeResult:
+    """A decode step's new tokens per request (in order) and what it did."""
+
+    tokens: list[tuple[Request, list[int]]]
+    stats: DecodeStats
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """One engine step: its outputs, its decode (None if it only prefilled), its time."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    decode: DecodeStats | None = None
+    phases: PhaseSeconds = field(default_factory=PhaseSeconds)
+    num_preempted: int = 0

@@ -10,9 +10,8 @@ import torch
 from engine.kv import KVManager
 from engine.model.llama import Llama
 from engine.model.passes import forward_chunks, width_groups
-from engine.request import Request
+from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
-from engine.step_result import DecodeResult, DecodeStats
 
 
 class ModelRunner:

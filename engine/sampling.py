@@ -1,9 +1,8 @@
-"""Logits -> the adjusted probability distribution a request samples from, and seeded sampling.
+"""Logits -> the adjusted distribution a request samples from, and seeded draws.
 
-`adjusted_probs` is the single definition of "the distribution we sample from": plain
-sampling draws from it, and speculative acceptance compares the target's and the proposer's
-versions of it (p and q). Order: repetition penalty -> greedy (one-hot argmax) or temperature
--> top-k -> top-p -> min-p -> renormalise.
+`adjusted_probs` is the one definition of "the distribution we sample from": plain sampling
+draws from it, speculative acceptance compares the target's and the proposer's (p and q).
+Order: repetition penalty -> greedy (one-hot) or temperature -> top-k -> top-p -> min-p.
 """
 
 from __future__ import annotations
@@ -100,25 +99,22 @@ def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor 
     return probs
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """probs [N, V] -> token ids [N] (int64); row i drawn with generators[i]."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    for i, gen in enumerate(generators):
-        out[i] = torch.multinomial(probs[i], 1, generator=gen).item()
-    return out
+def draw(probs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+         rows: list[int] | None = None) -> torch.Tensor:
+    """probs [N, V] -> token ids [N]: the argmax of greedy rows (one-hot), a draw with its own
+    generator for each other row among `rows` (default all); rows outside keep the argmax."""
+    tokens = probs.argmax(dim=-1)  # [N]
+    for i in range(len(params)) if rows is None else rows:
+        if not params[i].greedy:
+            tokens[i] = torch.multinomial(probs[i].cpu(), 1, generator=generators[i])[0]
+    return tokens
 
 
 def greedy_or_sample(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
                      generators: list[torch.Generator]) -> list[int]:
     """The plain-decode sampling step for N rows: logits [N, V] -> N token ids."""
-    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+    if not any(p.needs_probs for p in params):
         return logits.argmax(dim=-1).tolist()  # fast path: nothing to adjust
     rows = SamplingRows.build(params, logits.device)
     seen = context_mask(contexts, logits.shape[-1], logits.device) if rows.needs_penalty else None
-    probs = adjusted_probs(logits, rows, seen)
-    tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        drawn = sample(probs[random_rows].cpu(), [generators[i] for i in random_rows])
-        tokens[random_rows] = drawn.to(tokens.device)
-    return tokens.tolist()
+    return draw(adjusted_probs(logits, rows, seen), params, generators).tolist()

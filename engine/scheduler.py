@@ -1,13 +1,8 @@
 """Continuous-batching scheduler: admission, chunked prefill under a token budget, preemption.
 
-Each step the scheduler picks (a) the running requests that decode one round and (b) prefill
-chunks (new or partially prefilled requests), so that decode tokens + prefill tokens stay
-within `max_num_batched_tokens`. Decodes go first (they hold KV and users wait on them). When
-the KV pools cannot grow a decode, the most recently admitted request is preempted: its KV is
-freed and it goes back to the front of the queue, to be recomputed (prompt + tokens so far)
-when there is room again.
-
-The scheduler never touches tensors; it reaches KV through the KVManager it owns.
+Each step: the running requests' decodes first (never split; the most recently admitted request
+is preempted, its KV freed for recompute, when the pools cannot grow a decode), then prefill
+chunks within `max_num_batched_tokens`. It never touches tensors; KV goes through its KVManager.
 """
 
 from __future__ import annotations

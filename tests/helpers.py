@@ -61,12 +61,9 @@ def make_model(path: Path, tokenizer_dir: Path, *, seed: int = 0, hidden: int = 
 
 def pool_for(model, backend: str = "paged", max_slots: int = 4, max_seq_len: int = 256, block_size: int = 16):
     """A KV pool shaped for `model` (no prefix cache)."""
-    from engine.kv import make_pool
+    from engine.model.passes import pool_for as engine_pool_for
 
-    s = model.shape
-    return make_pool(backend, block_size=block_size, num_blocks=None, enable_prefix_caching=False,
-                     num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, max_slots=max_slots,
-                     max_seq_len=max_seq_len, dtype=model.dtype, device=model.device)
+    return engine_pool_for(model, max_slots, max_seq_len, backend, block_size)
 
 
 class InMemoryRecorder:

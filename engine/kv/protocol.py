@@ -1,10 +1,8 @@
 """The contract every KV pool keeps, and the view the model writes and reads through.
 
-Terms: a *slot* is one sequence's place in a pool; its *length* is the number of tokens whose
-K/V the pool holds for it (positions 0..length-1). A *view* covers one forward pass: for each
-slot in the batch it appends `chunk_len` new tokens starting at the slot's current length
-(prefill: from 0; decode: 1 token; chunk / speculative verify: several). Creating a view
-advances the lengths; `truncate_to` moves a length back (speculative rollback).
+A *slot* is one sequence's place in a pool; its *length*, the tokens whose K/V the pool holds.
+A *view* covers one pass: each slot appends `chunk_len` tokens at its length (creating the view
+advances it); `truncate_to` moves a length back (speculative rollback).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Llama forward pass written against our KV-cache views.
-
-Covers what Llama 2/3/3.2 checkpoints use: RMSNorm, rotary embeddings (plain and the `llama3`
-rope_scaling), grouped-query attention, SwiGLU MLP, tied or untied embeddings. Weights live in
-plain tensors (q/k/v and gate/up fused so a layer is four matmuls); the forward is functional so
-one code path serves prefill, decode, chunked prefill and the speculative verify pass. Which
-kernels a pass uses is the model's `ModelPlan` (engine/model/plan.py chooses it).
+"""Llama forward pass written against our KV-cache views: RMSNorm, RoPE (plain and `llama3`
+scaling), grouped-query attention, SwiGLU, tied or untied embeddings. One functional code path
+serves prefill, decode, chunked prefill and the verify pass; q/k/v and gate/up are fused so a
+layer is four matmuls; which kernels a pass takes is the model's `ModelPlan`.
 """
 
 from __future__ import annotations
@@ -13,25 +10,17 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
-from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
 from engine.model.kernels import one_sequence
 from engine.model.token_step import TokenStep
 
-INT8_MAX_ROWS = 8  # a draft's passes over at most this many rows take its int8 weights
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
-
-
-def _use_explicit_attention(batch: int, queries: int) -> bool:
-    """Two explicit matmuls for few queries over several sequences, SDPA otherwise
-    (docs/performance-notes.md#attention)."""
-    return batch > 1 and queries <= 16
 
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
@@ -137,8 +126,7 @@ def _rope_tables(shape: LlamaShape, max_positions: int, dtype: torch.dtype, devi
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights (a FewRowPath's int8 copy holds Int8Weights in the four
-    matmul fields)."""
+    """One decoder layer's weights."""
 
     attn_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -148,19 +136,13 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
 
 
-class FewRowPath(NamedTuple):
-    """What passes over at most `max_rows` rows (batch x tokens), over a single sequence only if
-    `one_sequence`, multiply with: per-layer weights (norms shared with the model's layers),
-    one kernel for every matmul, and the output layer."""
+class OneSequencePath(NamedTuple):
+    """What a target's passes over one sequence of at most ONE_SEQUENCE_MAX_TOKENS tokens multiply
+    with: per-layer weights for the one-sequence kernel (norms shared), the kernel, the output layer."""
 
-    max_rows: int
-    one_sequence: bool
     layers: list[LayerWeights]
-    kernel: Callable[[torch.Tensor, Any], torch.Tensor]
-    lm_head: Any  # a tensor, or an Int8Weight
-
-    def takes(self, batch: int, width: int) -> bool:
-        return batch * width <= self.max_rows and (batch == 1 or not self.one_sequence)
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    lm_head: torch.Tensor
 
 
 class Llama:
@@ -168,8 +150,8 @@ class Llama:
 
     def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
-        """plan: which kernels this model's passes use (see ModelPlan); weights arrive in its
-        dtype. A path the plan asks for that cannot run here is a ValueError."""
+        """Weights arrive in the plan's dtype; a path the plan asks for that cannot run here is a
+        ValueError."""
         self.shape = shape
         self.plan = plan
         self.embed = embed  # [vocab, hidden]
@@ -182,8 +164,8 @@ class Llama:
         self.scale = shape.head_dim ** -0.5
         self.num_parameters = sum(t.numel() for t in self._weights())
         self._token_step = self._build_token_step() if plan.token_step else None
-        self._few_rows = self._int8_path() if plan.int8 else self._one_sequence_path() if plan.one_sequence_kernel \
-            else None  # taken before packing: they read the plain weights
+        # taken before packing: it reads the plain weights
+        self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
         self._linear = F.linear
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
@@ -199,15 +181,7 @@ class Llama:
                              "on an x86-64 CPU with AVX2 and the kernels built; see the log)")
         return step
 
-    def _int8_path(self) -> FewRowPath:
-        """Passes of up to INT8_MAX_ROWS rows on int8 copies of every matmul weight."""
-        if not int8_matmul_available(self.device.type):
-            raise ValueError("forward_plan int8: this torch has no int8 weight-only matmul on this device")
-        layers = [LayerWeights(**{**vars(lw), **{n: quantize_int8(getattr(lw, n)) for n in MATMULS}})
-                  for lw in self.layers]
-        return FewRowPath(INT8_MAX_ROWS, False, layers, int8_linear, quantize_int8(self.lm_head))
-
-    def _one_sequence_path(self) -> FewRowPath:
+    def _one_sequence_path(self) -> OneSequencePath:
         """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the one-sequence
         kernel; a weight whose values are all bf16 values is kept in bf16 (half the bytes)."""
         kernels = one_sequence.load() if self.device.type == "cpu" and self.dtype == torch.float32 else None
@@ -217,7 +191,7 @@ class Llama:
             raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
                              "x86-64 CPU with AVX2, widths that are multiples of 8, and the kernels built)")
         layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]
-        return FewRowPath(ONE_SEQUENCE_MAX_TOKENS, True, layers, kernels.linear, head)
+        return OneSequencePath(layers, kernels.linear, head)
 
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls faster, and each row's
@@ -249,7 +223,7 @@ class Llama:
         """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
-        if not _use_explicit_attention(B, T):
+        if B == 1 or T > 16:  # few queries over several sequences: explicit matmuls (performance-notes#attention)
             return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                   scale=self.scale, enable_gqa=H != Hkv)
         # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,
@@ -288,7 +262,7 @@ class Llama:
         B, T = input_ids.shape
         if self._token_step is not None and self._token_step.takes(B, T, logits_index):
             return self._token_step.forward(input_ids, position_ids, kv, logits_index)
-        few = self._few_rows if self._few_rows is not None and self._few_rows.takes(B, T) else None
+        few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
         layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each

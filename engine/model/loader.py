@@ -1,7 +1,5 @@
-"""Find a checkpoint (local dir, embedded default, or the local HF cache) and load its weights.
-
-Weights are read tensor by tensor from (possibly sharded) safetensors files, cast, and fused
-per layer, so peak memory stays near one copy of the model.
+"""Find a checkpoint (local dir, the embedded pair, the local HF cache) and load its weights,
+tensor by tensor from (sharded) safetensors, fused per layer: peak memory near one copy.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from engine.config import ModelPlan
 from engine.model.llama import LayerWeights, Llama, LlamaShape
 
 EMBEDDED_PREFIX = "embedded:"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def models_dir() -> Path:
@@ -49,13 +46,6 @@ def resolve_model_path(name: str) -> Path:
         raise FileNotFoundError(
             f"model {name!r} is neither a local directory nor in the local Hugging Face cache "
             f"({HF_HUB_CACHE}); no network download is attempted") from exc
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {name!r}") from None
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -100,7 +90,7 @@ def read_shape(path: Path) -> LlamaShape:
 def load_llama(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Llama:
     """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says."""
     shape = read_shape(path)
-    reader = _TensorReader(_weight_files(path), torch_dtype(plan.dtype), device)
+    reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
     layers = []
     for i in range(shape.num_layers):
         pre = f"model.layers.{i}."

@@ -3,9 +3,11 @@ grouped into passes."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from engine.kv import CachePool
+from engine.kv import CachePool, make_pool
 from engine.kv.protocol import power_of_two_at_least
 from engine.model.llama import Llama
 
@@ -47,3 +49,31 @@ def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list
         return model.forward(ids, pos, view, None)[:, 0]  # [B, vocab]
     last = torch.tensor([len(c) - 1 for c in chunks], device=model.device)  # [B]
     return model.forward(ids, pos, view, last)  # [B, vocab]
+
+
+def fill_slots(model: Llama, pool: CachePool, batch: int, context: int) -> list[int]:
+    """`batch` new slots of `pool`, each holding `context` tokens' K/V (for timing passes)."""
+    slots = [pool.allocate_slot([])[0] for _ in range(batch)]
+    forward_chunks(model, pool, slots, [[i % model.shape.vocab_size] * context for i in range(batch)], [0] * batch)
+    return slots
+
+
+def time_pass(model: Llama, pool: CachePool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
+    """Seconds for one pass of `tokens` tokens per slot after its `context` keys (every position's
+    logits when all_logits, as a verify pass); the slots are rolled back to `context` after."""
+    t0 = time.perf_counter()
+    forward_chunks(model, pool, slots, [[1] * tokens] * len(slots), [context] * len(slots),
+                   all_logits=all_logits and tokens > 1)
+    seconds = time.perf_counter() - t0
+    for s in slots:
+        pool.truncate_to(s, context)
+    return seconds
+
+
+def pool_for(model: Llama, max_slots: int, max_seq_len: int, backend: str = "paged", block_size: int = 16,
+             num_blocks: int | None = None, prefix_caching: bool = False) -> CachePool:
+    """A KV pool shaped for `model` (its layers, heads and dtype)."""
+    s = model.shape
+    return make_pool(backend, block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                     num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, max_slots=max_slots,
+                     max_seq_len=max_seq_len, dtype=model.dtype, device=model.device)

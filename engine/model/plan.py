@@ -1,18 +1,11 @@
 """Which kernels and compute dtype each model's passes use, chosen by measuring on this host.
 
-The candidates for a model (`candidates`): its dtype, and float32 where that represents the
-asked-for weights exactly (a bf16 model computed in float32); for a target, oneDNN or the
-one-sequence kernel for its passes over one sequence; for a draft, its torch forward or the
-token step for passes of up to 3 tokens, each with or without int8 weights for passes of up to
-8 rows. Only paths that can run here are candidates (bf16 where oneDNN packs it, the C kernels
-where they build, int8 where torch has the kernel).
-
-`load_planned` times every candidate's forward passes at batch 1 and at batch 16 (and 4 for a
-draft), interleaved, and keeps the one with the lowest geometric mean over those scenarios of
-its time relative to the fastest candidate's.
-The choice is cached on disk per (host, model, torch, dtype, role) fingerprint, so later starts
-load the chosen plan directly. On CUDA, and for models too large to hold every candidate at
-once, the plan is the asked-for dtype on torch's kernels, unmeasured.
+Candidates (`candidates`): the asked-for dtype, and float32 where it represents those weights
+exactly; for a target, oneDNN or the one-sequence kernel; for a draft, its torch forward or
+token steps; only paths that can run here. Each is
+timed on a few scenarios (`SCENARIOS`), interleaved; the lowest geometric mean of time relative
+to the fastest wins, cached per (host, model, torch, dtype, role). On CUDA, and for models too
+large to hold every candidate, the plan is the asked-for dtype on torch, unmeasured.
 """
 
 from __future__ import annotations
@@ -24,19 +17,16 @@ import logging
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelPlan
-from engine.kv import make_pool
-from engine.model.int8 import int8_matmul_available
 from engine.model.kernels import one_sequence
 from engine.model.llama import Llama, cpu_packs
-from engine.model.loader import load_llama, read_shape
-from engine.model.passes import forward_chunks
+from engine.model.loader import load_llama
+from engine.model.passes import fill_slots, pool_for, time_pass
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +53,7 @@ class PlanChoice:
 
 
 def label(plan: ModelPlan) -> str:
-    extras = [n for n in ("one_sequence_kernel", "token_step", "int8") if getattr(plan, n)]
+    extras = [n for n in ("one_sequence_kernel", "token_step") if getattr(plan, n)]
     return "+".join([plan.dtype, *extras])
 
 
@@ -71,21 +61,15 @@ def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
     """The plans worth measuring for a model of `role` asked to run in `dtype` on `device`."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
-    dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(_torch_dtype(d))]
+    dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
     kernels = one_sequence.load() is not None
     out = []
     for d in dtypes:
         if role == "target":
             out += [ModelPlan(d)] + ([ModelPlan(d, one_sequence_kernel=True)] if kernels and d == "float32" else [])
             continue
-        steps = [False, True] if kernels and d == "float32" else [False]
-        int8 = [False, True] if int8_matmul_available("cpu") else [False]
-        out += [ModelPlan(d, token_step=s, int8=q) for s in steps for q in int8]
+        out += [ModelPlan(d)] + ([ModelPlan(d, token_step=True)] if kernels and d == "float32" else [])
     return out
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: int,
@@ -125,46 +109,23 @@ def measure(models: dict[str, Llama], shapes, max_positions: int, all_logits: bo
     """Median ms of each model's pass at each (sequences, tokens) shape over CONTEXT keys,
     interleaved across models so slow drifts of the host hit every candidate alike; passes
     return every position's logits (a verify pass) or the last one's (a draft's catch-up)."""
-    widest = max(t for _, t in shapes)
+    widest, batch = max(t for _, t in shapes), max(b for b, _ in shapes)
     context = max(1, min(CONTEXT, max_positions - widest))
-    pools = {name: _pool(m, max(b for b, _ in shapes), context + widest) for name, m in models.items()}
-    slots = {name: [pool.allocate_slot([])[0] for _ in range(max(b for b, _ in shapes))] for name, pool in pools.items()}
-    for name, m in models.items():
-        forward_chunks(m, pools[name], slots[name], [[i % m.shape.vocab_size] * context for i in range(len(slots[name]))],
-                       [0] * len(slots[name]))
+    pools = {name: pool_for(m, batch, context + widest) for name, m in models.items()}
+    slots = {name: fill_slots(m, pools[name], batch, context) for name, m in models.items()}
     times: dict[str, dict[str, list[float]]] = {name: {f"{b}x{t}": [] for b, t in shapes} for name in models}
     for _ in range(REPEATS):
         for name, m in models.items():
             for b, t in shapes:
                 args = (m, pools[name], slots[name][:b], t, context, all_logits)
-                _time_pass(*args)  # warm: another candidate's passes may have evicted its kernels
-                times[name][f"{b}x{t}"].append(_time_pass(*args))
+                time_pass(*args)  # warm: another candidate's passes may have evicted its kernels
+                times[name][f"{b}x{t}"].append(time_pass(*args))
     return {name: {s: 1e3 * statistics.median(v) for s, v in per.items()} for name, per in times.items()}
 
 
-def _time_pass(model: Llama, pool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
-    t0 = time.perf_counter()
-    forward_chunks(model, pool, slots, [[1] * tokens] * len(slots), [context] * len(slots),
-                   all_logits=all_logits and tokens > 1)
-    seconds = time.perf_counter() - t0
-    for s in slots:
-        pool.truncate_to(s, context)
-    return seconds
-
-
-def _pool(model: Llama, slots: int, max_seq_len: int):
-    s = model.shape
-    return make_pool("paged", block_size=16, num_blocks=None, enable_prefix_caching=False, num_layers=s.num_layers,
-                     num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, max_slots=slots, max_seq_len=max_seq_len,
-                     dtype=model.dtype, device=model.device)
-
-
 def _fits_in_memory(path: Path, copies: int) -> bool:
-    shape = read_shape(path)
-    layer = shape.hidden_size * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim \
-        + shape.hidden_size * shape.num_heads * shape.head_dim + 3 * shape.hidden_size * shape.intermediate_size
-    params = shape.num_layers * layer + 2 * shape.vocab_size * shape.hidden_size
-    return 4 * params * copies <= MEASURE_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))  # float32 copies are at most 2x
+    return 2 * weights * copies <= MEASURE_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cache_dir() -> Path:
@@ -172,14 +133,10 @@ def cache_dir() -> Path:
 
 
 def host_info() -> dict:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    wanted = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return {"cpu": model, "flags": wanted, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+    """The host class a plan was measured on: CPU model, its vector and matrix flags, threads."""
+    cpu = one_sequence.cpuinfo()
+    flags = sorted(f for f in cpu.get("flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"cpu": cpu.get("model name", ""), "flags": flags, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
 def _model_fingerprint(path: Path) -> dict:

@@ -1,10 +1,7 @@
 """A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c).
 
-A small draft's single-token step is dominated by the dispatch cost of its ~100 eager torch
-operations, not by its weights (see token_step.c). `TokenStep` runs a pass's tokens through the
-compiled step one after another: each call takes one token through every layer, writing its
-K/V through the pass's view before the next token reads it, so a short chunk (a round's
-catch-up of one or two tokens) gives the same K/V and logits as the batched forward up to
+Each call takes one token through every layer, writing its K/V through the pass's view before
+the next token reads it, so a short chunk gives the batched forward's K/V and logits up to
 float32 rounding. Only a draft uses it: its rounding may differ between passes.
 """
 

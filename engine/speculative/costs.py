@@ -1,22 +1,18 @@
-"""Measured forward-pass times, for the adaptive policy.
-
-Times are kept per (batch bucket, tokens per sequence) as exponential moving averages of
-real measurements; the batch bucket is the next power of two. An unmeasured entry is
-interpolated linearly in batch size between measured buckets (and extrapolated from the
-nearest ones). `calibrate` fills the tables at start-up so the first steps are informed.
+"""Measured forward-pass times, for the adaptive policy: exponential moving averages per
+(batch bucket = next power of two, tokens per sequence), interpolated between buckets;
+`calibrate` fills them at start-up.
 """
 
 from __future__ import annotations
 
 import bisect
 import statistics
-import time
 from collections import defaultdict
 from typing import Protocol
 
 from engine.kv import CachePool
 from engine.model.llama import Llama
-from engine.model.passes import forward_chunks
+from engine.model.passes import fill_slots, time_pass
 
 
 def smoothed(old: float | None, new: float, smoothing: float) -> float:
@@ -156,18 +152,10 @@ def calibrate(costs: MeasuredCosts, target: tuple[Llama, CachePool], draft: tupl
 
 
 def _median_pass(model: Llama, pool: CachePool, batch: int, tokens: int, repeats: int, all_logits: bool = False) -> float:
-    slots = [pool.allocate_slot([])[0] for _ in range(batch)]
+    slots = fill_slots(model, pool, batch, 8)
     try:
-        forward_chunks(model, pool, slots, [[i % model.shape.vocab_size] * 8 for i in range(batch)], [0] * batch)
-        times = []
-        for i in range(repeats + 1):  # the first run warms up, untimed
-            t0 = time.perf_counter()
-            forward_chunks(model, pool, slots, [[1] * tokens] * batch, [8] * batch, all_logits=all_logits)
-            if i:
-                times.append(time.perf_counter() - t0)
-            for s in slots:
-                pool.truncate_to(s, 8)
-        return statistics.median(times)
+        time_pass(model, pool, slots, tokens, 8, all_logits)  # warms up, untimed
+        return statistics.median(time_pass(model, pool, slots, tokens, 8, all_logits) for _ in range(repeats))
     finally:
         for s in slots:
             pool.free_slot(s)

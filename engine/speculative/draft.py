@@ -1,10 +1,8 @@
 """The draft-model proposer: batched draft forwards, keeping the adjusted distribution q.
 
-Draft KV is filled lazily, in the draft pool the KVManager keeps beside the target's: each
-round the draft first catches up on every token it has not seen (a new request's prompt, one
-or two tokens in steady state, more after rounds another proposer took), in one batched pass
-whose last logits give q_1; then k - 1 single-token steps. What each part costs goes to the
-cost model through the observer.
+Draft KV fills lazily in the draft pool: each round first catches up on the tokens the draft has
+not seen (a prompt, one or two in steady state) in one pass whose last logits give q_1, then
+k - 1 one-token steps; each part's time goes to the cost model through the observer.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from engine.model.llama import Llama
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.tokenizer import Tokenizer
 from engine.request import Request
-from engine.sampling import SamplingRows, adjusted_probs, context_mask, sample
+from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
@@ -123,10 +121,7 @@ class _Sampling:
     def draw(self, logits: torch.Tensor, active: list[int]) -> list[int]:
         q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
         self.q_steps.append(q)
-        drawn = q.argmax(dim=-1)  # [N]; greedy rows are one-hot
-        random_rows = [i for i in active if not self.reqs[i].params.greedy]
-        if random_rows:
-            drawn[random_rows] = sample(q[random_rows].cpu(), [self.reqs[i].generator for i in random_rows]).to(drawn.device)
+        drawn = draw(q, [r.params for r in self.reqs], [r.generator for r in self.reqs], active)  # [N]
         if self.seen is not None:
             self.seen.scatter_(1, drawn[:, None], True)
         return drawn.tolist()

@@ -1,10 +1,6 @@
-"""Model-free proposals by prompt lookup (n-gram matching).
-
-For a sequence x_1..x_n: take its last m tokens (m from `max_n` down to `min_n`), find the
-most recent earlier place where those m tokens occur, and propose the (up to k) tokens that
-followed there. No match for any m -> no proposal. q is one-hot, so exact acceptance keeps the
-output distribution the target's. What follows a match of a single token (weak evidence) is
-cut to `one_token_match_max` tokens (docs/performance-notes.md#n-gram-one-token-cut).
+"""Model-free proposals by prompt lookup: the tokens that followed the most recent earlier
+occurrence of the sequence's last m tokens (m from max_n down to min_n); q is one-hot. After a
+one-token match at most `one_token_match_max` (performance-notes#n-gram-one-token-cut).
 """
 
 from __future__ import annotations

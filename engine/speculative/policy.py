@@ -18,18 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
+
+from engine.speculative.costs import MeasuredCosts
 
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
-
-
-class Costs(Protocol):
-    def target_time(self, batch: int, tokens_per_seq: int) -> float: ...
-    def target_weight(self, batch: int, tokens_per_seq: int) -> float: ...  # trust in that entry
-    def draft_time(self, batch: int) -> float: ...  # one single-token draft step
-    def draft_first_time(self, batch: int) -> float: ...  # a round's first draft pass (catch-up)
-    def catch_up_time(self, tokens: int) -> float: ...  # long draft catch-ups over this many tokens
-    def step_overhead(self) -> float: ...
 
 
 Acceptance = float | Sequence[float]  # one per-token rate, or rates by draft position h_1, h_2, ...
@@ -104,25 +97,17 @@ class AcceptanceEstimates:
 
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:
-    """E[tokens per round] with k proposals, the final token included. `acceptance` is one
-    per-token rate a (E = (1 - a^(k+1)) / (1 - a)) or the rates by position h_1, h_2, ...
-    (E = 1 + h_1 + h_1 h_2 + ...; positions past its end reuse its last rate)."""
-    if k <= 0:
-        return 1.0
-    if isinstance(acceptance, (int, float)):
-        if acceptance >= 1.0:
-            return k + 1.0
-        return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-    return expected_tokens_curve(acceptance, k)[k]
+    """E[tokens per round] with k proposals, the final token included: 1 + h_1 + h_1 h_2 + ...
+    (positions past the rates' end reuse the last; one rate a gives (1 - a^(k+1)) / (1 - a))."""
+    return expected_tokens_curve(acceptance, max(k, 0))[max(k, 0)]
 
 
 def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     """[E(0), E(1), ..., E(k_max)] for one request, in one pass over the positions."""
-    if isinstance(acceptance, (int, float)):
-        return [expected_tokens(acceptance, k) for k in range(k_max + 1)]
+    rates = [acceptance] if isinstance(acceptance, (int, float)) else acceptance
     curve, reach = [1.0], 1.0
     for j in range(k_max):
-        reach *= acceptance[min(j, len(acceptance) - 1)]
+        reach *= rates[min(j, len(rates) - 1)]
         curve.append(curve[-1] + reach)
     return curve
 
@@ -151,7 +136,7 @@ class Choice:
 class SpecPolicy:
     MAX_PROBE_BACKOFF = 8  # probes at least every probe_every * this many plain steps
 
-    def __init__(self, costs: Costs, spec_length: int, mode: Literal["fixed", "adaptive"],
+    def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.05,
                  probe_every: int = 32):
         self.costs = costs

@@ -1,9 +1,6 @@
-"""The Proposer seam: anything that guesses the next tokens of a batch of requests.
-
-A proposer returns, per request, up to k tokens and (when asked) the distribution q each was
-drawn from: a draft model's adjusted distribution, or one-hot for a model-free proposer. Exact
-acceptance needs only that the token was drawn from q; how good q is decides speed, never the
-output.
+"""The Proposer seam: anything that guesses the next tokens of a batch of requests, with the
+distribution q each was drawn from (a model's, or one-hot). Exact acceptance needs only that the
+token was drawn from q; q's quality decides speed, never the output.
 """
 
 from __future__ import annotations

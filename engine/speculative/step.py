@@ -1,12 +1,9 @@
 """A speculative decode step as a pipeline: plan -> propose -> verify -> accept -> commit.
 
-1. plan: the policy picks K (0 = a plain step) from measured costs and acceptance estimates;
-   each request's k is capped so neither its KV nor its max_tokens can overflow;
-2. propose: the proposer gives each request up to k tokens (and q when sampling needs it);
-3. verify: one target pass over [g, t_1..t_k] per request (g = its last sampled token);
-4. accept: exact acceptance decides how many proposals stay and the final token;
-5. commit: both pools roll back to the accepted length; the request gets accepted + 1 tokens.
-Requests without a proposal ride along with k = 0, which is exactly a plain decode step.
+plan: the policy picks K (0 = plain) and caps each request's k (KV, max_tokens); propose: up to
+k tokens each (q too when sampling needs it); verify: one target pass over [g, t_1..t_k] (g the
+last sampled token); accept: exact acceptance; commit: both pools roll back to the accepted
+length. Requests without a proposal ride along with k = 0: exactly a plain step.
 """
 
 from __future__ import annotations
@@ -16,16 +13,15 @@ from dataclasses import dataclass
 
 from engine.config import SpecConfig
 from engine.kv import KVManager
-from engine.request import Request
+from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
-from engine.speculative.accept import accept
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.draft import DraftModelProposer
 from engine.speculative.hybrid import HybridProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, SpecPolicy
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal, Proposer
-from engine.step_result import DecodeResult, DecodeStats, PhaseSeconds
+from engine.speculative.rejection import accept
 
 
 @dataclass(frozen=True)

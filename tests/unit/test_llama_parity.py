@@ -165,54 +165,6 @@ def test_float32_rms_norm_matches_torch_and_rows_do_not_depend_on_the_batch(tmp_
         assert torch.equal(model._rms_norm(x[:b, :t], w), full[:b, :t])
 
 
-def test_int8_weights_round_trip_and_multiply_like_the_float_weights():
-    """Per-output-channel int8: every weight within half a step of its channel's scale, and the
-    int8 matmul (bf16 activations) close to the float product."""
-    from engine.model.int8 import int8_linear, int8_matmul_available, quantize_int8
-
-    if not int8_matmul_available("cpu"):
-        pytest.skip("this torch has no int8 weight-only matmul on CPU")
-    torch.manual_seed(0)
-    w = torch.randn(96, 64) * torch.linspace(0.01, 3.0, 96)[:, None]  # [out, in], channels of very different size
-    q = quantize_int8(w)
-    assert q.q.dtype == torch.int8 and q.q.shape == (96, 64) and q.scales.shape == (96,)
-    dequant = q.q.float() * q.scales.float()[:, None]  # [out, in]
-    step = q.scales.float()[:, None]
-    assert ((dequant - w).abs() <= 0.5 * step + 1e-3 * w.abs()).all()
-    x = torch.randn(3, 5, 64)  # [..., in]
-    out = int8_linear(x, q)
-    assert out.shape == (3, 5, 96) and out.dtype == torch.float32
-    torch.testing.assert_close(out, x @ dequant.T, atol=0.05 * (x @ dequant.T).abs().max().item(), rtol=0.0)
-
-
-def test_an_int8_draft_runs_narrow_passes_on_int8_and_wide_ones_exactly(tmp_path, tok_dir):
-    """A draft planned with int8: passes of at most INT8_MAX_ROWS rows take the int8 weights
-    (logits near the float ones, same greedy token); wider passes keep the float weights,
-    bit-identical to a plain load. A target's plan cannot ask for int8."""
-    from engine.model import llama as llama_module
-    from engine.model.int8 import Int8Weight, int8_matmul_available
-
-    if not int8_matmul_available("cpu"):
-        pytest.skip("this torch has no int8 weight-only matmul on CPU")
-    make_model(tmp_path, tok_dir, seed=4)
-    with pytest.raises(ValueError, match="forward_plan.target: token_step and int8 are draft-only"):
-        ModelPlan.from_dict("target", {"int8": True}, "float32")
-    exact = load_llama(tmp_path, F32, "cpu", max_positions=256)
-    draft = load_llama(tmp_path, ModelPlan("float32", int8=True), "cpu", max_positions=256)
-    few = draft._few_rows
-    assert few is not None and few.max_rows == llama_module.INT8_MAX_ROWS
-    assert isinstance(few.lm_head, Int8Weight) and all(isinstance(lw.qkv, Int8Weight) for lw in few.layers)
-    out = {name: _prefill_then_steps(tmp_path, m) for name, m in (("exact", exact), ("draft", draft))}
-    assert torch.equal(out["draft"][0], out["exact"][0])
-    exact_steps, int8_steps = out["exact"][1], out["draft"][1]
-    assert not torch.equal(int8_steps, exact_steps)  # the int8 weights were used
-    scale = exact_steps.abs().max().item()
-    torch.testing.assert_close(int8_steps, exact_steps, atol=0.05 * scale, rtol=0.0)
-    top2 = exact_steps.topk(2, dim=-1).values  # [10, 2]
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale  # steps whose greedy token is not a near tie
-    assert torch.equal(int8_steps.argmax(-1)[clear], exact_steps.argmax(-1)[clear])
-
-
 @pytest.mark.parametrize("checkpoint_dtype", [torch.float32, torch.bfloat16])
 def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp_path, tok_dir, checkpoint_dtype):
     """A target's passes over one sequence take the one-sequence CPU kernel, on bf16 weights when
@@ -227,8 +179,8 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     make_model(tmp_path, tok_dir, seed=5, dtype=checkpoint_dtype)
     target = load_llama(tmp_path, ModelPlan("float32", one_sequence_kernel=True), "cpu", max_positions=256)
     onednn = load_llama(tmp_path, F32, "cpu", max_positions=256)
-    few = target._few_rows
-    assert few is not None and few.one_sequence and onednn._few_rows is None
+    few = target._one_sequence
+    assert few is not None and onednn._one_sequence is None
     assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype
     calls = []
 
@@ -236,7 +188,7 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
         calls.append(x.shape[:-1])
         return few.kernel(x, w)
 
-    target._few_rows = few._replace(kernel=counted)
+    target._one_sequence = few._replace(kernel=counted)
     prefill, steps = _prefill_then_steps(tmp_path, target)  # [1, 30, vocab], [10, vocab]
     _, reference_steps = _prefill_then_steps(tmp_path, onednn)
     # the 30-token prefill and the ten steps each ran every layer's four matmuls and the output layer

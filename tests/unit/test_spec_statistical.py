@@ -20,7 +20,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine.speculative.accept as accept_module
+import engine.speculative.rejection as accept_module
 from engine import LLM, SamplingParams
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
 from engine.speculative.proposer import Proposal

@@ -37,15 +37,14 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
 
 @needs_kernels
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8 draft"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights):
     """Logits and the K/V left in the pool agree with the torch forward to float32 rounding;
     passes of at most three tokens run as token steps (bfloat16 weights when the checkpoint's
-    values are bf16 values; full-precision weights in an int8 draft too), wider ones do not (an
-    int8 draft's take torch's int8 kernel: not compared)."""
+    values are bf16 values), wider ones do not."""
     make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
     reference = load_llama(tmp_path, ModelPlan("float32"), "cpu", 256)
-    stepped = load_llama(tmp_path, ModelPlan("float32", token_step=True, int8=weights == "int8 draft"), "cpu", 256)
+    stepped = load_llama(tmp_path, ModelPlan("float32", token_step=True), "cpu", 256)
     step = stepped._token_step
     assert reference._token_step is None and step is not None
     assert step._model.kind == (WeightKind.BF16 if weights == "bfloat16" else WeightKind.F32)
@@ -61,10 +60,7 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
     got, got_kv, got_end = _passes(tmp_path, stepped, backend)
     # 12 one-token steps, the 3-token chunk, 4 two-sequence steps
     assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4
-    if weights != "int8 draft":
-        torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
-    else:
-        want, got = want[:-1], got[:-1]
+    torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
@@ -101,7 +97,7 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
 
 def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
     make_model(tmp_path, tok_dir, seed=4)
-    with pytest.raises(ValueError, match="forward_plan.target: token_step and int8 are draft-only"):
+    with pytest.raises(ValueError, match="forward_plan.target: token_step is draft-only"):
         EngineConfig(model=str(tmp_path), forward_plan={"target": {"dtype": "float32", "token_step": True}})
     with pytest.raises(ValueError, match="token_step needs dtype 'float32'"):
         EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "bfloat16", "token_step": True}})

@@ -150,7 +150,7 @@ def _theory(f: dict, k: int = 5) -> float:
 
 def figures_section(f: dict) -> list[str]:
     """The model card's '## Speculation figures' section (ends with a blank line)."""
-    plan = ", ".join(f"{role}: {p['dtype']}" + "".join(f" + {n}" for n in ("one_sequence_kernel", "token_step", "int8")
+    plan = ", ".join(f"{role}: {p['dtype']}" + "".join(f" + {n}" for n in ("one_sequence_kernel", "token_step")
                                                       if p.get(n)) for role, p in f["forward_plan"].items())
     return [f"## Speculation figures (our engine, this machine: 2 cores, {f['cpu_capability']}; forward plan {plan})",
             "", f"K = 5, greedy, 96 new tokens, {f['prompts']} validation prompts (first lines of a function or "

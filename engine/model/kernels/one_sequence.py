@@ -1,15 +1,9 @@
-"""The hand-written CPU kernels for passes over one sequence: the matmul of a target's passes
-over a few tokens (one_sequence.c) and a draft's whole single-token step (token_step.c).
+"""The hand-written CPU kernels: the one-sequence matmul (one_sequence.c) and a draft's whole
+token step (token_step.c), compiled with the system C compiler on first use into one cached
+library and loaded with ctypes; None (logged once) where that cannot happen.
 
-`load()` compiles the C sources with the system C compiler the first time a process asks
-(about a second), into one library in a cache directory shared by later processes, and loads
-it with ctypes.
-Where it cannot (not x86-64, no AVX2/FMA, no compiler, a failed build), it returns None once
-and logs why: the forward plan then offers only oneDNN's kernels, correct everywhere.
-
-`linear(x, weight)` is x [..., in] @ weight.T for weights [out, in] in float32 or bfloat16; the
-result is float32 and each row is bit-identical whatever the number of rows (one_sequence.c
-says why), so a decode step and a speculative verify pass agree on every token they share.
+`linear(x, weight)` is x [..., in] @ weight.T for weights [out, in] in float32 or bfloat16, each
+row's bits independent of the number of rows (one_sequence.c says why).
 """
 
 from __future__ import annotations
@@ -84,12 +78,14 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "flags", ...; empty where unreadable)."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma"} <= set(flags.split(":", 1)[1].split())
+        text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
 
 
 def _build(compiler: str) -> Path:
@@ -129,7 +125,7 @@ def load() -> OneSequenceKernels | None:
     """The kernels, or None (logged once) where they cannot be built here."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         reason = f"CPU architecture {platform.machine()} (the kernels are x86-64 AVX2)"
-    elif not _cpu_has_avx2_fma():
+    elif not {"avx2", "fma"} <= set(cpuinfo().get("flags", "").split()):
         reason = "this CPU lacks AVX2/FMA"
     elif (compiler := os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) is None:
         reason = "no C compiler (cc/gcc) on PATH"
