@@ -27,10 +27,8 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None, op
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {f'>= {lo}' if hi is None else f'in [{lo}, {hi}]'}, got {value}")
 
 
 def check_bool(name: str, value) -> None:
@@ -100,40 +98,31 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """How one model's passes compute; engine/model/plan.py chooses it, or a user gives it.
+    """How one model's passes compute; engine/model/plan.py chooses it, or a user gives it."""
 
-    dtype: weights, activations and KV cache. one_sequence_kernel (target only): passes over one
-    sequence on the hand-written CPU matmul. token_step (draft only, float32): passes of at most
-    3 tokens as whole-model C calls.
-    """
-
-    dtype: DType = "bfloat16"
-    one_sequence_kernel: bool = False
-    token_step: bool = False
+    dtype: DType = "bfloat16"  # weights, activations and KV cache
+    one_sequence_kernel: bool = False  # target only: passes over one sequence on the hand-written matmul
+    token_step: bool = False  # draft only, float32: passes of at most 3 tokens as whole-model C calls
 
     def __post_init__(self) -> None:
         check_choice("forward_plan dtype", self.dtype, get_args(DType))
-        for name in ("one_sequence_kernel", "token_step"):
-            check_bool(f"forward_plan {name}", getattr(self, name))
+        check_bool("forward_plan one_sequence_kernel", self.one_sequence_kernel)
+        check_bool("forward_plan token_step", self.token_step)
         if self.token_step and self.dtype != "float32":
             raise ValueError("forward_plan: token_step needs dtype 'float32'")
 
-    def check_role(self, role: str) -> None:
-        """A target must keep each token's result independent of the pass it is in, so it never
-        takes the draft-only paths; a draft never takes the target's one-sequence kernel."""
-        if role == "target" and self.token_step:
-            raise ValueError("forward_plan.target: token_step is draft-only (a target's rounding must not "
-                             "depend on the pass)")
-        if role == "draft" and self.one_sequence_kernel:
-            raise ValueError("forward_plan.draft: one_sequence_kernel is for the target")
-
     @classmethod
     def from_dict(cls, role: str, value: dict, dtype: str) -> ModelPlan:
+        """A target's plan never takes the draft's token step (a target's rounding must not depend
+        on the pass), nor a draft's the target's one-sequence kernel."""
         if not isinstance(value, dict):
             raise ValueError(f"forward_plan.{role} must be a mapping, got {value!r}")
         _check_keys(f"forward_plan.{role}", value, {f.name for f in dataclasses.fields(cls)})
         plan = cls(**{"dtype": dtype, **value})
-        plan.check_role(role)
+        if role == "target" and plan.token_step:
+            raise ValueError("forward_plan.target: token_step is draft-only (its rounding depends on the pass)")
+        if role == "draft" and plan.one_sequence_kernel:
+            raise ValueError("forward_plan.draft: one_sequence_kernel is for the target")
         return plan
 
 

@@ -14,13 +14,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
-from engine.detokenize import IncrementalText
 from engine.kv import KVManager
 from engine.model.llama import Llama, LlamaShape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
 from engine.model.plan import load_planned
-from engine.model.tokenizer import Tokenizer
+from engine.model.tokenizer import IncrementalText, Tokenizer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -68,7 +67,6 @@ class LLMEngine:
         decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, decode_tokens)
         self._requests: dict[str, Request] = {}
-        self._texts: dict[str, IncrementalText] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
@@ -156,34 +154,27 @@ class LLMEngine:
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{len(ids) + params.max_tokens} exceeds max_seq_len ({limit})")
-        vocab = self.model.shape.vocab_size
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {t}")
+        if any(t >= self.model.shape.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.model.shape.vocab_size}), got {params.stop_token_ids}")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        req = Request(request_id, ids, params, torch.Generator().manual_seed(seed))
+        req = Request(request_id, ids, params, torch.Generator().manual_seed(seed),
+                      IncrementalText(self.tokenizer, params.stop))
         self._requests[request_id] = req
-        self._texts[request_id] = IncrementalText(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return request_id
 
-    def abort(self, request_id: str) -> StepOutput | None:
-        """Ends a request now (its KV is freed at once). Returns its final output, or None."""
+    def abort(self, request_id: str, error: str | None = None) -> StepOutput | None:
+        """Ends a request now, its KV freed at once (finish reason "error" with an error message).
+        Returns its final output, or None when it had already finished."""
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        return self._finish(req, "abort", "")
-
-    def fail(self, request_id: str, message: str) -> None:
-        """Ends a request with finish reason "error" (its KV is freed at once)."""
-        req = self._requests.get(request_id)
-        if req is not None and not req.is_finished:
-            req.error = message
-            self._finish(req, "error", "")
+        req.error = error
+        return self._finish(req, "abort" if error is None else "error", "")
 
     def request(self, request_id: str) -> Request | None:
         """The engine's record of a request (None once released)."""
@@ -243,7 +234,7 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
-        text = self._texts[req.request_id]
+        text = req.text
         delta = text.add(token)
         p = req.params
         if text.stopped or token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
@@ -253,7 +244,7 @@ class LLMEngine:
         return StepOutput(req.request_id, token, delta)
 
     def _finish(self, req: Request, reason, delta: str, token: int = -1) -> StepOutput:
-        delta += self._texts[req.request_id].finish()
+        delta += req.text.finish()
         self.scheduler.remove(req)
         if self.speculation is not None:
             self.speculation.forget(req)
@@ -263,18 +254,13 @@ class LLMEngine:
         return StepOutput(req.request_id, token, delta, finished=True, finish_reason=reason)
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return self._requests[request_id].output(self._texts[request_id].text)
+        return self._requests[request_id].output()
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request's record (the engine keeps it until then)."""
         req = self._requests.get(request_id)
         if req is not None and req.is_finished:
             del self._requests[request_id]
-            del self._texts[request_id]
-
-    def kv_usage_fractions(self) -> dict[str, float]:
-        """Fraction of each KV pool in use ("target", and "draft" when there is one)."""
-        return self.kv.usage()
 
     def stats(self) -> dict:
         """Queue lengths, KV in use, the speculation settings and the forward plan."""

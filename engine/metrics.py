@@ -6,6 +6,7 @@ README table, the dashboard and the tests are all checked against `METRICS`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
@@ -99,25 +100,18 @@ class StepMetrics:
 
     def on_step(self, engine, outputs: list) -> None:
         """Records the engine's last step (`engine.last_step`) and its outputs."""
-        rec, now = self.recorder, time.monotonic()
-        base = self._labels()
-        per_request: dict[str, int] = {}
-        for o in outputs:
-            if o.token_id >= 0:
-                per_request[o.request_id] = per_request.get(o.request_id, 0) + 1
-        generated = sum(per_request.values())
-        if generated:
-            rec.inc("specserve_generation_tokens_total", generated, base)
+        rec, now, base = self.recorder, time.monotonic(), self._labels()
+        per_request = Counter(o.request_id for o in outputs if o.token_id >= 0)
+        if per_request:
+            rec.inc("specserve_generation_tokens_total", per_request.total(), base)
         for rid, n in per_request.items():
-            req = engine.request(rid)
-            if req is None:
+            if (req := engine.request(rid)) is None:
                 continue
             last = self._last_output_time.get(rid)
-            if last is None:
-                if req.first_token_time is not None:
-                    rec.observe("specserve_time_to_first_token_seconds", req.first_token_time - req.arrival_time, base)
-            else:
+            if last is not None:
                 rec.observe("specserve_inter_token_latency_seconds", (now - last) / n, base)
+            elif req.first_token_time is not None:
+                rec.observe("specserve_time_to_first_token_seconds", req.first_token_time - req.arrival_time, base)
             self._last_output_time[rid] = now
         for o in outputs:
             if o.finished:
@@ -132,7 +126,7 @@ class StepMetrics:
             rec.inc("specserve_preemptions_total", step.num_preempted, base)
         rec.set("specserve_running_requests", engine.num_running(), base)
         rec.set("specserve_waiting_requests", engine.num_waiting(), base)
-        for pool, fraction in engine.kv_usage_fractions().items():
+        for pool, fraction in engine.kv.usage().items():
             rec.set("specserve_kv_usage_fraction", fraction, self._labels(pool=pool))
 
     def _on_decode(self, s: DecodeStats) -> None:

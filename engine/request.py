@@ -15,6 +15,7 @@ from typing import Literal, get_args
 import torch
 
 from engine.config import SamplingParams
+from engine.model.tokenizer import IncrementalText
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -50,6 +51,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
+    text: IncrementalText  # the output detokenized as it arrives
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -79,14 +81,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def output(self, text: str) -> RequestOutput:
-        """What callers see of this request (its text detokenized by the engine)."""
+    def output(self) -> RequestOutput:
+        """What callers see of this request."""
         s, t0 = self.spec, self.arrival_time
         metrics = {name: t - t0 for name, t in (("ttft_s", self.first_token_time), ("e2e_s", self.finish_time))
                    if t is not None}
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.output_token_ids),
-            text=text, finished=self.is_finished, finish_reason=self.finish_reason, error=self.error,
+            text=self.text.text, finished=self.is_finished, finish_reason=self.finish_reason, error=self.error,
             num_cached_prompt_tokens=self.num_cached_prefix_tokens, acceptance_rate=s.acceptance_rate,
             num_draft_tokens=sum(s.proposed_per_round), num_accepted_tokens=sum(s.accepted_per_round),
             num_spec_rounds=len(s.accepted_per_round), accepted_per_round=list(s.accepted_per_round),

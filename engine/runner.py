@@ -36,14 +36,14 @@ class ModelRunner:
                 done.append(b)  # prompt fully in KV: its last logits give the first token
         if not done:
             return []
-        tokens = self._sample(logits[done], [reqs[b] for b in done])
-        return [(reqs[b], [t]) for b, t in zip(done, tokens)]
+        done_reqs = [reqs[b] for b in done]
+        return list(zip(done_reqs, ([t] for t in _sample(logits[done], done_reqs))))
 
     def decode(self, reqs: list[Request], reason: str = "disabled") -> DecodeResult:
         """One plain decode step: each request's last token in, one new token out."""
         t0 = time.perf_counter()
         logits = self.forward(reqs, [[r.output_token_ids[-1]] for r in reqs])  # [B, vocab]
-        tokens = self._sample(logits, reqs)
+        tokens = _sample(logits, reqs)
         stats = DecodeStats(batch_size=len(reqs), reason=reason, num_tokens=len(reqs))
         return DecodeResult([(r, [t]) for r, t in zip(reqs, tokens)], stats, target_seconds=time.perf_counter() - t0)
 
@@ -53,7 +53,7 @@ class ModelRunner:
         return forward_chunks(self.model, self.kv.target, [self.kv.target_slot(r) for r in reqs], chunks,
                               [self.kv.computed(r) for r in reqs], all_logits=all_logits)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        return greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
-                                [r.generator for r in reqs])
+
+def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    return greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
+                            [r.generator for r in reqs])

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
+from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from engine.config import EngineConfig, with_embedded_defaults
 from engine.metrics import StepMetrics
 from engine.request import RequestOutput

@@ -26,18 +26,13 @@ def _consecutive(blocks: list[int]) -> bool:
 
 
 class PagedKVPool:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_slots: int,
-                 max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
-                 block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_slots: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = 16, num_blocks: int | None = None,
                  enable_prefix_caching: bool = True):
-        if num_blocks is None:
-            num_blocks = max_slots * -(-max_seq_len // block_size)
-        self.block_size = block_size
-        self.max_slots = max_slots
-        self.max_seq_len = max_seq_len
+        num_blocks = max_slots * -(-max_seq_len // block_size) if num_blocks is None else num_blocks
+        self.block_size, self.max_slots, self.max_seq_len = block_size, max_slots, max_seq_len
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.storage = allocate_storage(num_layers, num_blocks * block_size, num_kv_heads,
-                                        head_dim, dtype, device)
+        self.storage = allocate_storage(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype, device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._tables: dict[int, BlockTable] = {}
         self._block_rows = torch.arange(block_size, device=self.storage.device)  # [block_size]

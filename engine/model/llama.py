@@ -163,7 +163,8 @@ class Llama:
         self.cos, self.sin = _rope_tables(shape, max_positions, self.dtype, self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
         self.num_parameters = sum(t.numel() for t in self._weights())
-        self._token_step = self._build_token_step() if plan.token_step else None
+        self._token_step = TokenStep(shape, embed, layers, final_norm, self.lm_head, self.cos, self.sin) \
+            if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
         self._linear = F.linear
@@ -173,13 +174,6 @@ class Llama:
     def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in vars(lw).values()]
         return tensors + ([] if self.lm_head is self.embed else [self.lm_head])
-
-    def _build_token_step(self) -> TokenStep:
-        step = TokenStep.build(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin)
-        if step is None:
-            raise ValueError("forward_plan token_step: the CPU token step cannot run here (it needs float32 "
-                             "on an x86-64 CPU with AVX2 and the kernels built; see the log)")
-        return step
 
     def _one_sequence_path(self) -> OneSequencePath:
         """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the one-sequence

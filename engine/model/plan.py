@@ -62,13 +62,10 @@ def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
-    kernels = one_sequence.load() is not None
+    kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if one_sequence.load() else None
     out = []
     for d in dtypes:
-        if role == "target":
-            out += [ModelPlan(d)] + ([ModelPlan(d, one_sequence_kernel=True)] if kernels and d == "float32" else [])
-            continue
-        out += [ModelPlan(d)] + ([ModelPlan(d, token_step=True)] if kernels and d == "float32" else [])
+        out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if kernel and d == "float32" else [])
     return out
 
 
@@ -139,14 +136,11 @@ def host_info() -> dict:
     return {"cpu": cpu.get("model name", ""), "flags": flags, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
-def _model_fingerprint(path: Path) -> dict:
-    files = sorted(p for p in Path(path).iterdir() if p.suffix == ".safetensors")
-    return {"config": (Path(path) / "config.json").read_text(), "weights": [(p.name, p.stat().st_size) for p in files]}
-
-
 def _cache_file(path: Path, role: str, dtype: str, device: str) -> Path:
+    """Named by the host, torch, role, dtype, device and the model (its config and weight files)."""
+    weights = [(p.name, p.stat().st_size) for p in sorted(Path(path).glob("*.safetensors"))]
     key = {"version": PLAN_VERSION, "host": host_info(), "torch": torch.__version__, "role": role, "dtype": dtype,
-           "device": device, "model": _model_fingerprint(path)}
+           "device": device, "model": {"config": (Path(path) / "config.json").read_text(), "weights": weights}}
     return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
 
 

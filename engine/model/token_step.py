@@ -15,9 +15,7 @@ import torch
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
 
-# Passes computing at most this many tokens (over all their sequences) run as token steps
-# (docs/performance-notes.md#draft-token-step).
-TOKEN_STEP_MAX_TOKENS = 3
+TOKEN_STEP_MAX_TOKENS = 3  # passes computing at most this many tokens run as token steps (performance-notes)
 
 
 class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind
@@ -41,62 +39,46 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
 
 
 class TokenStep:
-    """Holds the weights' pointers (and the weights, so the pointers stay valid) for token_step.c.
+    """The C step's model struct, pointing at the weights (kept alive here) of a float32 CPU model.
 
-    Build with `TokenStep.build(...)`, which returns None when the model does not suit the kernel
-    (not float32 on CPU, widths not multiples of 8, the kernels not built here)."""
+    shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before any
+    packing); lm_head [vocab, hidden]; cos/sin [max_positions, head_dim]. The matmuls read
+    bfloat16 copies when every weight's values are bf16 values. ValueError where it cannot run.
+    """
 
-    def __init__(self, kernels: one_sequence.OneSequenceKernels, model: _Model, keep: list[torch.Tensor],
-                 layers: ctypes.Array, vocab_size: int):
-        self._kernels = kernels
-        self._model = model
-        self._keep = keep  # every tensor whose pointer the C struct holds
-        self._layers = layers  # the struct array model.layer points to
-        self._vocab_size = vocab_size
-
-    @classmethod
-    def build(cls, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor) -> TokenStep | None:
-        """shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before
-        any packing); lm_head [vocab, hidden]; cos/sin [max_positions, head_dim]. The matmuls
-        read bfloat16 copies when every weight's values are bf16 values, else float32."""
+    def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor):
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-            return None
-        widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim)
-        if any(w % 8 for w in widths) or shape.head_dim % 8 or shape.num_heads % shape.num_kv_heads:
-            return None
-        kernels = one_sequence.load()
-        if kernels is None:
-            return None
-        names = ("qkv", "o", "gate_up", "down")
-        matrices = [[getattr(lw, n) for n in names] for lw in layers] + [[lm_head]]
-        keep: list[torch.Tensor] = []  # every tensor whose pointer the C struct holds
-
-        def held(t: torch.Tensor) -> int:
-            keep.append(t)
-            return t.data_ptr()
-
+        widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.head_dim)
+        self._kernels = one_sequence.load()
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or any(w % 8 for w in widths) \
+                or shape.num_heads % shape.num_kv_heads or self._kernels is None:
+            raise ValueError("forward_plan token_step: the CPU token step cannot run here (it needs float32 weights "
+                             "on an x86-64 CPU with AVX2, widths that are multiples of 8, and the kernels built)")
+        self._keep: list[torch.Tensor] = []  # every tensor whose pointer the C struct holds
+        matrices = [[getattr(lw, n) for n in ("qkv", "o", "gate_up", "down")] for lw in layers] + [[lm_head]]
         narrowed = [[one_sequence.bf16_if_exact(w) for w in ws] for ws in matrices]
         kind = WeightKind.BF16 if all(w.dtype == torch.bfloat16 for ws in narrowed for w in ws) else WeightKind.F32
         if kind == WeightKind.F32:  # one dtype for every matmul weight
             narrowed = [[w.contiguous() for w in ws] for ws in matrices]
-        weights = [[held(w) for w in ws] for ws in narrowed]
-        step_layers = (_Layer * len(layers))()
-        for i, (lw, (qkv, o, gate_up, down)) in enumerate(zip(layers, weights)):
-            step_layers[i] = _Layer(held(lw.attn_norm.contiguous()), qkv, o, held(lw.mlp_norm.contiguous()),
-                                    gate_up, down)
-        model = _Model(hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers),
-                       heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                       head_rows=lm_head.shape[0], kv_rows=0, max_keys=cos.shape[0], eps=shape.rms_norm_eps,
-                       scale=shape.head_dim ** -0.5, kind=int(kind), embed=held(embed.contiguous()),
-                       cos=held(cos.contiguous()), sin=held(sin.contiguous()),
-                       final_norm=held(final_norm.contiguous()), lm_head=weights[-1][0],
-                       layer=step_layers, kv=None, scratch=None)
-        scratch = torch.empty(kernels.token_step_scratch_floats(ctypes.byref(model), model.max_keys),
-                              dtype=torch.float32)  # [floats the C step needs]
-        model.scratch = held(scratch)
-        return cls(kernels, model, keep, step_layers, shape.vocab_size)
+        weights = [[self._held(w) for w in ws] for ws in narrowed]
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(self._held(lw.attn_norm.contiguous()), qkv, o, self._held(lw.mlp_norm.contiguous()), gate_up, down)
+            for lw, (qkv, o, gate_up, down) in zip(layers, weights)])
+        self._model = _Model(
+            hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers), heads=shape.num_heads,
+            kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, head_rows=lm_head.shape[0], kv_rows=0,
+            max_keys=cos.shape[0], eps=shape.rms_norm_eps, scale=shape.head_dim ** -0.5, kind=int(kind),
+            embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
+            final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
+            scratch=None)
+        floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
+        self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
+        self._vocab_size = shape.vocab_size
+
+    def _held(self, t: torch.Tensor) -> int:
+        self._keep.append(t)
+        return t.data_ptr()
 
     @staticmethod
     def takes(batch: int, width: int, logits_index: torch.Tensor | None) -> bool:

@@ -57,7 +57,8 @@ class DraftModelProposer:
         part = Proposal(tokens, q, [self.name] * len(reqs))
         if len(rows) == len(requests):
             return part
-        return Proposal.merge(len(requests), [(rows, part)], self.model.shape.vocab_size, with_q, self.model.device)
+        empty = q.new_zeros(len(requests), 1, q.shape[-1]) if q is not None else None  # [N, 1, V]
+        return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Feeds each request's unseen tokens (long runs apart from short ones); returns the

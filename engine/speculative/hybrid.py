@@ -14,27 +14,17 @@ class HybridProposer:
     name = "hybrid"
     runs_model = True
 
-    def __init__(self, lookup: Proposer, model: Proposer, vocab_size: int, device):
+    def __init__(self, lookup: Proposer, model: Proposer):
         self.lookup = lookup
         self.model = model
-        self.vocab_size = vocab_size
-        self.device = device
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         found = self.lookup.propose(requests, ks, with_q)
         rest = [i for i, k in enumerate(ks) if k > 0 and not found.tokens[i]]
         if not rest:
             return found
-        drafted = self.model.propose([requests[i] for i in rest], [ks[i] for i in rest], with_q)
-        drafted_rows = set(rest)
-        looked_up = [i for i in range(len(requests)) if i not in drafted_rows]
-        parts = [(looked_up, _rows(found, looked_up)), (rest, drafted)]
-        return Proposal.merge(len(requests), parts, self.vocab_size, with_q, self.device)
+        return found.with_rows(rest, self.model.propose([requests[i] for i in rest], [ks[i] for i in rest], with_q))
 
     def lag(self, requests: list[Request]) -> list[int]:
         return self.model.lag(requests)
 
-
-def _rows(proposal: Proposal, rows: list[int]) -> Proposal:
-    q = None if proposal.q is None else proposal.q[rows]
-    return Proposal([proposal.tokens[i] for i in rows], q, [proposal.sources[i] for i in rows])

@@ -27,22 +27,19 @@ class Proposal:
     def k_max(self) -> int:
         return max((len(t) for t in self.tokens), default=0)
 
-    @classmethod
-    def merge(cls, n: int, parts: list[tuple[list[int], Proposal]], vocab: int, with_q: bool,
-              device: torch.device | str) -> Proposal:
-        """One proposal for n rows from parts, each (the rows it covers, its proposal)."""
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        sources = ["none"] * n
-        for rows, part in parts:
-            for j, i in enumerate(rows):
-                tokens[i], sources[i] = part.tokens[j], part.sources[j]
+    def with_rows(self, rows: list[int], part: Proposal) -> Proposal:
+        """This proposal with rows[j] replaced by part's row j (q of both, when both have it)."""
+        tokens, sources = list(self.tokens), list(self.sources)
+        for j, i in enumerate(rows):
+            tokens[i], sources[i] = part.tokens[j], part.sources[j]
         q = None
-        if with_q:
-            q = torch.zeros(n, max(1, max((len(t) for t in tokens), default=0)), vocab, device=device)  # [N, K, V]
-            for rows, part in parts:
-                if part.q is not None and rows:
-                    q[rows, :part.q.shape[1]] = part.q
-        return cls(tokens, q, sources)
+        if self.q is not None and part.q is not None:
+            n, _, vocab = self.q.shape
+            q = self.q.new_zeros(n, max(1, max(len(t) for t in tokens)), vocab)  # [N, K, V]
+            q[:, :self.q.shape[1]] = self.q
+            q[rows] = 0.0
+            q[rows, :part.q.shape[1]] = part.q
+        return Proposal(tokens, q, sources)
 
 
 def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:

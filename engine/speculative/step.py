@@ -40,7 +40,7 @@ def build_proposer(settings: SpecConfig, draft: DraftModelProposer | None, vocab
         return draft
     min_n = settings.hybrid_ngram_min if settings.speculative_method == "hybrid" else settings.ngram_min
     lookup = NgramProposer(vocab_size, device, settings.ngram_max, min_n, settings.ngram_one_token_match_max)
-    return lookup if settings.speculative_method == "ngram" else HybridProposer(lookup, draft, vocab_size, device)
+    return lookup if settings.speculative_method == "ngram" else HybridProposer(lookup, draft)
 
 
 class SpeculativeDecoder:

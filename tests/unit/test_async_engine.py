@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from serve_app.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 def config(path, **kw):

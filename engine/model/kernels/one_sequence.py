@@ -28,8 +28,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 class OneSequenceKernels:
-    """The compiled kernels: the matmul for float32 and for bfloat16 weights, and the token
-    step (driven by engine.model.token_step)."""
+    """The compiled kernels: the matmul for float32 and bfloat16 weights, and the token step."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.f32 = lib.one_sequence_f32
@@ -59,15 +58,14 @@ class OneSequenceKernels:
 
 
 def bf16_if_exact(w: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 copy of w if every value of w is a bfloat16 value (a bf16 checkpoint upcast
-    to float32): half the bytes to read, the same products. Else w itself, contiguous."""
+    """A bfloat16 copy of w if all its values are bf16 values (half the bytes, the same products),
+    else w itself, contiguous."""
     half = w.to(torch.bfloat16)
     return half if torch.equal(half.float(), w) else w.contiguous()
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Whether `linear` can take this weight: CPU, 2-D, contiguous, float32 or bfloat16, an input
-    width that is a multiple of 8 (the kernel's vector width)."""
+    """Whether `linear` takes this weight: CPU, 2-D, contiguous, float32 or bf16, width a multiple of 8."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 8 == 0)
 
@@ -89,9 +87,8 @@ def cpuinfo() -> dict[str, str]:
 
 
 def _build(compiler: str) -> Path:
-    """Compiles the sources into one library (once per sources and flags: the file name holds
-    their hash); the library is written under a temporary name and renamed, so concurrent
-    builders never load a half-written file."""
+    """Compiles the sources into one library named by their hash, written under a temporary name
+    and renamed, so concurrent builders never load a half-written file."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"one_sequence-{digest}.so"
     if target.exists():

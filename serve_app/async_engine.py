@@ -19,7 +19,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine, Prompt
 from engine.request import FinishReason, RequestOutput, StepOutput
 
-log = logging.getLogger("engine.async")
+log = logging.getLogger("serve_app.async_engine")
 
 
 @dataclass
@@ -160,7 +160,7 @@ class AsyncLLMEngine:
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
-            self.engine.fail(rid, message)
+            self.engine.abort(rid, error=message)
             self._publish(self.engine, {rid: StreamDelta(rid, "", [], True, "error")})
 
     def _run(self) -> None:
