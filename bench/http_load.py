@@ -118,8 +118,8 @@ async def http_phases(url: str, args, pool: list[str]) -> dict:
 
 
 async def engine_phases(engine_cfg: dict, args, pool: list[str]) -> dict:
-    from serve_app.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig, SamplingParams, with_embedded_defaults
+    from serve_app.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(EngineConfig.from_kwargs(**with_embedded_defaults(engine_cfg)))  # as the server
     results: dict = {}

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 from bench.common import RESULTS
-from engine.model.llama import INT8_MAX_ROWS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -30,20 +29,23 @@ def _load(name: str) -> dict | None:
 
 
 def _host(m: dict) -> str:
-    """CPU model, plus its vector extensions and bf16 matmul path where the run recorded them."""
-    if "cpu_capability" not in m:
-        return m["cpu"]
-    return f"{m['cpu']} ({m['cpu_capability']}, bf16 matmuls: {m['bf16_matmul']})"
+    """The host class: CPU model and its matrix/vector extensions."""
+    flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in m.get("cpu_flags", [])]
+    return f"{m['cpu']} [{', '.join(flags) or m.get('cpu_capability', '?')}]"
 
 
-def _draft_weights(r: dict) -> str:
-    """Which weights the draft's narrow passes read (runs before an option was recorded: float,
-    no token step)."""
-    q = r.get("draft_quantization", "none")
-    if r.get("draft_token_step"):
-        return ("draft steps of up to 3 tokens as token steps (whole-model C calls, bf16 weights)"
-                + (", its other passes of up to 8 rows on int8 weights" if q == "int8" else ""))
-    return "draft steps on int8 weights" if q == "int8" else "draft on float weights"
+def _plan_label(p: dict) -> str:
+    kernels = [name for key, name in (("one_sequence_kernel", "one-sequence kernel"), ("token_step", "token steps"))
+               if p.get(key)]
+    return " + ".join([p["dtype"], *kernels])
+
+
+def _plan(r: dict) -> str:
+    """The forward plan the run's engine used."""
+    plan = r.get("forward_plan")
+    if not plan:
+        return "forward plan not recorded"
+    return "forward plan: " + ", ".join(f"{role} {_plan_label(p)}" for role, p in plan.items())
 
 
 def engine_vs_hf(r: dict) -> list[str]:
@@ -66,7 +68,7 @@ def spec(r: dict) -> list[str]:
          "forward passes alone, measured between the configurations)")
     lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
-             f"interleaved runs; {c}; {_draft_weights(r)}; {_host(m)}, {m['threads']} threads "
+             f"interleaved runs; {c}; {_plan(r)}; {_host(m)}, {m['threads']} threads "
              f"(`python -m bench spec --workload {r['workload']}"
              f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
              "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) "
@@ -107,9 +109,7 @@ def peers(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Peers on the same weights** — the shipped pair in bf16, batch 1, greedy, {r['tokens']} new tokens, "
              f"{r['prompts']} held-out prompts per workload, medians of {r['repeats']} interleaved runs, "
-             f"{m['threads']} threads; ours: {_draft_weights(r)}"
-             f"{', except the float draft row' if r.get('draft_quantization') == 'int8' else ''} "
-             "(`python -m bench peers`):", "",
+             f"{m['threads']} threads, {_host(m)}; ours: {_plan(r)} (`python -m bench peers`):", "",
              "| workload | variant | tok/s | vs transformers plain | vs transformers assisted | same tokens as own plain |",
              "| --- | --- | --- | --- | --- | --- |"]
     for w, block in r["workloads"].items():
@@ -121,44 +121,22 @@ def peers(r: dict) -> list[str]:
     return lines + _img("peers")
 
 
-def draft_weights(r: dict) -> list[str]:
-    m = r["machine"]
-    res = r["results"]
-    lines = [f"**Int8 vs float32 draft weights** (`draft_quantization`) — workload `{r['workload']}`, "
-             f"{r['prompts']} held-out prompts, {r['tokens']} new tokens, batch 1, greedy, {r['repeats']} interleaved "
-             f"runs, {m['threads']} threads (`python -m bench draftq`)"
-             f"{'; draft token step off in both (int8 applies to the torch passes it replaces)' if r.get('draft_token_step') is False else ''}"
-             "; plain decoding: "
-             f"{res['plain']['tok_s']['median']:.0f} tok/s:", "",
-             "| setting | float32 draft tok/s | int8 draft tok/s | int8 ÷ float32 (median of per-run ratios, range) "
-             "| drafting, ms per token: float32 → int8 | acceptance float32 → int8 |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for setting, ratio in r["int8_over_float"].items():
-        f, i = res[f"{setting} none"], res[f"{setting} int8"]
-        lines.append(f"| {setting} | {f['tok_s']['median']:.0f} | {i['tok_s']['median']:.0f} | "
-                     f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}) | "
-                     f"{f['ms_per_token']['draft']:.2f} → {i['ms_per_token']['draft']:.2f} | "
-                     f"{f['acceptance']:.3f} → {i['acceptance']:.3f} |")
-    return lines + [""]
-
-
-def one_sequence_kernel(r: dict) -> list[str]:
-    m = r["machine"]
-    res = r["results"]
-    settings = list(dict.fromkeys(name.split(", ")[0] for name in res))
-    labels = list(dict.fromkeys(name.split(", ")[1] for name in res))
-    lines = [f"**Hand-written CPU kernels vs oneDNN** (`cpu_one_sequence_kernels`, `cpu_draft_token_step`) — workload `{r['workload']}`, "
-             f"{r['prompts']} held-out prompts, {r['tokens']} new tokens, batch 1, greedy, {r['repeats']} interleaved "
-             f"runs, {_host(m)}, {m['threads']} threads (`python -m bench kernel`); ratios are medians of per-run "
-             "ratios to the same repeat's plain decoding on oneDNN; every row's tokens equal plain decoding's:", "",
-             "| setting | " + " | ".join(f"{label} tok/s | ÷ plain on oneDNN | ÷ its own plain" for label in labels) + " |",
-             "| --- |" + " --- | --- | --- |" * len(labels)]
-    for setting in settings:
-        cells = []
-        for label in labels:
-            e = res[f"{setting}, {label}"]
-            cells.append(f"{e['tok_s']['median']:.0f} | {e['vs_onednn_plain']['median']:.2f}x | {e['vs_own_plain']:.2f}x")
-        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+def plans(r: dict) -> list[str]:
+    m, res = r["machine"], r["results"]
+    lines = [f"**Forward plan: measured (auto) vs forced** — workload `{r['workload']}`, greedy, {r['tokens']} new "
+             f"tokens, batch 1 ({r['prompts']} prompts one at a time) and 16, medians of {r['repeats']} interleaved "
+             f"runs, {_host(m)}, {m['threads']} threads (`python -m bench plan`); auto = "
+             f"{_plan({'forward_plan': r['auto_plan']}).removeprefix('forward plan: ')}; each forced plan changes one "
+             "model's plan from auto's:", "",
+             "| setting | auto tok/s | best forced plan | its tok/s | auto ÷ best (median of per-run ratios, range) |",
+             "| --- | --- | --- | --- | --- |"]
+    for setting, e in res.items():
+        best, ratio = e["best_forced"], e["auto_over_best"]
+        lines.append(f"| {setting} | {e['tok_s']['auto']['median']:.0f} | {best} | {e['tok_s'][best]['median']:.0f} | "
+                     f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) |")
+    names = list(next(iter(res.values()))["tok_s"])
+    lines += ["", "Every engine, tok/s:", "", "| plan | " + " | ".join(res) + " |", "| --- |" + " --- |" * len(res)]
+    lines += [f"| {n} | " + " | ".join(f"{e['tok_s'][n]['median']:.0f}" for e in res.values()) + " |" for n in names]
     return lines + [""]
 
 
@@ -189,8 +167,7 @@ def sweep(r: dict) -> list[str]:
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
                "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
-             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {_draft_weights(r)}"
-             f"{f' (passes of up to {INT8_MAX_ROWS} rows: batch {INT8_MAX_ROWS} and below)' if r.get('draft_quantization') == 'int8' else ''}"
+             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {_plan(r)}; {_host(r['machine'])}"
              f"; {measure}:", "",
              "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |"
              + (" adaptive ÷ best, whole run |" if windowed else "") + (" adaptive ÷ best, paired |" if paired else ""),
@@ -281,6 +258,11 @@ def summary() -> str:
             measured += (f" as ratios of medians; paired medians {min(paired.values()):.3f} (batch {worst_paired})"
                          f" to {max(paired.values()):.3f}")
         row("adaptive >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
+    if (r := _load("plans")) is not None:
+        ratios = {k: e["auto_over_best"]["median"] for k, e in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        row("forward plan: auto within 5% of the best forced plan (plain, draft K=5, hybrid adaptive; batch 1 and 16)",
+            f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
     if not rows:
         return ""
     return "\n".join(["**Targets** (from the committed results below):", "", "| target | measured | met |",
@@ -298,8 +280,8 @@ def build() -> str:
             first_spec = first_spec or r
     if first_spec is not None:
         out += costs_table(first_spec)
-    for name, fn in (("peers", peers), ("draft_weights", draft_weights), ("one_sequence_kernel", one_sequence_kernel),
-                     ("llama_cpp", llama_cpp), ("sweep", sweep), ("http_load", http_load)):
+    for name, fn in (("plans", plans), ("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep),
+                     ("http_load", http_load)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)

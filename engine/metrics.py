@@ -69,7 +69,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_running_requests", "gauge", "Requests holding KV (prefilling or decoding).",
                unit="requests"),
     MetricSpec("specserve_waiting_requests", "gauge", "Requests queued for admission.", unit="requests"),
-    MetricSpec("specserve_kv_usage_fraction", "gauge", "Fraction of the KV pool in use (blocks, or slots).",
+    MetricSpec("specserve_kv_usage_fraction", "gauge", "Fraction of the KV pool's blocks in use.",
                ("model", "pool")),
     MetricSpec("specserve_spec_k", "gauge", "Tokens proposed per round chosen for the last decode step (0 = plain).",
                unit="tokens"),

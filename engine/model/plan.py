@@ -1,11 +1,10 @@
 """Which kernels and compute dtype each model's passes use, chosen by measuring on this host.
 
-Candidates (`candidates`): the asked-for dtype, and float32 where it represents those weights
-exactly; for a target, oneDNN or the one-sequence kernel; for a draft, its torch forward or
-token steps; only paths that can run here. Each is
-timed on a few scenarios (`SCENARIOS`), interleaved; the lowest geometric mean of time relative
-to the fastest wins, cached per (host, model, torch, dtype, role). On CUDA, and for models too
-large to hold every candidate, the plan is the asked-for dtype on torch, unmeasured.
+Candidates: the asked-for dtype and float32 (exact for those weights); a target's one-sequence
+kernel, a draft's token steps; only paths that can run here. Each is timed on `SCENARIOS`,
+interleaved; the lowest geometric mean of time relative to the fastest wins, cached per (host,
+model, torch, dtype, role). On CUDA, or for models too large to hold every candidate: the
+asked-for dtype on torch, unmeasured (docs/performance-notes.md#forward-plan).
 """
 
 from __future__ import annotations

@@ -39,12 +39,8 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
 
 
 class TokenStep:
-    """The C step's model struct, pointing at the weights (kept alive here) of a float32 CPU model.
-
-    shape: LlamaShape; layers: LayerWeights with plain [out, in] matmul weights (before any
-    packing); lm_head [vocab, hidden]; cos/sin [max_positions, head_dim]. The matmuls read
-    bfloat16 copies when every weight's values are bf16 values. ValueError where it cannot run.
-    """
+    """The C step's model struct, pointing at the weights (kept alive here) of a float32 CPU model
+    (matmuls on bf16 copies when the weights' values are all bf16); ValueError where it cannot run."""
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor):

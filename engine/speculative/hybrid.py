@@ -1,8 +1,5 @@
-"""Hybrid proposals: prompt lookup where it finds a long enough match, a model elsewhere.
-
-A long n-gram match is strong evidence (repeated code, an edit of the prompt) and costs no model
-pass; the model proposer drafts only the rows the lookup left empty.
-"""
+"""Hybrid proposals: prompt lookup where it finds a long enough match (strong evidence, no model
+pass), the model proposer for the rows it left empty."""
 
 from __future__ import annotations
 

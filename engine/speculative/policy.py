@@ -1,17 +1,10 @@
-"""Choosing K (tokens to propose) each step from measured costs and estimated acceptance.
+"""Choosing K (tokens to propose) each step: the K that maximises expected tokens per second,
 
-For a batch of B requests the policy maximises expected tokens per second:
+    goodput(K) = sum_i E_i(min(K, cap_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1)),
 
-    goodput(K) = sum_i E_i(min(K, k_max_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1))
-    goodput(0) = B / (t_step + t_target(B, 1))                          (plain decode)
-    t_draft(B, K) = t_first(B) + (K - 1) t_one(B) + t_catch_up(U) / S(K)
-
-E_i(K) = 1 + h_1 + h_1 h_2 + ... + h_1 ... h_K from request i's acceptance rates by draft
-position; t_* are measured (costs.py); U tokens the draft must catch up on are spread over the
-S(K) steps the batch has left. The verify pass stops being nearly free as B grows, so the best
-K falls to 0 by itself, with no cliff; a hysteresis margin keeps K from flipping; after a run of
-plain steps one probe step speculates again, with exponential backoff. The derivation and the
-measurements behind each part: docs/performance-notes.md#adaptive-policy.
+from measured costs (costs.py) and each request's acceptance rates by draft position, with
+E_i(K) = 1 + h_1 + h_1 h_2 + ... K falls to 0 by itself as verify passes stop being free; the
+derivation, the probes and the hysteresis: docs/performance-notes.md#adaptive-policy.
 """
 
 from __future__ import annotations

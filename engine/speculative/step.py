@@ -1,9 +1,7 @@
-"""A speculative decode step as a pipeline: plan -> propose -> verify -> accept -> commit.
-
-plan: the policy picks K (0 = plain) and caps each request's k (KV, max_tokens); propose: up to
-k tokens each (q too when sampling needs it); verify: one target pass over [g, t_1..t_k] (g the
-last sampled token); accept: exact acceptance; commit: both pools roll back to the accepted
-length. Requests without a proposal ride along with k = 0: exactly a plain step.
+"""A speculative decode step: plan (the policy's K, capped per request by KV and max_tokens) ->
+propose (up to k tokens each, with q when sampling needs it) -> verify (one target pass over
+[g, t_1..t_k], g the last sampled token) -> accept (exact) -> commit (both pools roll back to the
+accepted length). Requests without a proposal ride along with k = 0: exactly a plain step.
 """
 
 from __future__ import annotations

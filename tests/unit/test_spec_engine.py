@@ -265,3 +265,25 @@ def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, t
     assert observer.seen == [("first", 1), ("step", 1)]
     assert steady.q.shape == (1, 2, eng.model.shape.vocab_size)
     assert draft.lag([req]) == [-1]  # the first proposal's K/V is written (the last one's never is)
+
+
+def test_requests_that_opt_out_are_counted_apart_from_the_length_guard(tiny_model, tiny_draft):
+    """A step whose requests all sent spec_length 0 decodes plainly under its own reason; one
+    near max_tokens falls back for length."""
+    from engine.metrics import StepMetrics
+    from tests.helpers import InMemoryRecorder
+
+    eng = spec_llm(tiny_model[0], tiny_draft[0]).engine
+    rec = InMemoryRecorder()
+    metrics = StepMetrics(rec, "m")
+    for p in PROMPTS[:2]:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, spec_length=0))
+    while eng.has_unfinished_requests():
+        metrics.on_step(eng, eng.step())
+    steps = rec.total("specserve_non_spec_decode_steps_total", reason="request_opt_out")
+    assert steps == rec.total("specserve_decode_steps_total") == 7  # 8 tokens: 1 from prefill, 7 decode steps
+    assert rec.total("specserve_draft_tokens_total") == 0
+    eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        metrics.on_step(eng, eng.step())
+    assert rec.total("specserve_non_spec_decode_steps_total", reason="length_guard") == 1

@@ -1,0 +1,67 @@
+"""The forward plan: candidates per role and host, measured once, then read from the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.config import EngineConfig, ModelPlan
+from engine.model import plan
+from tests.helpers import make_model
+
+
+def test_candidates_are_the_paths_that_can_run_here():
+    for role, kernel in (("target", "one_sequence_kernel"), ("draft", "token_step")):
+        options = plan.candidates(role, "bfloat16", "cpu")
+        assert ModelPlan("float32") in options  # float32 represents bf16 weights exactly
+        assert (ModelPlan("bfloat16") in options) == plan.cpu_packs(torch.bfloat16)
+        assert all(not getattr(p, other) for p in options
+                   for other in {"one_sequence_kernel", "token_step"} - {kernel})  # never the other role's path
+        assert plan.candidates(role, "float32", "cpu") == [p for p in options if p.dtype == "float32"]
+    assert plan.candidates("target", "bfloat16", "cuda") == [ModelPlan("bfloat16")]  # unmeasured on GPUs
+
+
+def test_the_winner_is_fastest_over_scenarios_weighted_by_how_often_each_pass_runs():
+    """Per shape, a and b tie (each is twice as fast on one of the two); a round at batch 1 runs
+    one 2-token catch-up and four steps, so b, fast at steps, wins."""
+    ms = {"a": {"1x1": 1.0, "1x2": 1.0}, "b": {"1x1": 0.5, "1x2": 2.0}}
+    costs = plan.relative_costs(ms, {"batch 1": [((1, 2), 1), ((1, 1), 4)]})
+    assert costs == {"a": pytest.approx(5.0 / 4.0), "b": 1.0}
+    two = plan.relative_costs({"a": {"1x1": 1.0, "16x1": 8.0}, "b": {"1x1": 2.0, "16x1": 4.0}},
+                              {"batch 1": [((1, 1), 1)], "batch 16": [((16, 1), 1)]})
+    assert two["a"] == pytest.approx(2 ** 0.5) and two["b"] == pytest.approx(2 ** 0.5)  # geometric mean
+
+
+def test_a_plan_is_measured_once_per_fingerprint_then_cached(tmp_path, tok_dir, monkeypatch):
+    if len(plan.candidates("draft", "bfloat16", "cpu")) < 2:
+        pytest.skip("one candidate path on this host: nothing to measure")
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    make_model(tmp_path / "m", tok_dir, seed=3, dtype=torch.bfloat16)
+    measured, real = [], plan.measure
+    monkeypatch.setattr(plan, "measure", lambda *a, **k: measured.append(a[1]) or real(*a, **k))
+    model, choice = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
+    assert choice.source == "measured" and model.plan == choice.plan and len(measured) == 1
+    assert set(choice.ms) == {plan.label(p) for p in plan.candidates("draft", "bfloat16", "cpu")}
+    assert len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 1
+    again, cached = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
+    assert (cached.source, cached.plan, again.plan, len(measured)) == ("cached", choice.plan, choice.plan, 1)
+    _, as_target = plan.load_planned(tmp_path / "m", "target", "bfloat16", "cpu", 128)  # another role: measured
+    assert as_target.source == "measured" and len(measured) == 2
+    _, explicit = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128, ModelPlan("float32"))
+    assert explicit.source == "explicit" and explicit.plan == ModelPlan("float32") and len(measured) == 2
+
+
+def test_the_engine_reports_its_plan_and_takes_explicit_ones(tiny_model, tiny_draft):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
+              dtype="float32", max_seq_len=128, forward_plan={"target": {"dtype": "float32"}})
+    stats = llm.engine.stats()["forward_plan"]
+    assert stats["target"]["source"] == "explicit" and stats["target"]["dtype"] == "float32"
+    assert stats["draft"]["source"] == "explicit" and llm.engine.draft_model.plan == ModelPlan("float32")
+    auto = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=128).engine
+    assert auto.forward_plan["target"]["source"] in ("measured", "cached", "unmeasured")
+    assert auto.model.plan in plan.candidates("target", "float32", "cpu")
+    with pytest.raises(ValueError, match="forward_plan.draft: one_sequence_kernel is for the target"):
+        EngineConfig(forward_plan={"draft": {"dtype": "float32", "one_sequence_kernel": True}})
+    with pytest.raises(ValueError, match=r"unknown forward_plan field\(s\): \['verifier'\]"):
+        EngineConfig(forward_plan={"verifier": {}})
