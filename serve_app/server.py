@@ -25,10 +25,10 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from engine.config import EngineConfig, with_embedded_defaults
 from engine.metrics import StepMetrics
 from engine.request import RequestOutput
+from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from serve_app.errors import APIError, from_validation_errors
 from serve_app.kernel_caches import bound_kernel_caches
 from serve_app.metrics import BufferedRecorder, RayMetricsExporter
