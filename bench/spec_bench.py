@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         s = summarize(rs, "tok_s")
         r0 = rs[0]
         alpha = r0["accepted"] / r0["drafted"] if r0["drafted"] else None
-        k = configs[name].get("spec_length", 0) if configs[name].get("enabled") else 0
+        k = configs[name].get("spec_length", 0) if configs[name]["use_speculative_decoding"] else 0
         alpha_token = r0["accepted"] / (r0["accepted"] + r0["rejections"]) if r0["drafted"] else None
         entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
                  "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                  if args.temperature == 0 else None,
                  # median over repeats of each phase's milliseconds per generated token
                  "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
-        if alpha is not None and configs[name].get("policy") == "fixed" and name.startswith("draft"):
+        if alpha is not None and configs[name].get("spec_policy") == "fixed" and name.startswith("draft"):
             entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
             verify_cost = in_run["verify_ratio"].get(k + 1)

@@ -37,7 +37,7 @@ class ModelRunner:
         if not done:
             return []
         done_reqs = [reqs[b] for b in done]
-        return list(zip(done_reqs, ([t] for t in _sample(logits[done], done_reqs))))
+        return [(r, [t]) for r, t in zip(done_reqs, _sample(logits[done], done_reqs))]
 
     def decode(self, reqs: list[Request], reason: str = "disabled") -> DecodeResult:
         """One plain decode step: each request's last token in, one new token out."""

@@ -94,11 +94,10 @@ def measure(models: Path, prompts: list[str], threads: int = 2) -> dict:
     c = draft forward time per token / target forward time per token, batch 1, each model on
     the engine's forward plan for this host, decoding 128 tokens through our forward and KV pool;
     the two are timed interleaved in one loop (medians of TIMING_REPEATS)."""
-    import platform
-
     import torch
 
     from engine import LLM, SamplingParams
+    from engine.model.plan import host_info
 
     torch.set_num_threads(threads)
     spec = LLM(model=str(models / "target"), draft_model=str(models / "draft"), use_speculative_decoding=True,
@@ -118,7 +117,7 @@ def measure(models: Path, prompts: list[str], threads: int = 2) -> dict:
     plan = {role: {k: v for k, v in p.items() if k != "ms"} for role, p in spec.engine.forward_plan.items()}
     return {"alpha_greedy_k5": accepted / drafted, "alpha_per_token": accepted / (accepted + rejections),
             "drafted": drafted, "accepted": accepted, "prompts": len(prompts), "threads": threads,
-            "torch": torch.__version__, "cpu": platform.processor() or torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "cpu": host_info()["cpu"], "cpu_flags": host_info()["flags"],
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "forward_plan": plan,
             "target_ms_per_token": statistics.median(times["target"]) * 1e3,
             "draft_ms_per_token": statistics.median(times["draft"]) * 1e3,
@@ -152,7 +151,9 @@ def figures_section(f: dict) -> list[str]:
     """The model card's '## Speculation figures' section (ends with a blank line)."""
     plan = ", ".join(f"{role}: {p['dtype']}" + "".join(f" + {n}" for n in ("one_sequence_kernel", "token_step")
                                                       if p.get(n)) for role, p in f["forward_plan"].items())
-    return [f"## Speculation figures (our engine, this machine: 2 cores, {f['cpu_capability']}; forward plan {plan})",
+    flags = [x for x in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if x in f.get("cpu_flags", [])]
+    return [f"## Speculation figures (our engine, this machine: {f['cpu']} [{', '.join(flags)}], 2 cores; "
+            f"forward plan {plan})",
             "", f"K = 5, greedy, 96 new tokens, {f['prompts']} validation prompts (first lines of a function or "
             "class). α is the per-token acceptance rate (accepted ÷ (accepted + rejections), the paper's α); "
             "accepted ÷ proposed counts every proposed token, including those after a rejection. c = draft "
