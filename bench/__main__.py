@@ -33,6 +33,9 @@ def run(command: str, argv: list[str]) -> None:
 
 
 def main() -> None:
+    from serve_app.kernel_caches import bound_kernel_caches
+
+    bound_kernel_caches()  # the serving replica's kernel-cache bound, so figures match serving
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return

@@ -27,16 +27,12 @@ def machine() -> dict:
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def host_class() -> str:
-    """One line naming the host, e.g. 'Intel(R) Xeon(R) Processor [avx2 avx512f avx512_bf16 amx_bf16]'."""
-    m = machine()
-    marks = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in m["cpu_flags"]]
-    return f"{m['cpu']} [{' '.join(marks)}]"
-
-
-def plan_summary(plan: dict) -> dict:
-    """An engine's forward plan without its measurements: {role: {dtype, kernels..., source}}."""
-    return {role: {k: v for k, v in p.items() if k != "ms"} for role, p in plan.items()}
+def host_class(m: dict | None = None) -> str:
+    """One line naming the host of a machine record (default: this one), e.g.
+    'Intel(R) Xeon(R) Processor [amx_bf16, avx512_bf16, avx512f, avx2]'."""
+    m = m or machine()
+    flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in m.get("cpu_flags", [])]
+    return f"{m['cpu']} [{', '.join(flags) or m.get('cpu_capability', '?')}]"
 
 
 def interleave(variants: dict[str, Callable[[], dict]], repeats: int, desc: str) -> dict[str, list[dict]]:
@@ -60,7 +56,9 @@ def write(name: str, payload: dict, llm=None) -> Path:
     the payload."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    plan = {"forward_plan": plan_summary(llm.engine.forward_plan)} if llm is not None else {}
+    from engine.model.plan import summary
+
+    plan = {"forward_plan": summary(llm.engine.forward_plan)} if llm is not None else {}
     path.write_text(json.dumps({"machine": machine(), **plan, **payload}, indent=2))
     return path
 
@@ -85,7 +83,9 @@ def parser(command: str, doc: str | None, tokens: int, workloads: bool = False, 
 def add_model_options(ap) -> None:
     ap.add_argument("--target", default="embedded:target")
     ap.add_argument("--draft", default="embedded:draft")
-    ap.add_argument("--forward-plan", default="auto", type=lambda v: v if v in ("auto", "torch") else json.loads(v),
+    from serve_app.cli import forward_plan_arg
+
+    ap.add_argument("--forward-plan", default="auto", type=forward_plan_arg,
                     help="the engine's forward_plan: auto (measured on this host), torch, or a JSON object")
 
 
@@ -139,7 +139,7 @@ def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
-    wall time went (engine.step_result.PhaseSeconds). Returns the outputs and seconds per phase."""
+    wall time went (engine.request.PhaseSeconds). Returns the outputs and seconds per phase."""
     from engine.request import PHASES
 
     eng = llm.engine

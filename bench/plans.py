@@ -27,7 +27,6 @@ from bench.common import (
     host_class,
     interleave,
     parser,
-    plan_summary,
     summarize,
     write,
 )
@@ -71,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import SamplingParams
+    from engine.model.plan import summary
 
     probe = batch1_llm(args.target, args.draft, "auto", max(args.batches))  # measures (or reads) the plan
     auto, plans = plans_around(probe.engine.forward_plan)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     results = summarize_runs(runs, args.batches, auto, plans)
     path = write("plans", {"workload": args.workload, "prompts": args.prompts, "tokens": args.tokens,
                            "repeats": args.repeats, "host": host_class(), "auto": auto,
-                           "auto_plan": plan_summary(llms[auto].engine.forward_plan), "plans": plans,
+                           "auto_plan": summary(llms[auto].engine.forward_plan), "plans": plans,
                            "results": results}, llms[auto])
     print(f"wrote {path}")
 

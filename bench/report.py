@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.common import RESULTS
+from bench.common import RESULTS, host_class
+from engine.model.plan import label
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -28,16 +29,7 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _host(m: dict) -> str:
-    """The host class: CPU model and its matrix/vector extensions."""
-    flags = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in m.get("cpu_flags", [])]
-    return f"{m['cpu']} [{', '.join(flags) or m.get('cpu_capability', '?')}]"
-
-
-def _plan_label(p: dict) -> str:
-    kernels = [name for key, name in (("one_sequence_kernel", "one-sequence kernel"), ("token_step", "token steps"))
-               if p.get(key)]
-    return " + ".join([p["dtype"], *kernels])
+_host = host_class
 
 
 def _plan(r: dict) -> str:
@@ -45,7 +37,7 @@ def _plan(r: dict) -> str:
     plan = r.get("forward_plan")
     if not plan:
         return "forward plan not recorded"
-    return "forward plan: " + ", ".join(f"{role} {_plan_label(p)}" for role, p in plan.items())
+    return "forward plan: " + ", ".join(f"{role} {label(p)}" for role, p in plan.items())
 
 
 def engine_vs_hf(r: dict) -> list[str]:

@@ -108,8 +108,9 @@ class ModelPlan:
         check_choice("forward_plan dtype", self.dtype, get_args(DType))
         check_bool("forward_plan one_sequence_kernel", self.one_sequence_kernel)
         check_bool("forward_plan token_step", self.token_step)
-        if self.token_step and self.dtype != "float32":
-            raise ValueError("forward_plan: token_step needs dtype 'float32'")
+        for name in ("one_sequence_kernel", "token_step"):
+            if getattr(self, name) and self.dtype != "float32":
+                raise ValueError(f"forward_plan: {name} needs dtype 'float32'")
 
     @classmethod
     def from_dict(cls, role: str, value: dict, dtype: str) -> ModelPlan:
@@ -148,7 +149,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     # "auto": measure the candidate paths on this host at load (cached); "torch": torch/oneDNN
-    # only, in `dtype`; or {"target": {...ModelPlan}, "draft": {...}}
+    # only, in `dtype`; or {"target": {...ModelPlan}, "draft": {...}} (a role left out is measured)
     forward_plan: ForwardPlanSetting | dict[str, Any] = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)
 
@@ -182,18 +183,17 @@ class EngineConfig:
     def use_speculative_decoding(self) -> bool:
         return self.speculative.use_speculative_decoding
 
-    def explicit_plan(self) -> dict[str, ModelPlan] | None:
-        """The plan per role ("target", "draft") when one is given; None for "auto"."""
+    def explicit_plan(self) -> dict[str, ModelPlan | None]:
+        """The plan given for each role ("target", "draft"); None where it is to be measured."""
         plan = self.forward_plan
-        if plan == "auto":
-            return None
-        if plan == "torch":
-            return {role: ModelPlan(self.dtype) for role in ("target", "draft")}
+        if plan in ("auto", "torch"):
+            return dict.fromkeys(("target", "draft"), ModelPlan(self.dtype) if plan == "torch" else None)
         if not isinstance(plan, dict):
             raise ValueError(f"forward_plan must be 'auto', 'torch' or a mapping with 'target' and/or "
                              f"'draft', got {plan!r}")
         _check_keys("forward_plan", plan, ("target", "draft"))
-        return {role: ModelPlan.from_dict(role, plan.get(role, {}), self.dtype) for role in ("target", "draft")}
+        return {role: ModelPlan.from_dict(role, plan[role], self.dtype) if role in plan else None
+                for role in ("target", "draft")}
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

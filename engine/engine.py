@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from engine.kv import KVManager
 from engine.model.llama import Llama, LlamaShape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
-from engine.model.plan import load_planned
+from engine.model.plan import device_memory, load_planned, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
@@ -33,19 +32,12 @@ Prompt = str | Sequence[int]
 KV_MEMORY_SHARE = 0.25  # the default max_seq_len keeps max_batch_size full sequences' KV within this share
 
 
-def default_max_seq_len(shapes: list[LlamaShape], dtype: str, max_batch_size: int, memory_bytes: int) -> int:
+def default_max_seq_len(shapes: list[LlamaShape], value_bytes: int, max_batch_size: int, memory_bytes: int) -> int:
     """The models' max_position_embeddings, lowered until max_batch_size sequences of that length
-    keep their KV (every model's, in `dtype`) within KV_MEMORY_SHARE of the device's memory."""
-    per_token = sum(2 * s.num_layers * s.num_kv_heads * s.head_dim * getattr(torch, dtype).itemsize for s in shapes)
+    keep their KV (every model's, `value_bytes` a value) within KV_MEMORY_SHARE of the memory."""
+    per_token = sum(2 * s.num_layers * s.num_kv_heads * s.head_dim * value_bytes for s in shapes)
     fits = int(KV_MEMORY_SHARE * memory_bytes // (per_token * max_batch_size))
     return max(2, min(min(s.max_position_embeddings for s in shapes), fits))
-
-
-def device_memory(device: str) -> int:
-    """Bytes of memory on `device` (physical RAM on CPU)."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(torch.device(device))[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LLMEngine:
@@ -84,9 +76,12 @@ class LLMEngine:
             draft_path = resolve_model_path(config.draft_model)
             config.speculative.draft_model = str(draft_path)
         shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
-        if config.max_seq_len is None:
-            config.max_seq_len = default_max_seq_len(shapes, config.dtype, config.max_batch_size,
+        if config.max_seq_len is None:  # on CPU the plan may compute (and cache) in float32
+            value_bytes = 4 if config.device == "cpu" else getattr(torch, config.dtype).itemsize
+            config.max_seq_len = default_max_seq_len(shapes, value_bytes, config.max_batch_size,
                                                      device_memory(config.device))
+            if config.kv_cache_backend == "paged" and config.num_kv_blocks is not None:
+                config.max_seq_len = min(config.max_seq_len, config.num_kv_blocks * config.block_size)
         if config.max_seq_len > shapes[0].max_position_embeddings:
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's "
                              f"max_position_embeddings {shapes[0].max_position_embeddings}")
@@ -99,18 +94,17 @@ class LLMEngine:
     def _load_models(self, model_path, draft_path) -> tuple[Llama, Llama | None]:
         """Both models, each with its forward plan (engine/model/plan.py)."""
         config = self.config
-        explicit = config.explicit_plan() or {}
+        explicit = config.explicit_plan()
         model, target_plan = load_planned(model_path, "target", config.dtype, config.device,
-                                          config.max_seq_len, explicit.get("target"))
+                                          config.max_seq_len, explicit["target"])
         self.forward_plan = {"target": target_plan.as_dict()}
         draft = None
         if draft_path is not None:
             draft, draft_plan = load_planned(draft_path, "draft", config.dtype, config.device, config.max_seq_len,
-                                             explicit.get("draft"))
+                                             explicit["draft"])
             check_compatible(self.tokenizer, Tokenizer(draft_path), model, draft, config.model, config.draft_model)
             self.forward_plan["draft"] = draft_plan.as_dict()
-        log.info("forward plan: %s", {role: {k: v for k, v in p.items() if k != "ms"}
-                                      for role, p in self.forward_plan.items()})
+        log.info("forward plan: %s", summary(self.forward_plan))
         return model, draft
 
     def _build_speculation(self) -> SpeculativeDecoder:
@@ -127,11 +121,10 @@ class LLMEngine:
     def reconfigure_speculation(self, **changes) -> SpecConfig:
         """Applies SpecConfig changes (any field but draft_model) from the next step on; ValueError
         names a bad field. An engine started without speculation cannot turn it on."""
-        if self.speculation is None:
-            if changes.get("use_speculative_decoding"):
-                raise ValueError("speculation was not configured for this engine at start-up")
-            return self.config.speculative.updated(changes)
-        self.config.speculative = self.speculation.reconfigure(changes)
+        if self.speculation is None and changes.get("use_speculative_decoding"):
+            raise ValueError("speculation was not configured for this engine at start-up")
+        self.config.speculative = self.config.speculative.updated(changes) if self.speculation is None \
+            else self.speculation.reconfigure(changes)
         return self.config.speculative
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -199,8 +192,9 @@ class LLMEngine:
             return []
         new_tokens = []
         if batch.prefill:
+            t_prefill = time.perf_counter()
             new_tokens += self.runner.prefill(batch.prefill)
-            result.phases.prefill = time.perf_counter() - t0
+            result.phases.prefill = time.perf_counter() - t_prefill
         if batch.decode:
             decoded = (self.speculation or self.runner).decode(batch.decode)
             new_tokens += decoded.tokens

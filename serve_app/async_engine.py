@@ -40,6 +40,36 @@ class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting; retry later."""
 
 
+class RequestStream:
+    """Async iterator over one request's deltas. Closing it before the end (even before the first
+    delta), or cancelling its consumer, aborts the request: its KV is freed within one step."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue_: asyncio.Queue):
+        self._owner, self.request_id, self._queue = owner, request_id, queue_
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            await self.aclose()
+            raise
+        self.finished = isinstance(item, BaseException) or item.finished
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner._abort_soon(self.request_id)
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
                  max_waiting_requests: int | None = None):
@@ -77,7 +107,7 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     async def add(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                  chat: list[dict] | None = None) -> AsyncGenerator[StreamDelta, None]:
+                  chat: list[dict] | None = None) -> RequestStream:
         """Queues a request and returns its stream. Raises ValueError for bad input and
         EngineOverloadedError when the engine's waiting queue is full. With `chat`, the prompt
         is built from the messages by the tokenizer's chat template (prompt is ignored)."""
@@ -93,23 +123,7 @@ class AsyncLLMEngine:
             self._streams[rid] = (loop, queue_)
             return rid
 
-        return self._stream(await self.call(add), queue_)
-
-    async def _stream(self, request_id: str, queue_: asyncio.Queue) -> AsyncGenerator[StreamDelta, None]:
-        """One request's deltas; closing it (or cancelling its consumer) before the end aborts the
-        request, whose KV is then freed within one engine step."""
-        finished = False
-        try:
-            while not finished:
-                item = await queue_.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort_soon(request_id)
+        return RequestStream(self, await self.call(add), queue_)
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncGenerator[StreamDelta, None]:

@@ -32,7 +32,7 @@ def _flag_type(owner: type, field: dataclasses.Field):
     return hint
 
 
-def _plan_flag(value: str):
+def forward_plan_arg(value: str):
     """--forward-plan: auto, torch, or a JSON object such as '{"draft": {"dtype": "float32"}}'."""
     return value if value in ("auto", "torch") else json.loads(value)
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for owner, f in config_fields():
         flag = _ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
-        kind = _plan_flag if f.name == "forward_plan" else _flag_type(owner, f)
+        kind = forward_plan_arg if f.name == "forward_plan" else _flag_type(owner, f)
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
         else:

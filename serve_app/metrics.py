@@ -57,8 +57,6 @@ class BufferedRecorder:
         return out
 
 
-
-
 class RayMetricsExporter:
     def __init__(self, buffer: BufferedRecorder, interval_s: float = 1.0):
         from ray.serve import metrics as serve_metrics

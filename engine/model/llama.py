@@ -217,7 +217,7 @@ class Llama:
         """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
-        if B == 1 or T > 16:  # few queries over several sequences: explicit matmuls (performance-notes#attention)
+        if B == 1 or T > 16:  # SDPA; few queries over several sequences take explicit matmuls (performance-notes)
             return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                   scale=self.scale, enable_gqa=H != Hkv)
         # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,

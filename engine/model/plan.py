@@ -3,8 +3,8 @@
 Candidates: the asked-for dtype and float32 (exact for those weights); a target's one-sequence
 kernel, a draft's token steps; only paths that can run here. Each is timed on `SCENARIOS`,
 interleaved; the lowest geometric mean of time relative to the fastest wins, cached per (host,
-model, torch, dtype, role). On CUDA, or for models too large to hold every candidate: the
-asked-for dtype on torch, unmeasured (docs/performance-notes.md#forward-plan).
+model, torch, dtype, role). On CUDA, or for models too large to hold every candidate: the first
+candidate (the asked-for dtype, float32 where that does not pack), unmeasured (performance-notes).
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ class PlanChoice:
         return {**dataclasses.asdict(self.plan), "source": self.source, "ms": self.ms}
 
 
-def label(plan: ModelPlan) -> str:
-    extras = [n for n in ("one_sequence_kernel", "token_step") if getattr(plan, n)]
-    return "+".join([plan.dtype, *extras])
+def label(plan: ModelPlan | dict) -> str:
+    """A plan as text, e.g. "float32+token_step" (a ModelPlan, or its dict as stats report it)."""
+    p = plan if isinstance(plan, dict) else dataclasses.asdict(plan)
+    return "+".join([p["dtype"], *(n for n in ("one_sequence_kernel", "token_step") if p.get(n))])
 
 
 def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
@@ -73,8 +74,11 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
     """The model at `path` loaded with its plan: the explicit one, the cached one, or the one
     measured fastest now (then cached)."""
     if explicit is not None:
+        if device == "cpu" and explicit.dtype != "float32" and not cpu_packs(getattr(torch, explicit.dtype)):
+            log.warning("%s: this CPU has no %s matmul kernels; computing in float32", path.name, explicit.dtype)
+            explicit = dataclasses.replace(explicit, dtype="float32")
         return load_llama(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
-    options = candidates(role, dtype, device)
+    options = candidates(role, dtype, device)  # the first: the asked-for dtype where it runs well
     if len(options) == 1 or not _fits_in_memory(path, len(options)):
         return load_llama(path, options[0], device, max_positions), PlanChoice(options[0], "unmeasured")
     cache = _cache_file(path, role, dtype, device)
@@ -121,7 +125,19 @@ def measure(models: dict[str, Llama], shapes, max_positions: int, all_logits: bo
 
 def _fits_in_memory(path: Path, copies: int) -> bool:
     weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))  # float32 copies are at most 2x
-    return 2 * weights * copies <= MEASURE_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2 * weights * copies <= MEASURE_MEMORY_SHARE * device_memory("cpu")
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory on `device` (physical RAM on CPU)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def summary(forward_plan: dict) -> dict:
+    """An engine's plan per role without the measurements: {role: {dtype, kernels, source}}."""
+    return {role: {k: v for k, v in p.items() if k != "ms"} for role, p in forward_plan.items()}
 
 
 def cache_dir() -> Path:

@@ -142,6 +142,9 @@ class SpecPolicy:
         self._probe_wait = probe_every  # plain steps before the next probe (doubles per fruitless probe)
         self._plain_streak = 0  # consecutive adaptive choices of K = 0
 
+    def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
+        self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
+
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
         """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
         non-decreasing in K, entries pooled by how much each is trusted."""

@@ -12,7 +12,7 @@ import torch
 
 from engine.request import Request
 
-LONG_CATCH_UP = 4  # a proposer this many tokens behind or more feeds them in a prefill-like pass
+LONG_CATCH_UP = 4  # a proposer more than this many tokens behind feeds them in a prefill-like pass
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Proposal:
         q = None
         if self.q is not None and part.q is not None:
             n, _, vocab = self.q.shape
-            q = self.q.new_zeros(n, max(1, max(len(t) for t in tokens)), vocab)  # [N, K, V]
+            q = self.q.new_zeros(n, max(self.q.shape[1], part.q.shape[1]), vocab)  # [N, K, V]
             q[:, :self.q.shape[1]] = self.q
             q[rows] = 0.0
             q[rows, :part.q.shape[1]] = part.q

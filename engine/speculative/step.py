@@ -58,8 +58,7 @@ class SpeculativeDecoder:
         settings = self.settings.updated(changes)
         self.proposer = build_proposer(settings, self.draft, self.runner.model.shape.vocab_size,
                                        self.runner.model.device)
-        self.policy.spec_length, self.policy.mode = settings.spec_length, settings.spec_policy
-        self.policy.disable_batch_size = settings.spec_disable_batch_size
+        self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.settings = settings
         return settings
 

@@ -75,3 +75,19 @@ def test_dead_engine_loop_fails_health(tiny_model):
     aeng._thread.join(timeout=10)
     with pytest.raises(EngineDeadError, match="injected"):
         aeng.check_health()
+
+
+def test_a_stream_closed_before_its_first_delta_aborts_its_request(tiny_model):
+    """A client that disconnects before reading anything (the server sends a first SSE chunk
+    before iterating) must not leave its request running to max_tokens."""
+    aeng = AsyncLLMEngine(config(tiny_model[0]))
+
+    async def main():
+        stream = await aeng.add("def add(a, b):", SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+        await stream.aclose()
+        # commands run in order on the engine thread: the abort has been processed by now
+        return await aeng.call(lambda e: (e.request(stream.request_id), e.has_unfinished_requests(),
+                                          e.kv.target.num_used_slots()))
+
+    assert asyncio.run(main()) == (None, False, 0)  # aborted and released, nothing holds KV
+    aeng.shutdown()

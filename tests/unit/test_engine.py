@@ -280,6 +280,12 @@ def test_max_seq_len_defaults_to_the_models_positions_within_a_memory_share(tiny
     shape = read_shape(tiny_model[0])
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # float32 bytes
     memory = int(100 * per_token * 4 / KV_MEMORY_SHARE)  # room for 4 sequences of 100 tokens
-    assert default_max_seq_len([shape], "float32", 4, memory) == 100
-    assert default_max_seq_len([shape, shape], "float32", 4, memory) == 50  # a draft's KV counts too
-    assert default_max_seq_len([shape], "float32", 4, 10**15) == 512
+    assert default_max_seq_len([shape], 4, 4, memory) == 100
+    assert default_max_seq_len([shape, shape], 4, 4, memory) == 50  # a draft's KV counts too
+    assert default_max_seq_len([shape], 4, 4, 10**15) == 512
+
+
+def test_a_default_max_seq_len_fits_the_kv_blocks_asked_for(tiny_model):
+    """With only num_kv_blocks given, the default max_seq_len is what those blocks hold."""
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4, block_size=4, num_kv_blocks=50)
+    assert llm.config.max_seq_len == 200

@@ -190,7 +190,7 @@ def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
         assert {k for k, _ in key[1:]} == set(spec.labels)
 
 
-def test_free_kv_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
+def test_free_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
     llm = spec_llm(tiny_model[0], tiny_draft[0], num_kv_blocks=50)
     kv = llm.engine.kv
     assert kv.free_tokens() == 50 * 4

@@ -81,7 +81,8 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
     plain = [o.token_ids for o in LLM(**common, forward_plan="torch").generate(prompts, params)]
     for on in (True, False):
         llm = LLM(**common, use_speculative_decoding=True, draft_model=str(tmp_path / "draft"),
-                  spec_length=4, spec_policy="fixed", forward_plan={"draft": {"dtype": "float32", "token_step": on}})
+                  spec_length=4, spec_policy="fixed",
+                  forward_plan={"target": {"dtype": "float32"}, "draft": {"dtype": "float32", "token_step": on}})
         draft = llm.engine.draft_model
         assert (draft._token_step is not None) == on
         calls = []

@@ -73,13 +73,10 @@ def plot_losses(work: Path, out_png: Path) -> None:
 def _decode_seconds_per_token(model, tokens: int = 128) -> float:
     """One sequence decoded token by token through our forward and KV pool (growing context,
     no engine bookkeeping): seconds per token."""
-    from engine.kv import make_pool
-    from engine.model.passes import forward_chunks
+    from engine.model.passes import forward_chunks, pool_for
 
     s = model.shape
-    pool = make_pool("paged", num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                     max_slots=1, max_seq_len=tokens + 16, dtype=model.dtype, device=str(model.device),
-                     block_size=16, num_blocks=None, enable_prefix_caching=False)
+    pool = pool_for(model, 1, tokens + 16)
     slot, _ = pool.allocate_slot([])
     forward_chunks(model, pool, [slot], [list(range(1, 9))], [0])  # an 8-token prompt
     t0 = time.perf_counter()
@@ -97,7 +94,7 @@ def measure(models: Path, prompts: list[str], threads: int = 2) -> dict:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.model.plan import host_info
+    from engine.model.plan import host_info, summary
 
     torch.set_num_threads(threads)
     spec = LLM(model=str(models / "target"), draft_model=str(models / "draft"), use_speculative_decoding=True,
@@ -114,7 +111,7 @@ def measure(models: Path, prompts: list[str], threads: int = 2) -> dict:
         for name, model in timed.items():
             times[name].append(_decode_seconds_per_token(model))
     ratios = [d / t for d, t in zip(times["draft"], times["target"])]  # one per interleaved run
-    plan = {role: {k: v for k, v in p.items() if k != "ms"} for role, p in spec.engine.forward_plan.items()}
+    plan = summary(spec.engine.forward_plan)
     return {"alpha_greedy_k5": accepted / drafted, "alpha_per_token": accepted / (accepted + rejections),
             "drafted": drafted, "accepted": accepted, "prompts": len(prompts), "threads": threads,
             "torch": torch.__version__, "cpu": host_info()["cpu"], "cpu_flags": host_info()["flags"],
@@ -149,8 +146,9 @@ def _theory(f: dict, k: int = 5) -> float:
 
 def figures_section(f: dict) -> list[str]:
     """The model card's '## Speculation figures' section (ends with a blank line)."""
-    plan = ", ".join(f"{role}: {p['dtype']}" + "".join(f" + {n}" for n in ("one_sequence_kernel", "token_step")
-                                                      if p.get(n)) for role, p in f["forward_plan"].items())
+    from engine.model.plan import label
+
+    plan = ", ".join(f"{role}: {label(p)}" for role, p in f["forward_plan"].items())
     flags = [x for x in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if x in f.get("cpu_flags", [])]
     return [f"## Speculation figures (our engine, this machine: {f['cpu']} [{', '.join(flags)}], 2 cores; "
             f"forward plan {plan})",
