@@ -102,15 +102,16 @@ class ModelPlan:
 
     dtype: DType = "bfloat16"  # weights, activations and KV cache
     one_sequence_kernel: bool = False  # target only: passes over one sequence on the hand-written matmul
-    token_step: bool = False  # draft only, float32: passes of at most 3 tokens as whole-model C calls
+    token_step: bool = False  # draft only: passes of at most 3 tokens as whole-model C calls
 
     def __post_init__(self) -> None:
         check_choice("forward_plan dtype", self.dtype, get_args(DType))
         check_bool("forward_plan one_sequence_kernel", self.one_sequence_kernel)
         check_bool("forward_plan token_step", self.token_step)
-        for name in ("one_sequence_kernel", "token_step"):
-            if getattr(self, name) and self.dtype != "float32":
-                raise ValueError(f"forward_plan: {name} needs dtype 'float32'")
+        if self.one_sequence_kernel and self.dtype != "float32":
+            raise ValueError("forward_plan: one_sequence_kernel needs dtype 'float32'")
+        if self.token_step and self.dtype == "float16":
+            raise ValueError("forward_plan: token_step needs dtype 'float32' or 'bfloat16'")
 
     @classmethod
     def from_dict(cls, role: str, value: dict, dtype: str) -> ModelPlan:

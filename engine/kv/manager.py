@@ -1,13 +1,11 @@
 """The one owner of KV bookkeeping: each request's slots in the target pool and, with a draft
 model, the draft pool; allocation, reservation, rollback, release and the prefix cache.
 
-Contract:
-- A request holds KV from `allocate` until `free` (finish, abort or preemption). Its record is
-  the only place its slots live; its computed length is the target pool's length of its slot.
-- The target pool is filled by prefill and decode passes; the draft pool lazily, by the draft
-  proposer, up to the tokens the request has (`draft_len` tells how far it got).
-- `rollback(request, length)` keeps the first `length` tokens in both pools (a speculative
-  round's accepted tokens); shared prefix blocks are never released by it.
+- A request holds KV from `allocate` until `free` (finish, abort or preemption); its record is the
+  only place its slots live, its computed length the target pool's length of its slot.
+- The draft pool fills lazily (the draft proposer), up to the request's tokens (`draft_len`).
+- `rollback(request, length)` keeps the first `length` tokens in both pools; shared prefix
+  blocks are never released by it.
 """
 
 from __future__ import annotations

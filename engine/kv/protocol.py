@@ -59,9 +59,9 @@ class KVView:
     """Where one forward pass writes new K/V and what it attends to.
 
     write_rows: [B * T] flat storage row for each new token (padding goes to the scratch row).
-    read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row),
-      or None when `read_slice` gives one contiguous range (B == 1, over consecutive blocks). Views over several sequences have L = aligned_key_len(longest);
-      keys past a sequence's end are masked.
+    read_rows: [B, L] flat storage row for key position j of sequence b (padding: scratch row), or
+      None when `read_slice` gives one contiguous range (B == 1, over consecutive blocks). Views
+      over several sequences have L = aligned_key_len(longest); keys past a sequence's end are masked.
     groups: None (every sequence reads L keys), or a split of the batch into KeyGroups of
       similar length, each reading only as many keys as its longest member needs.
     """
@@ -117,11 +117,6 @@ class KVView:
                 torch.index_select(flat[j], 0, rows, out=both[j])
         both = both.view(2, heads, B, L, -1)  # [2, kv_heads, B, L, D]
         return both[0], both[1]
-
-    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`write`, then `read` of the whole batch's L keys: [kv_heads, B, L, head_dim] each."""
-        self.write(layer, k, v)
-        return self.read(layer, self.read_rows)
 
 
 def _causal_mask(position_ids: torch.Tensor, key_len: int) -> torch.Tensor:

@@ -64,8 +64,9 @@ def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
     kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if one_sequence.load() else None
     out = []
-    for d in dtypes:
-        out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if kernel and d == "float32" else [])
+    for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16
+        with_kernel = kernel and (d == "float32" or (kernel == "token_step" and d == "bfloat16"))
+        out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if with_kernel else [])
     return out
 
 

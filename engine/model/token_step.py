@@ -1,8 +1,6 @@
-"""A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c).
-
-Each call takes one token through every layer, writing its K/V through the pass's view before
-the next token reads it, so a short chunk gives the batched forward's K/V and logits up to
-float32 rounding. Only a draft uses it: its rounding may differ between passes.
+"""A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c): each
+writes its K/V through the pass's view before the next reads it, so a short chunk gives the batched
+forward's K/V and logits up to rounding. Only a draft uses it: its rounding may differ between passes.
 """
 
 from __future__ import annotations
@@ -33,24 +31,31 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64), ("max_keys", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
-                ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("kv_kind", ctypes.c_int64), ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
 class TokenStep:
-    """The C step's model struct, pointing at the weights (kept alive here) of a float32 CPU model
-    (matmuls on bf16 copies when the weights' values are all bf16); ValueError where it cannot run."""
+    """The C step's model struct, pointing at the weights (kept alive here) of a float32 or bf16 CPU
+    model, whose dtype the KV cache shares (a float32 model's matmuls read bf16 copies when its
+    weights' values are all bf16); ValueError where it cannot run."""
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor):
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
         widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.head_dim)
         self._kernels = one_sequence.load()
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or any(w % 8 for w in widths) \
-                or shape.num_heads % shape.num_kv_heads or self._kernels is None:
-            raise ValueError("forward_plan token_step: the CPU token step cannot run here (it needs float32 weights "
-                             "on an x86-64 CPU with AVX2, widths that are multiples of 8, and the kernels built)")
+        if any(t.device.type != "cpu" or t.dtype != embed.dtype for t in tensors) or any(w % 8 for w in widths) \
+                or embed.dtype not in (torch.float32, torch.bfloat16) or shape.num_heads % shape.num_kv_heads \
+                or self._kernels is None:
+            raise ValueError("forward_plan token_step: the CPU token step cannot run here (it needs float32 or "
+                             "bfloat16 weights on an x86-64 CPU with AVX2, widths that are multiples of 8, and the "
+                             "kernels built)")
+        self.dtype = embed.dtype  # of the KV storage it reads and writes
+        cos, sin, final_norm = cos.float(), sin.float(), final_norm.float()
+        layers = [type(lw)(**{**vars(lw), "attn_norm": lw.attn_norm.float(), "mlp_norm": lw.mlp_norm.float()})
+                  for lw in layers]
         self._keep: list[torch.Tensor] = []  # every tensor whose pointer the C struct holds
         matrices = [[getattr(lw, n) for n in ("qkv", "o", "gate_up", "down")] for lw in layers] + [[lm_head]]
         narrowed = [[one_sequence.bf16_if_exact(w) for w in ws] for ws in matrices]
@@ -65,6 +70,7 @@ class TokenStep:
             hidden=shape.hidden_size, intermediate=shape.intermediate_size, layers=len(layers), heads=shape.num_heads,
             kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, head_rows=lm_head.shape[0], kv_rows=0,
             max_keys=cos.shape[0], eps=shape.rms_norm_eps, scale=shape.head_dim ** -0.5, kind=int(kind),
+            kv_kind=int(WeightKind.BF16 if self.dtype == torch.bfloat16 else WeightKind.F32),
             embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
             final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
             scratch=None)
@@ -95,8 +101,8 @@ class TokenStep:
         if logits_index is None and T != 1:
             raise ValueError("TokenStep computes every position only for one-token passes")
         storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]
-        if storage.dtype != torch.float32 or not storage.is_contiguous() or storage.device.type != "cpu":
-            raise ValueError("TokenStep needs a contiguous float32 CPU KV storage")
+        if storage.dtype != self.dtype or not storage.is_contiguous() or storage.device.type != "cpu":
+            raise ValueError(f"TokenStep needs a contiguous {self.dtype} CPU KV storage")
         lasts = [0] * B if logits_index is None else logits_index.tolist()
         ids, positions, write_rows = input_ids.tolist(), position_ids.tolist(), kv.write_rows.tolist()
         if max(positions[b][lasts[b]] for b in range(B)) >= self._model.max_keys:

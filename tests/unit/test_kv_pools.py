@@ -26,7 +26,8 @@ def write(pool, slot, n, value):
     length = pool.seq_len(slot) + n
     view = pool.view([slot], [n])
     k = torch.full((1, n, 1, 2), float(value))
-    keys, _ = view.write_and_read(0, k, k)
+    view.write(0, k, k)
+    keys, _ = view.read(0, view.read_rows)
     return keys[:, :, :length]
 
 
@@ -37,7 +38,7 @@ def test_gathered_key_lengths_are_aligned_and_masked(make):
     pool = make()
     slots = [pool.allocate_slot([1])[0] for _ in range(batch)]
     for s, n in zip(slots, [5, 3]):
-        pool.view([s], [n]).write_and_read(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
+        pool.view([s], [n]).write(0, torch.ones(1, n, 1, 2), torch.ones(1, n, 1, 2))
     view = pool.view(slots, [1] * len(slots))  # lengths 6 (and 4)
     assert view.key_len == KEY_ALIGN == aligned_key_len(6)
     positions = torch.tensor([[5], [3]])  # [B, 1]
@@ -210,14 +211,15 @@ def test_large_gathers_per_head_read_what_the_single_gather_reads(monkeypatch):
     slots = [pool.allocate_slot([])[0] for _ in range(batch)]
     for s in slots:
         kv = torch.randn(1, length, 2, 4)
-        pool.view([s], [length]).write_and_read(0, kv, -kv)
+        pool.view([s], [length]).write(0, kv, -kv)
     reads = {}
     for threshold in (protocol.PER_HEAD_GATHER_ROWS, 10**9):
         monkeypatch.setattr(protocol, "PER_HEAD_GATHER_ROWS", threshold)
         view = pool.view(slots, [1] * len(slots))
         assert view.read_rows.numel() >= 2048
         new = torch.randn(batch, 1, 2, 4)
-        reads[threshold] = view.write_and_read(0, new, -new)
+        view.write(0, new, -new)
+        reads[threshold] = view.read(0, view.read_rows)
         for s in slots:
             pool.truncate_to(s, length)
     (k1, v1), (k2, v2) = reads.values()

@@ -35,17 +35,18 @@ def reference(tiny_model):
 
 
 # draft plans: its torch forward, or token steps (the target's is what the reference measured)
-DRAFT_PLANS = {"torch": {"dtype": "float32"}, "token_step": {"dtype": "float32", "token_step": True}}
+DRAFT_PLANS = {"torch": {"dtype": "float32"}, "token_step": {"dtype": "float32", "token_step": True},
+               "bf16_token_step": {"dtype": "bfloat16", "token_step": True}}
 
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("method,draft_plan", [("draft", "torch"), ("draft", "token_step"), ("ngram", "torch"),
-                                               ("hybrid", "torch"), ("hybrid", "token_step")])
+@pytest.mark.parametrize("method,draft_plan", [("draft", "torch"), ("draft", "token_step"), ("draft", "bf16_token_step"),
+                                               ("ngram", "torch"), ("hybrid", "torch"), ("hybrid", "token_step")])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, draft_plan, policy):
     from engine.model.kernels import one_sequence
 
-    if draft_plan == "token_step" and one_sequence.load() is None:
+    if "token_step" in draft_plan and one_sequence.load() is None:
         pytest.skip("the CPU kernels do not build here")
     target = reference_plan(tiny_model)
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,

@@ -61,7 +61,7 @@ def bf16_if_exact(w: torch.Tensor) -> torch.Tensor:
     """A bfloat16 copy of w if all its values are bf16 values (half the bytes, the same products),
     else w itself, contiguous."""
     half = w.to(torch.bfloat16)
-    return half if torch.equal(half.float(), w) else w.contiguous()
+    return half.contiguous() if w.dtype == torch.bfloat16 or torch.equal(half.float(), w) else w.contiguous()
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -8,7 +8,8 @@
  * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
  * tests check it against the model's torch forward to float32 tolerance.
  *
- * Layout (the engine's): KV storage [layers, 2, kv_heads, kv_rows, head_dim] float32, the row of
+ * Layout (the engine's): KV storage [layers, 2, kv_heads, kv_rows, head_dim] in float32 or bfloat16
+ * (`kind`, as the embedding; bfloat16 values are rounded to nearest even when written), the row of
  * key position j given by key_rows[j] (or first_key_row + j when key_rows is NULL, a slotted
  * pool or consecutive blocks); the token's own key is written at write_row, which must be the
  * row of key position pos; cos/sin
@@ -43,12 +44,13 @@ typedef struct {
     int64_t max_keys;         /* the most keys a step may attend to (the scratch is sized for it) */
     float eps, scale;
     int64_t kind;             /* enum WeightKind of every matmul weight */
-    const float *embed;       /* [vocab, hidden] */
+    int64_t kv_kind;          /* enum WeightKind of the KV storage and the embedding */
+    const void *embed;        /* [vocab, hidden] */
     const float *cos, *sin;   /* [max_positions, head_dim] */
     const float *final_norm;  /* [hidden] */
     Weight lm_head;           /* [head_rows, hidden] */
     const StepLayer *layer;   /* [layers] */
-    float *kv;
+    void *kv;
     float *scratch;           /* see token_step_scratch_floats */
 } StepModel;
 
@@ -87,8 +89,30 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-static inline const float *kv_row(const StepModel *m, int64_t layer, int64_t which, int64_t head, int64_t row) {
-    return m->kv + (((layer * 2 + which) * m->kv_heads + head) * m->kv_rows + row) * m->head_dim;
+/* element offset of a head's row of K (which 0) or V (which 1) in the KV storage */
+static inline int64_t kv_at(const StepModel *m, int64_t layer, int64_t which, int64_t head, int64_t row) {
+    return (((layer * 2 + which) * m->kv_heads + head) * m->kv_rows + row) * m->head_dim;
+}
+
+/* 8 values of a float32 or bfloat16 array (kind), from element `at`, as float32 lanes */
+static inline __m256 load8(const void *base, int64_t kind, int64_t at) {
+    if (kind == WEIGHTS_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at))), 16));
+    return _mm256_loadu_ps((const float *)base + at);
+}
+
+/* n float32 values into a float32 or bfloat16 array (kind) from element `at` */
+static void store(void *base, int64_t kind, int64_t at, const float *x, int64_t n) {
+    if (kind != WEIGHTS_BF16) {
+        memcpy((float *)base + at, x, n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        ((uint16_t *)base)[at + i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
 }
 
 /* attn[hq] = softmax(q_hq . keys * scale) . values for every query head (threads split the
@@ -101,9 +125,9 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
         const float *q = qkv + hq * D;
         float *s = scores + hq * m->max_keys, top = -INFINITY, total = 0.f;
         for (int64_t t = 0; t < n_keys; t++) {
-            const float *k = kv_row(m, l, 0, hq / G, key_rows ? key_rows[t] : first_key_row + t);
+            const int64_t k = kv_at(m, l, 0, hq / G, key_rows ? key_rows[t] : first_key_row + t);
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(m->kv, m->kv_kind, k + i), acc);
             s[t] = lanes_total(acc) * m->scale;
             top = s[t] > top ? s[t] : top;
         }
@@ -114,10 +138,10 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
         float *out = attn + hq * D;
         memset(out, 0, D * sizeof(float));
         for (int64_t t = 0; t < n_keys; t++) {
-            const float *v = kv_row(m, l, 1, hq / G, key_rows ? key_rows[t] : first_key_row + t);
+            const int64_t v = kv_at(m, l, 1, hq / G, key_rows ? key_rows[t] : first_key_row + t);
             __m256 p = _mm256_set1_ps(s[t] / total);
             for (int64_t i = 0; i < D; i += 8)
-                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, load8(m->kv, m->kv_kind, v + i), _mm256_loadu_ps(out + i)));
         }
     }
 }
@@ -136,7 +160,7 @@ int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row
     float *h = m->scratch, *x = h + H, *tmp = x + H;
     float *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
     float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I;
-    memcpy(h, m->embed + token * H, H * sizeof(float));
+    for (int64_t i = 0; i < H; i += 8) _mm256_storeu_ps(h + i, load8(m->embed, m->kv_kind, token * H + i));
     const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
     for (int64_t l = 0; l < m->layers; l++) {
         const StepLayer *lw = &m->layer[l];
@@ -144,8 +168,8 @@ int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row
         matmul(m, lw->qkv, x, qkv, (Hq + 2 * Hkv) * D, H, threads);
         for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
         for (int64_t j = 0; j < Hkv; j++) {
-            memcpy((float *)kv_row(m, l, 0, j, write_row), qkv + (Hq + j) * D, D * sizeof(float));
-            memcpy((float *)kv_row(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D * sizeof(float));
+            store(m->kv, m->kv_kind, kv_at(m, l, 0, j, write_row), qkv + (Hq + j) * D, D);
+            store(m->kv, m->kv_kind, kv_at(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D);
         }
         attend(m, l, qkv, attn, scores, n_keys, key_rows, first_key_row, threads);
         matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
