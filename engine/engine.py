@@ -203,7 +203,8 @@ class LLMEngine:
         result.outputs = self._append_all(new_tokens)
         phases = result.phases
         phases.other = max(0.0, time.perf_counter() - t0 - phases.prefill - phases.draft - phases.target)
-        if self.speculation is not None and batch.decode and not batch.prefill:
+        if self.speculation is not None and batch.decode and not batch.prefill \
+                and not any(o.finished for o in result.outputs):  # finishing costs the same at any K
             self.speculation.observe_step(phases)
         return result.outputs
 

@@ -1,6 +1,7 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
 (batch bucket = next power of two, tokens per sequence), interpolated between buckets;
-`calibrate` fills them at start-up.
+`calibrate` fills them at start-up. A decode step's time outside its passes (sampling,
+acceptance, bookkeeping: it grows with B x (K + 1) logits) is measured per (bucket, K) too.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Protocol
 
 from engine.kv import CachePool
@@ -70,6 +72,28 @@ class TimingTable:
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
 
 
+class LineEstimate:
+    """y = a + b x (b >= 0) from exponentially weighted moments of the (x, y) observed: a pass's
+    fixed cost stays out of its cost per token (a few-token catch-up must not price a long one)."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self._moments: tuple[float, ...] | None = None  # means of x, y, x^2, x y
+
+    def observe(self, x: float, y: float) -> None:
+        new = (x, y, x * x, x * y)
+        self._moments = new if self._moments is None else tuple(
+            smoothed(old, n, self.smoothing) for old, n in zip(self._moments, new))
+
+    def __call__(self, x: float) -> float:
+        if self._moments is None:
+            return 0.0
+        mx, my, mxx, mxy = self._moments
+        spread = mxx - mx * mx
+        slope = max(0.0, (mxy - mx * my) / spread) if spread > 1e-9 * mxx else my / max(mx, 1e-12)
+        return max(0.0, my + slope * (x - mx))
+
+
 class CostObserver(Protocol):
     """Where proposers and the step report what their passes took."""
 
@@ -83,16 +107,16 @@ class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by B (it
     catches up on the tokens the draft has not seen, usually one or two per sequence, and gives
     the first proposal) and each further one-token draft step by B; long (prefill-like) draft
-    catch-ups per token; and the engine's per-step overhead outside the model passes (paid once
-    per step whatever K is, so it favours longer rounds)."""
+    catch-ups per token; and a step's time outside the passes by (B, K) (paid once per step, so
+    it favours longer rounds)."""
 
     def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
         self.draft_first = TimingTable()
         self.draft = TimingTable()
         self.smoothing = smoothing
-        self._overhead: float | None = None
-        self._catch_up_per_token: float | None = None
+        self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
+        self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
@@ -104,13 +128,17 @@ class MeasuredCosts:
         self.draft.observe(batch, 1, seconds)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        self._catch_up_per_token = smoothed(self._catch_up_per_token, seconds / tokens, self.smoothing)
+        self.catch_up.observe(tokens, seconds)
 
-    def observe_overhead(self, seconds: float) -> None:
-        self._overhead = smoothed(self._overhead, max(seconds, 0.0), self.smoothing)
+    def observe_other(self, batch: int, k: int, seconds: float) -> None:
+        self.other.observe(batch, k, max(seconds, 0.0))
 
-    def step_overhead(self) -> float:
-        return self._overhead or 0.0
+    def other_times(self, batch: int, k_max: int, least_weight: float) -> list[float]:
+        """A step's time outside its passes for K = 0..k_max: plain steps as measured; K >= 1
+        on the line through the measured K (weighted by trust, at least least_weight each)."""
+        times = [self.other.estimate(batch, k) or 0.0 for k in range(k_max + 1)]
+        weights = [max(self.other.weight(batch, k), least_weight) for k in range(1, k_max + 1)]
+        return times[:1] + line_fit(times[1:], weights)
 
     def target_time(self, batch: int, tokens_per_seq: int) -> float:
         t = self.target.estimate(batch, tokens_per_seq)
@@ -129,33 +157,61 @@ class MeasuredCosts:
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
-        return tokens * (self._catch_up_per_token or 0.0)
+        return self.catch_up(tokens)
+
+
+def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares line through values[0], values[1], ... (at x = 0, 1, ...),
+    slope at least 0, evaluated at each x (one noisy or stale entry moves it little)."""
+    total = sum(weights)
+    if not values or total <= 0:
+        return list(values)
+    mean_x = sum(w * x for x, w in enumerate(weights)) / total
+    mean_y = sum(w * v for v, w in zip(values, weights)) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, w in enumerate(weights))
+    slope = max(0.0, sum(w * (x - mean_x) * (v - mean_y) for x, (v, w) in enumerate(zip(values, weights))) / spread) \
+        if spread > 0 else 0.0
+    return [mean_y + slope * (x - mean_x) for x in range(len(values))]
+
+
+CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's share as in a typical context
 
 
 def calibrate(costs: MeasuredCosts, target: tuple[Llama, CachePool], draft: tuple[Llama, CachePool] | None,
               max_tokens: int, max_batch: int, repeats: int = 3) -> None:
     """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
     first, catching up on two tokens, and a one-token step) at power-of-two batch sizes up to
-    max_batch. Each shape runs once untimed first (its first call pays one-off costs a policy
-    must not mistake for the steady cost); the median of `repeats` is recorded."""
+    max_batch, each sequence over CALIBRATION_CONTEXT keys (fewer where the pools are smaller).
+    Each shape runs once untimed first (its first call pays one-off costs a policy must not
+    mistake for the steady cost); the median of `repeats` is recorded."""
+    pools = [target[1]] + ([draft[1]] if draft is not None else [])
     batch = 1
     while True:
         b = min(batch, max_batch)
+        context = min([CALIBRATION_CONTEXT] + [_room(pool, b) - max_tokens for pool in pools])
         for t in range(1, max_tokens + 1):
-            costs.observe_target(b, t, _median_pass(*target, b, t, repeats, all_logits=t > 1))
+            costs.observe_target(b, t, _median_pass(*target, b, t, context, repeats, all_logits=t > 1))
         if draft is not None:
-            costs.observe_draft_first(b, _median_pass(*draft, b, 2, repeats))
-            costs.observe_draft_step(b, _median_pass(*draft, b, 1, repeats))
+            costs.observe_draft_first(b, _median_pass(*draft, b, 2, context, repeats))
+            costs.observe_draft_step(b, _median_pass(*draft, b, 1, context, repeats))
         if b >= max_batch:
             return
         batch *= 2
 
 
-def _median_pass(model: Llama, pool: CachePool, batch: int, tokens: int, repeats: int, all_logits: bool = False) -> float:
-    slots = fill_slots(model, pool, batch, 8)
+def _room(pool: CachePool, batch: int) -> int:
+    """Tokens each of `batch` new sequences can hold in `pool`."""
+    shared = pool.free_token_capacity()
+    return pool.max_seq_len if shared is None else min(pool.max_seq_len, shared // batch)
+
+
+def _median_pass(model: Llama, pool: CachePool, batch: int, tokens: int, context: int, repeats: int,
+                 all_logits: bool = False) -> float:
+    context = max(context, 1)
+    slots = fill_slots(model, pool, batch, context)
     try:
-        time_pass(model, pool, slots, tokens, 8, all_logits)  # warms up, untimed
-        return statistics.median(time_pass(model, pool, slots, tokens, 8, all_logits) for _ in range(repeats))
+        time_pass(model, pool, slots, tokens, context, all_logits)  # warms up, untimed
+        return statistics.median(time_pass(model, pool, slots, tokens, context, all_logits) for _ in range(repeats))
     finally:
         for s in slots:
             pool.free_slot(s)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.speculative.costs import MeasuredCosts
+from engine.speculative.costs import MeasuredCosts, line_fit
 
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
 
@@ -24,8 +24,8 @@ Acceptance = float | Sequence[float]  # one per-token rate, or rates by draft po
 class AcceptanceByPosition:
     """Counts, at each draft position j, of proposals judged (all before j were accepted) and
     accepted; `rates` turns them into h_j shrunk towards a prior. A round of k proposals with
-    a accepted judged positions 1..min(a + 1, k) and accepted 1..a. With decay < 1 older
-    rounds count less (each update scales the counts first)."""
+    a accepted judged positions 1..min(a + 1, k) and accepted 1..a. `age` scales the counts by
+    `decay` (< 1: older rounds count less)."""
 
     def __init__(self, decay: float = 1.0):
         if not 0.0 < decay <= 1.0:
@@ -37,9 +37,6 @@ class AcceptanceByPosition:
     def update(self, num_accepted: int, num_proposed: int) -> None:
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"num_accepted must be in [0, {num_proposed}], got {num_accepted}")
-        if self.decay < 1.0:
-            self.judged = [n * self.decay for n in self.judged]
-            self.accepted = [n * self.decay for n in self.accepted]
         judged = min(num_accepted + 1, num_proposed)
         while len(self.judged) < judged:
             self.judged.append(0.0)
@@ -47,6 +44,10 @@ class AcceptanceByPosition:
         for j in range(judged):
             self.judged[j] += 1
             self.accepted[j] += int(j < num_accepted)
+
+    def age(self) -> None:
+        self.judged = [n * self.decay for n in self.judged]
+        self.accepted = [n * self.decay for n in self.accepted]
 
     def rates(self, prior: Sequence[float], weight: float, positions: int) -> tuple[float, ...]:
         """h_1..h_positions: (accepted + weight * prior) / (judged + weight) at each position.
@@ -64,8 +65,9 @@ class AcceptanceByPosition:
 
 
 class AcceptanceEstimates:
-    """Each request's acceptance rates by draft position, shrunk towards those of all recent
-    rounds (decayed), which start from a prior rate."""
+    """Each request's acceptance rates by draft position, shrunk towards those of all rounds of
+    recent steps (decayed per step, not per round: a batch's last step must not outweigh the
+    steps before it), which start from a prior rate."""
 
     PRIOR_RATE = 0.6  # acceptance assumed before any round was judged
     RECENT_WEIGHT = 2.0  # rounds' worth of evidence the prior is worth against recent rounds
@@ -88,6 +90,9 @@ class AcceptanceEstimates:
     def forget(self, request_id: str) -> None:
         self._by_request.pop(request_id, None)
 
+    def end_step(self) -> None:
+        self._recent.age()
+
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:
     """E[tokens per round] with k proposals, the final token included: 1 + h_1 + h_1 h_2 + ...
@@ -105,20 +110,6 @@ def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     return curve
 
 
-def non_decreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
-    violators): each run of values that falls is replaced by its weighted mean."""
-    blocks: list[list[float]] = []  # [weighted sum, weight, length]
-    for v, w in zip(values, weights):
-        blocks.append([v * w, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, weight, length = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += weight
-            blocks[-1][2] += length
-    return [total / weight for total, weight, length in blocks for _ in range(int(length))]
-
-
 @dataclass(frozen=True)
 class Choice:
     k: int
@@ -128,9 +119,10 @@ class Choice:
 
 class SpecPolicy:
     MAX_PROBE_BACKOFF = 8  # probes at least every probe_every * this many plain steps
+    STALE_WEIGHT = 0.05  # least weight of a verify time in the fit (calibrated, never measured since)
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
-                 disable_batch_size: int | None = None, hysteresis: float = 0.05,
+                 disable_batch_size: int | None = None, hysteresis: float = 0.03,
                  probe_every: int = 32):
         self.costs = costs
         self.spec_length = spec_length
@@ -146,28 +138,31 @@ class SpecPolicy:
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
 
     def _verify_times(self, batch: int, k_max: int) -> list[float]:
-        """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k), made
-        non-decreasing in K, entries pooled by how much each is trusted."""
+        """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k): the line
+        through the measured times, each entry weighted by how much it is trusted (one noisy or
+        stale entry cannot make one K look cheaper than its neighbours)."""
         times = [self.costs.target_time(batch, k + 1) for k in range(k_max + 1)]
-        weights = [max(self.costs.target_weight(batch, k + 1), 1e-6) for k in range(k_max + 1)]
-        return non_decreasing_fit(times, weights)
+        weights = [max(self.costs.target_weight(batch, k + 1), self.STALE_WEIGHT) for k in range(k_max + 1)]
+        return line_fit(times, weights)
 
-    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], draft_rows: int | None,
-                 verify_seconds: float, catch_up_tokens: int = 0) -> float:
-        """Expected tokens/s with K = k (curves[i][k] = E_i(k); see `choose` for the rest)."""
-        batch = len(curves)
-        overhead = self.costs.step_overhead()
-        if k == 0:
-            return batch / (overhead + verify_seconds)
-        tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
+    def _step_seconds(self, k: int, batch: int, draft_rows: int | None, verify: float, other: float) -> float:
+        """A step's time at K = k: its draft passes, its verify pass and the rest."""
         draft_rows = batch if draft_rows is None else draft_rows
-        draft = 0.0  # the round's first pass (catching up on unseen tokens), then K - 1 steps
-        if draft_rows:
-            draft = self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows)
-            if catch_up_tokens:
-                steps_left = max(1.0, sum(cap + 1 for cap in k_caps) / tokens)  # at `tokens` a step
-                draft += self.costs.catch_up_time(catch_up_tokens) / steps_left
-        return tokens / (overhead + draft + verify_seconds)
+        if k == 0 or not draft_rows:
+            return verify + other
+        return self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) + verify + other
+
+    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], seconds: float,
+                 catch_up_tokens: int = 0) -> float:
+        """Expected tokens/s with K = k (curves[i][k] = E_i(k); see `choose` for the rest) for a
+        step of `seconds`, plus its share of any catch-up."""
+        if k == 0:
+            return len(curves) / seconds
+        tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
+        if catch_up_tokens:
+            steps_left = max(1.0, sum(cap + 1 for cap in k_caps) / tokens)  # at `tokens` a step
+            seconds += self.costs.catch_up_time(catch_up_tokens) / steps_left
+        return tokens / seconds
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
                catch_up_tokens: int = 0) -> Choice:
@@ -182,13 +177,16 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
-        curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
         verify = self._verify_times(batch, k_max)
-        scores = {k: self._goodput(k, curves, k_caps, draft_rows, verify[k], catch_up_tokens)
-                  for k in range(k_max + 1)}
+        other = self.costs.other_times(batch, k_max, self.STALE_WEIGHT)
+        seconds = [self._step_seconds(k, batch, draft_rows, verify[k], other[k]) for k in range(k_max + 1)]
+        curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
+        scores = {k: self._goodput(k, curves, k_caps, seconds[k], catch_up_tokens) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
-        if scores[last] >= (1.0 - self.hysteresis) * scores[best]:
+        # starting or stopping speculation costs what the scores leave out (the draft catching up
+        # on the tokens it skipped), so it needs a margin; between two K > 0 the best is taken
+        if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
             best = last
         self._last_k = best
         if best == 0:

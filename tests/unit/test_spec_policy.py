@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine.speculative.costs import TimingTable, batch_bucket
+import pytest
+
+from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket
 from engine.speculative.ngram import ngram_propose
 from engine.speculative.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
 
@@ -28,10 +30,11 @@ class MemoryBoundCosts:
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
 
-    def step_overhead(self):
-        return self.overhead
+    def other_times(self, batch, k_max, least_weight):
+        return [self.overhead + self.per_k * k for k in range(k_max + 1)]
 
     overhead = 0.0
+    per_k = 0.0
 
 
 def test_expected_tokens_formula():
@@ -86,11 +89,18 @@ def test_k_falls_monotonically_with_batch_size_without_cliff():
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
 
 
-def test_hysteresis_keeps_k_stable_between_near_equal_choices():
+def test_hysteresis_holds_the_switch_between_plain_and_speculation_not_between_ks():
+    """Near the batch size where plain decoding starts to win, the choice does not flip between
+    K = 0 and K > 0 as estimates wobble; between two K > 0 each step takes the better one."""
     policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05)
-    first = policy.choose([0.7] * 16, [100] * 16).k
-    seq = [policy.choose([a] * 16, [100] * 16).k for a in [0.69, 0.71, 0.70, 0.68, 0.72] * 4]
-    assert set(seq) == {first}
+    free = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0)
+    batch = next(b for b in range(1, 257) if free.choose([0.7] * b, [100] * b).k == 0)  # plain just wins
+    first = policy.choose([0.7] * (batch - 1), [100] * (batch - 1)).k
+    seq = [policy.choose([a] * batch, [100] * batch).k for a in [0.69, 0.71, 0.70, 0.68, 0.72] * 4]
+    assert first > 0 and set(seq) == {first}
+    wobble = [0.45, 0.75] * 4  # at batch 1 the best K changes with the acceptance rate
+    best = [free.choose([a], [100]).k for a in wobble]
+    assert len(set(best)) == 2 and [policy.choose([a], [100]).k for a in wobble] == best
 
 
 def test_fixed_mode_caps_and_hard_disable():
@@ -128,6 +138,7 @@ def test_untried_positions_borrow_the_last_rate_and_decay_forgets():
     assert h[0] == (10 + 2 * 0.6) / 12 and h[1] == h[2] == h[0]
     decayed = AcceptanceByPosition(decay=0.5)
     decayed.update(0, 1)
+    decayed.age()
     decayed.update(1, 1)  # the old rejection counts half
     assert decayed.rates((0.6,), weight=0.0, positions=1) == (1 / 1.5,)
     try:
@@ -185,23 +196,24 @@ def test_ngram_rows_cost_no_draft_forward():
 
 def test_a_stale_cheap_verify_entry_does_not_lure_the_policy():
     """Verify times measured for K + 1 = 2, 3 and 5 tokens, and a stale entry for 4 (from
-    calibration over a short context) that is cheaper than 3: K = 3 must not look cheaper than
-    K = 2."""
+    calibration long ago) that is cheaper than 3: K = 3 must not look cheaper than K = 2; the
+    times the policy uses are the line through the trusted entries."""
     class Stale(MemoryBoundCosts):
         def target_time(self, batch, tokens_per_seq):
-            return {1: 7e-3, 2: 8.2e-3, 3: 9.0e-3, 4: 6.0e-3, 5: 10e-3}[tokens_per_seq]
+            return {1: 7e-3, 2: 8.0e-3, 3: 9.0e-3, 4: 6.0e-3, 5: 11e-3}[tokens_per_seq]
 
         def draft_time(self, batch):
             return 1.8e-3
 
         def target_weight(self, batch, tokens_per_seq):
-            return 0.01 if tokens_per_seq == 4 else 1.0  # last measured long ago
+            return 0.0 if tokens_per_seq == 4 else 1.0  # last measured long ago
 
     policy = SpecPolicy(Stale(), spec_length=4, mode="adaptive", hysteresis=0.0)
     choice = policy.choose([0.6], [100])
+    verify = [expected_tokens(0.6, k) / choice.goodput[k] - k * 1.8e-3 for k in range(1, 5)]
+    assert all(b > a for a, b in zip(verify, verify[1:]))  # K = 3 dearer than K = 2
+    assert abs(verify[2] - 10e-3) < 0.1e-3  # on the line 7, 8, 9, (10), 11 ms, not at the stale 6 ms
     assert choice.k == 1
-    pooled = (9.0e-3 + 0.01 * 6.0e-3) / 1.01  # K = 2 and 3 share the trusted entry, barely moved
-    assert abs(choice.goodput[3] - expected_tokens(0.6, 3) / (3 * 1.8e-3 + pooled)) < 1e-6
 
 
 def test_a_stale_dear_verify_entry_does_not_drive_the_policy_off_the_k_above_it():
@@ -225,6 +237,24 @@ def test_a_stale_dear_verify_entry_does_not_drive_the_policy_off_the_k_above_it(
     assert choice.k == 5
     verify_5 = expected_tokens(rates, 5) / choice.goodput[5] - 5 * 1.1e-3
     assert verify_5 < 11.8e-3  # near its own 11.3 ms, far from the stale 15 ms
+
+
+def test_noisy_verify_times_give_a_policy_that_does_not_zigzag():
+    """Verify times for K + 1 = 1..9 tokens that rise by 1 ms a token, each off by up to 0.8 ms:
+    the fitted times rise steadily, so the choice is the K a clean table gives."""
+    noise = [0.0, 0.8, -0.8, 0.6, -0.5, 0.7, -0.8, 0.4, -0.6]
+
+    class Noisy(MemoryBoundCosts):
+        def __init__(self, jitter):
+            super().__init__(draft=1e-3)
+            self.jitter = jitter
+
+        def target_time(self, batch, tokens_per_seq):
+            return (8 + tokens_per_seq + self.jitter[tokens_per_seq - 1]) * 1e-3
+
+    clean = SpecPolicy(Noisy([0.0] * 9), spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.75] * 4, [100] * 4)
+    noisy = SpecPolicy(Noisy(noise), spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.75] * 4, [100] * 4)
+    assert noisy.k == clean.k
 
 
 def test_the_first_draft_pass_is_paid_once_per_round():
@@ -278,10 +308,30 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
 
 
-def test_non_decreasing_fit_pools_falling_runs_by_weight():
-    from engine.speculative.policy import non_decreasing_fit
+def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
+    from engine.speculative.costs import line_fit
 
-    assert non_decreasing_fit([1, 3, 2, 4], [1, 1, 1, 1]) == [1, 2.5, 2.5, 4]
-    assert non_decreasing_fit([1, 3, 2, 4], [1, 3, 1, 1]) == [1, 2.75, 2.75, 4]
-    assert non_decreasing_fit([5, 4, 3], [1, 1, 1]) == [4, 4, 4]
-    assert non_decreasing_fit([1, 2, 3], [1, 1, 1]) == [1, 2, 3]
+    assert line_fit([1, 2, 3], [1, 1, 1]) == [1, 2, 3]
+    assert line_fit([1, 3, 2, 4], [1, 1, 1, 1]) == pytest.approx([1.3, 2.1, 2.9, 3.7])  # slope 0.8
+    assert line_fit([5, 4, 3], [1, 1, 1]) == [4, 4, 4]  # falling: flat at the mean
+    assert line_fit([1, 100, 3], [1, 0, 1]) == [1, 2, 3]  # an entry without weight is ignored
+    assert line_fit([7], [1]) == [7]
+
+
+
+def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k():
+    """Sampling, acceptance and bookkeeping over B x (K + 1) logits, which the pass times do not
+    see: measured per (bucket, K), fitted on a line over K >= 1, it moves the policy to a smaller K."""
+    costs = MemoryBoundCosts(draft=0.3e-3)
+    before = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
+    assert before.k >= 4
+    measured = MeasuredCosts()
+    for k, seconds in [(0, 1e-3), (1, 2e-3), (2, 5e-3), (4, 7e-3)]:
+        measured.observe_other(8, k, seconds)
+    other = measured.other_times(6, 6, least_weight=0.05)  # bucket 8
+    assert other[0] == pytest.approx(1e-3)
+    slope = other[2] - other[1]  # K = 3, 5, 6 never measured: nearest K, little weight
+    assert slope == pytest.approx(1.41e-3, rel=0.01) and other[1:] == pytest.approx([other[1] + slope * i for i in range(6)])
+    costs.per_k = 1.5e-3
+    after = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
+    assert 0 < after.k < before.k
