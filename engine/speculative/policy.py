@@ -124,13 +124,9 @@ class SpecPolicy:
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
                  probe_every: int = 32):
-        self.costs = costs
-        self.spec_length = spec_length
-        self.mode = mode
-        self.disable_batch_size = disable_batch_size
-        self.hysteresis = hysteresis
+        self.costs, self.hysteresis, self.probe_every = costs, hysteresis, probe_every
+        self.configure(spec_length, mode, disable_batch_size)
         self._last_k = spec_length
-        self.probe_every = probe_every
         self._probe_wait = probe_every  # plain steps before the next probe (doubles per fruitless probe)
         self._plain_streak = 0  # consecutive adaptive choices of K = 0
 
@@ -184,8 +180,8 @@ class SpecPolicy:
         scores = {k: self._goodput(k, curves, k_caps, seconds[k], catch_up_tokens) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
-        # starting or stopping speculation costs what the scores leave out (the draft catching up
-        # on the tokens it skipped), so it needs a margin; between two K > 0 the best is taken
+        # a margin between plain and speculation (estimates wobble, a switch is not free); between
+        # two K > 0 the best is taken
         if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
             best = last
         self._last_k = best
