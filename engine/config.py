@@ -224,12 +224,9 @@ def _as_dict(spec: SpecConfig | dict) -> dict:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops.
-
-    temperature 0 means greedy. top_k = -1 (or 0) disables top-k; top_p = 1 disables top-p;
-    min_p = 0 disables min-p; repetition_penalty = 1 disables the penalty (CTRL-style: a logit
-    of a token already in prompt or output is divided by it when positive, multiplied when not).
-    """
+    """How one request is sampled and when it stops. temperature 0: greedy; top_k -1 (or 0), top_p 1,
+    min_p 0 and repetition_penalty 1 (CTRL-style: a seen token's logit divided by it when positive,
+    multiplied when not) each disable their filter."""
 
     temperature: float = 1.0
     top_k: int = -1

@@ -267,10 +267,8 @@ class LLMEngine:
 
 
 class LLM:
-    """Offline batch generation: `LLM(**EngineConfig fields).generate(prompts, params)`.
-
-    With no model given it serves the embedded default pair (target + draft, speculation on).
-    """
+    """Offline batch generation: `LLM(**EngineConfig fields).generate(prompts, params)`; with no
+    model given, the embedded default pair (target + draft, speculation on)."""
 
     def __init__(self, **kwargs):
         self.config = EngineConfig.from_kwargs(**with_embedded_defaults(kwargs))

@@ -32,27 +32,19 @@ class OutOfKVCache(RuntimeError):
 
 
 class KeyGroup(NamedTuple):
-    """Sequences of a view that read their keys together.
+    """Sequences of a view that read their keys together."""
 
-    index: [b] positions in the batch; read_rows: [b, L] storage rows of their key positions;
-    key_len: L.
-    """
-
-    index: torch.Tensor
-    read_rows: torch.Tensor
-    key_len: int
+    index: torch.Tensor  # [b] positions in the batch
+    read_rows: torch.Tensor  # [b, L] storage rows of their key positions
+    key_len: int  # L
 
 
 class AttentionGroup(NamedTuple):
-    """The sequences one attention call covers and the mask of their queries.
+    """The sequences one attention call covers and the mask of their queries."""
 
-    index: [b] positions in the batch (None = the whole batch, in order); read_rows: [b, L]
-    (None: the view's contiguous `read_slice`); mask: [b, 1, T, L] bool, or None = attend to all L.
-    """
-
-    index: torch.Tensor | None
-    read_rows: torch.Tensor | None
-    mask: torch.Tensor | None
+    index: torch.Tensor | None  # [b] positions in the batch (None: the whole batch, in order)
+    read_rows: torch.Tensor | None  # [b, L] (None: the view's contiguous `read_slice`)
+    mask: torch.Tensor | None  # [b, 1, T, L] bool (None: attend to all L)
 
 
 class KVView:

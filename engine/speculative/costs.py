@@ -88,10 +88,15 @@ class LineEstimate:
     def __call__(self, x: float) -> float:
         if self._moments is None:
             return 0.0
-        mx, my, mxx, mxy = self._moments
-        spread = mxx - mx * mx
-        slope = max(0.0, (mxy - mx * my) / spread) if spread > 1e-9 * mxx else my / max(mx, 1e-12)
-        return max(0.0, my + slope * (x - mx))
+        mx, my = self._moments[:2]
+        slope = _slope(*self._moments)
+        return max(0.0, my + (my / max(mx, 1e-12) if slope is None else slope) * (x - mx))
+
+
+def _slope(mx: float, my: float, mxx: float, mxy: float) -> float | None:
+    """The least-squares slope (at least 0) from the means of x, y, x^2 and x y; None if x never varied."""
+    spread = mxx - mx * mx
+    return max(0.0, (mxy - mx * my) / spread) if spread > 1e-9 * max(mxx, 1e-12) else None
 
 
 class CostObserver(Protocol):
@@ -141,19 +146,16 @@ class MeasuredCosts:
         return times[:1] + line_fit(times[1:], weights)
 
     def target_time(self, batch: int, tokens_per_seq: int) -> float:
-        t = self.target.estimate(batch, tokens_per_seq)
-        return t if t is not None else 1.0
+        return self.target.estimate(batch, tokens_per_seq) or 1.0
 
     def target_weight(self, batch: int, tokens_per_seq: int) -> float:
         return self.target.weight(batch, tokens_per_seq)
 
     def draft_time(self, batch: int) -> float:
-        t = self.draft.estimate(batch, 1)
-        return t if t is not None else 0.0
+        return self.draft.estimate(batch, 1) or 0.0
 
     def draft_first_time(self, batch: int) -> float:
-        t = self.draft_first.estimate(batch, 1)
-        return t if t is not None else self.draft_time(batch)
+        return self.draft_first.estimate(batch, 1) or self.draft_time(batch)
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
@@ -166,12 +168,10 @@ def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     total = sum(weights)
     if not values or total <= 0:
         return list(values)
-    mean_x = sum(w * x for x, w in enumerate(weights)) / total
-    mean_y = sum(w * v for v, w in zip(values, weights)) / total
-    spread = sum(w * (x - mean_x) ** 2 for x, w in enumerate(weights))
-    slope = max(0.0, sum(w * (x - mean_x) * (v - mean_y) for x, (v, w) in enumerate(zip(values, weights))) / spread) \
-        if spread > 0 else 0.0
-    return [mean_y + slope * (x - mean_x) for x in range(len(values))]
+    mx, my, mxx, mxy = (sum(w * m for w, m in zip(weights, column)) / total
+                        for column in zip(*((x, v, x * x, x * v) for x, v in enumerate(values))))
+    slope = _slope(mx, my, mxx, mxy) or 0.0
+    return [my + slope * (x - mx) for x in range(len(values))]
 
 
 CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's share as in a typical context

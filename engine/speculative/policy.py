@@ -1,10 +1,7 @@
 """Choosing K (tokens to propose) each step: the K that maximises expected tokens per second,
-
-    goodput(K) = sum_i E_i(min(K, cap_i)) / (t_step + t_draft(B, K) + t_target(B, K + 1)),
-
-from measured costs (costs.py) and each request's acceptance rates by draft position, with
-E_i(K) = 1 + h_1 + h_1 h_2 + ... K falls to 0 by itself as verify passes stop being free; the
-derivation, the probes and the hysteresis: docs/performance-notes.md#adaptive-policy.
+sum_i E_i(min(K, cap_i)) / t_step(B, K), from measured costs (costs.py) and each request's
+acceptance rates by draft position (E_i(K) = 1 + h_1 + h_1 h_2 + ...). K falls to 0 by itself as
+verify passes stop being free; the model, probes and hysteresis: docs/performance-notes.md#adaptive-policy.
 """
 
 from __future__ import annotations
