@@ -311,11 +311,11 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
 def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
     from engine.speculative.costs import line_fit
 
-    assert line_fit([1, 2, 3], [1, 1, 1]) == [1, 2, 3]
+    assert line_fit([1, 2, 3], [1, 1, 1]) == pytest.approx([1, 2, 3])
     assert line_fit([1, 3, 2, 4], [1, 1, 1, 1]) == pytest.approx([1.3, 2.1, 2.9, 3.7])  # slope 0.8
-    assert line_fit([5, 4, 3], [1, 1, 1]) == [4, 4, 4]  # falling: flat at the mean
-    assert line_fit([1, 100, 3], [1, 0, 1]) == [1, 2, 3]  # an entry without weight is ignored
-    assert line_fit([7], [1]) == [7]
+    assert line_fit([5, 4, 3], [1, 1, 1]) == pytest.approx([4, 4, 4])  # falling: flat at the mean
+    assert line_fit([1, 100, 3], [1, 0, 1]) == pytest.approx([1, 2, 3])  # an entry without weight is ignored
+    assert line_fit([7], [1]) == pytest.approx([7])
 
 
 
@@ -335,3 +335,17 @@ def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k(
     costs.per_k = 1.5e-3
     after = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
     assert 0 < after.k < before.k
+
+
+def test_a_long_catch_up_is_priced_by_a_line_not_by_the_small_ones_per_token():
+    """A 5-token catch-up costs a pass's fixed time; priced per token it would make a 1,200-token
+    catch-up look 40x dearer than it is."""
+    costs = MeasuredCosts()
+    assert costs.catch_up_time(100) == 0.0  # nothing measured yet
+    costs.observe_catch_up(5, 0.5e-3)
+    assert costs.catch_up_time(10) == pytest.approx(1e-3)  # one size seen: proportional
+    for _ in range(30):
+        costs.observe_catch_up(5, 0.5e-3)
+        costs.observe_catch_up(600, 2.0e-3)
+    assert costs.catch_up_time(5) == pytest.approx(0.5e-3, rel=0.02)
+    assert costs.catch_up_time(1200) == pytest.approx(3.5e-3, rel=0.02)
