@@ -5,7 +5,7 @@
     llamacpp llama.cpp (llama-cpp-python) plain and prompt-lookup on the same weights as GGUF
     sweep    batch sweep 1..64: plain vs fixed K vs adaptive, and the K the policy picked
     plan     the forward plan measured at load (auto) vs every plan forced, batch 1 and 16
-    http     `serve run serve_config.yaml` under N streaming clients: TTFT / ITL / throughput
+    serve    guidellm against `serve run serve_config.yaml`: concurrency 1..32, plain / fixed K / adaptive
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
     plots    PNGs from bench/results/*.json
     report   rewrite README's results block from bench/results/*.json
@@ -19,11 +19,11 @@ import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
             "sweep": "bench.sweep", "plan": "bench.plans",
-            "http": "bench.http_load", "hf": "bench.engine_vs_hf",
+            "serve": "bench.serve", "hf": "bench.engine_vs_hf",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),
-       ("llamacpp", []), ("sweep", []), ("plan", []), ("http", []), ("plots", []), ("report", [])]
+       ("llamacpp", []), ("sweep", []), ("plan", []), ("serve", []), ("plots", []), ("report", [])]
 
 
 def run(command: str, argv: list[str]) -> None:

@@ -35,8 +35,9 @@ from bench.workloads import load_prompts
 SETTINGS = {"plain": PLAIN, "draft K=5": fixed("draft", 5), "hybrid adaptive": adaptive("hybrid")}
 
 
-def plans_around(auto: dict) -> tuple[str, dict[str, dict]]:
-    """(the auto plan's label, label -> forward_plan for it and every one-model change of it)."""
+def plans_around(auto: dict, shapes: dict) -> tuple[str, dict[str, dict]]:
+    """(the auto plan's label, label -> forward_plan for it and every one-model change of it);
+    shapes: role -> ModelShape."""
     from engine.config import ModelPlan
     from engine.model.plan import candidates, label
 
@@ -45,7 +46,7 @@ def plans_around(auto: dict) -> tuple[str, dict[str, dict]]:
     name = lambda pair: f"target {label(pair['target'])}, draft {label(pair['draft'])}"  # noqa: E731
     plans = {}
     for role in ("target", "draft"):
-        for option in candidates(role, "bfloat16", "cpu"):
+        for option in candidates(role, "bfloat16", "cpu", shapes[role]):
             pair = {**chosen, role: option}
             plans[name(pair)] = {r: dataclasses.asdict(p) for r, p in pair.items()}
     return name(chosen), plans
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine.model.plan import summary
 
     probe = batch1_llm(args.target, args.draft, "auto", max(args.batches))  # measures (or reads) the plan
-    auto, plans = plans_around(probe.engine.forward_plan)
+    auto, plans = plans_around(probe.engine.forward_plan,
+                               {"target": probe.engine.model.shape, "draft": probe.engine.draft_model.shape})
     del probe
     llms = {name: batch1_llm(args.target, args.draft, p, max(args.batches)) for name, p in plans.items()}
     texts = load_prompts("code") + load_prompts("edit")

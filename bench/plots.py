@@ -120,22 +120,28 @@ def plot_peers(r: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def plot_http(r: dict, out: Path) -> None:
+def plot_serve(r: dict, out: Path) -> None:
+    """Output tokens/s, TTFT p50 and inter-token latency p50 against concurrency, one line per mode."""
     plt = _plt()
-    ns = list(r["results"])
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode, color in (("off", "C7"), ("on", "C0")):
-        for ax, (key, label) in zip(axes, (("tok_s", "throughput (tokens/s)"), ("ttft_ms", "TTFT p50 (ms)"),
-                                           ("tpot_ms", "time per output token p50 (ms)"))):
-            for where, ls in (("http", "-"), ("in_process", "--")):
-                vals = [r["results"][n][mode][where][key] for n in ns]
-                vals = [v["p50"] if isinstance(v, dict) else v for v in vals]
-                ax.plot([int(n) for n in ns], vals, ls, marker="o", color=color,
-                        label=f"speculation {mode}, {where.replace('_', '-')}")
-            ax.set_xlabel("concurrent streaming clients")
-            ax.set_title(label)
-            ax.grid(alpha=0.3)
+    levels = list(r["results"])
+    names = list(r["results"][levels[0]]["modes"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, name in enumerate(names):
+        style = dict(marker="o", color="C7" if name.startswith("plain") else "C3" if name.startswith("adaptive")
+                     else f"C{i}", ls="--" if name.endswith("in-process") else "-",
+                     lw=2.2 if name.startswith("adaptive") else 1.2)
+        for ax, key in zip(axes, ("tok_s", "ttft_ms", "itl_ms")):
+            vals = [r["results"][lv]["modes"][name][key] for lv in levels]
+            ax.plot([int(lv) for lv in levels], [v["p50"] if isinstance(v, dict) else v for v in vals],
+                    label=name, **style)
+    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams (guidellm)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
+    fig.suptitle(f"serving sweep, {r['host']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -144,7 +150,7 @@ def plot_http(r: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     made = []
     for name, fn in (("spec_code_t0", plot_spec), ("spec_edit_t0", plot_spec), ("spec_code_t0.8", plot_spec),
-                     ("sweep", plot_sweep), ("peers", plot_peers), ("http_load", plot_http)):
+                     ("sweep", plot_sweep), ("peers", plot_peers), ("serve", plot_serve)):
         r = _load(name)
         if r is not None:
             out = RESULTS / f"{name}.png"

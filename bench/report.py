@@ -178,23 +178,28 @@ def sweep(r: dict) -> list[str]:
     return lines + [""] + _img("sweep")
 
 
-def http_load(r: dict) -> list[str]:
-    lines = [f"**End to end over HTTP** — `serve run serve_config.yaml` (one replica, "
-             f"{r['engine'].get('num_threads')} thread), N streaming clients x {r['requests_per_client']} requests of "
-             f"{r['tokens']} tokens, greedy; speculation off = same server with `spec_length: 0` per request; "
-             "in-process = the same engine config behind `AsyncLLMEngine` (`python -m bench http`):", "",
-             "| N | speculation | tok/s HTTP | tok/s in-process | HTTP ÷ in-process | TTFT p50 / p99 (ms) | "
-             "inter-chunk p50 / p99 (ms) | time per token p50 / p99 (ms) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for n, row in r["results"].items():
-        for mode in ("off", "on"):
-            h, e = row[mode]["http"], row[mode]["in_process"]
-            lines.append(f"| {n} | {mode} | {h['tok_s']:.0f} | {e['tok_s']:.0f} | {row[mode]['http_over_in_process']:.2f} | "
-                         f"{h['ttft_ms']['p50']:.0f} / {h['ttft_ms']['p99']:.0f} | {h['itl_ms']['p50']:.1f} / "
-                         f"{h['itl_ms']['p99']:.1f} | {h['tpot_ms']['p50']:.1f} / {h['tpot_ms']['p99']:.1f} |")
-    lines += ["", "Speculation on ÷ off over HTTP: " + ", ".join(
-        f"N={n} {row['spec_speedup_http']:.2f}x" for n, row in r["results"].items()), ""]
-    return lines + _img("http_load")
+def serve(r: dict) -> list[str]:
+    slo = r["slo"]
+    lines = [f"**Serving sweep with guidellm** — `serve run serve_config.yaml` (one replica, {r['engine_threads']} "
+             f"engine thread), {r['host']}; per level, each mode applied live (`serve deploy` of its user_config) "
+             f"then `guidellm run` with that many concurrent streams, {r['tokens']} output tokens a request over the "
+             f"code prompts, greedy; medians of {r['repeats']} interleaved repeats (`python -m bench serve`). "
+             f"Goodput: requests/s with TTFT ≤ {slo['ttft_ms']:.0f} ms and mean inter-token latency ≤ "
+             f"{slo['itl_ms']:.0f} ms. One run's command:", "", f"`{r['guidellm_command']}`", "",
+             "| streams | mode | output tok/s (range) | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | goodput (req/s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for level, row in r["results"].items():
+        for name, m in row["modes"].items():
+            goodput = "" if m["goodput_rps"] is None else f"{m['goodput_rps']:.2f}"
+            lines.append(f"| {level} | {name} | {m['tok_s']:.0f} ({m['tok_s_range'][0]:.0f}–{m['tok_s_range'][1]:.0f}) | "
+                         f"{m['ttft_ms']['p50']:.0f} / {m['ttft_ms']['p95']:.0f} | {m['itl_ms']['p50']:.1f} / "
+                         f"{m['itl_ms']['p95']:.1f} | {goodput} |")
+    lines += ["", "Adaptive ÷ max(plain, best fixed K), output tokens/s: " + ", ".join(
+        f"{lv} streams {row['adaptive_over_best']:.3f} ({row['best_fixed']})" for lv, row in r["results"].items()),
+        "", "HTTP ÷ in-process (the serving layer's share): " + ", ".join(
+        f"{lv} streams " + " / ".join(f"{m} {v:.2f}" for m, v in row["http_over_in_process"].items())
+        for lv, row in r["results"].items()), ""]
+    return lines + _img("serve")
 
 
 def _best(results: dict, prefix: str) -> tuple[str, float]:
@@ -251,6 +256,14 @@ def summary() -> str:
             measured += (f" as ratios of medians; paired medians {min(paired.values()):.3f} (batch {worst_paired})"
                          f" to {max(paired.values()):.3f}")
         row("adaptive >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
+    if (r := _load("serve")) is not None:
+        ratios = {lv: row_["adaptive_over_best"] for lv, row_ in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        row("serving (guidellm): adaptive >= 0.97 x max(plain, best fixed K) at every concurrency",
+            f"{min(ratios.values()):.3f} ({worst} streams) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.97)
+        if "1" in r["results"]:
+            one = r["results"]["1"]["adaptive_over_plain"]
+            row("serving (guidellm): adaptive >= 1.8x plain at concurrency 1", f"{one:.2f}x", one >= 1.8)
     if (r := _load("plans")) is not None:
         ratios = {k: e["auto_over_best_other"]["median"] for k, e in r["results"].items()}
         worst = min(ratios, key=ratios.get)
@@ -274,7 +287,7 @@ def build() -> str:
     if first_spec is not None:
         out += costs_table(first_spec)
     for name, fn in (("plans", plans), ("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep),
-                     ("http_load", http_load)):
+                     ("serve", serve)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)

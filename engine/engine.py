@@ -14,11 +14,11 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
 from engine.kv import KVManager
-from engine.model.llama import Llama, LlamaShape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
 from engine.model.plan import device_memory, load_planned, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
+from engine.model.transformer import ModelShape, Transformer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -32,12 +32,13 @@ Prompt = str | Sequence[int]
 KV_MEMORY_SHARE = 0.25  # the default max_seq_len keeps max_batch_size full sequences' KV within this share
 
 
-def default_max_seq_len(shapes: list[LlamaShape], value_bytes: int, max_batch_size: int, memory_bytes: int) -> int:
-    """The models' max_position_embeddings, lowered until max_batch_size sequences of that length
-    keep their KV (every model's, `value_bytes` a value) within KV_MEMORY_SHARE of the memory."""
+def default_max_seq_len(shapes: list[ModelShape], value_bytes: int, max_batch_size: int, memory_bytes: int) -> int:
+    """The longest sequence every model runs (its positions or sliding window), lowered until
+    max_batch_size sequences of that length keep their KV (every model's, `value_bytes` a value)
+    within KV_MEMORY_SHARE of the memory."""
     per_token = sum(2 * s.num_layers * s.num_kv_heads * s.head_dim * value_bytes for s in shapes)
     fits = int(KV_MEMORY_SHARE * memory_bytes // (per_token * max_batch_size))
-    return max(2, min(min(s.max_position_embeddings for s in shapes), fits))
+    return max(2, min(min(s.max_sequence for s in shapes), fits))
 
 
 class LLMEngine:
@@ -76,22 +77,26 @@ class LLMEngine:
             draft_path = resolve_model_path(config.draft_model)
             config.speculative.draft_model = str(draft_path)
         shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
+        if draft_path is not None:
+            check_compatible(tokenizer, Tokenizer(draft_path), *shapes, config.model, config.draft_model)
         if config.max_seq_len is None:  # on CPU the plan may compute (and cache) in float32
             value_bytes = 4 if config.device == "cpu" else getattr(torch, config.dtype).itemsize
             config.max_seq_len = default_max_seq_len(shapes, value_bytes, config.max_batch_size,
                                                      device_memory(config.device))
             if config.kv_cache_backend == "paged" and config.num_kv_blocks is not None:
                 config.max_seq_len = min(config.max_seq_len, config.num_kv_blocks * config.block_size)
-        if config.max_seq_len > shapes[0].max_position_embeddings:
-            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's "
-                             f"max_position_embeddings {shapes[0].max_position_embeddings}")
+        if config.max_seq_len > shapes[0].max_sequence:
+            window = shapes[0].max_sequence < shapes[0].max_position_embeddings
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds the model's " + (
+                f"sliding_window {shapes[0].max_sequence}: sliding-window attention is not implemented, so sequences "
+                "are kept within the window" if window else f"max_position_embeddings {shapes[0].max_sequence}"))
         if config.kv_cache_backend == "paged" and config.num_kv_blocks is not None \
                 and config.num_kv_blocks * config.block_size < config.max_seq_len:
             raise ValueError(f"num_kv_blocks * block_size = {config.num_kv_blocks * config.block_size} "
                              f"tokens cannot hold one sequence of max_seq_len {config.max_seq_len}")
         return tokenizer, model_path, draft_path
 
-    def _load_models(self, model_path, draft_path) -> tuple[Llama, Llama | None]:
+    def _load_models(self, model_path, draft_path) -> tuple[Transformer, Transformer | None]:
         """Both models, each with its forward plan (engine/model/plan.py)."""
         config = self.config
         explicit = config.explicit_plan()
@@ -102,7 +107,6 @@ class LLMEngine:
         if draft_path is not None:
             draft, draft_plan = load_planned(draft_path, "draft", config.dtype, config.device, config.max_seq_len,
                                              explicit["draft"])
-            check_compatible(self.tokenizer, Tokenizer(draft_path), model, draft, config.model, config.draft_model)
             self.forward_plan["draft"] = draft_plan.as_dict()
         log.info("forward plan: %s", summary(self.forward_plan))
         return model, draft
@@ -110,7 +114,8 @@ class LLMEngine:
     def _build_speculation(self) -> SpeculativeDecoder:
         costs = MeasuredCosts()
         settings = self.config.speculative
-        draft = DraftModelProposer(self.draft_model, self.kv, costs) if self.draft_model is not None else None
+        draft = DraftModelProposer(self.draft_model, self.kv, costs, self.model.shape.vocab_size) \
+            if self.draft_model is not None else None
         decoder = SpeculativeDecoder(self.runner, self.kv, settings, draft, costs)
         if settings.spec_policy == "adaptive":
             calibrate(costs, (self.model, self.kv.target),

@@ -8,14 +8,14 @@ import time
 import torch
 
 from engine.kv import KVManager
-from engine.model.llama import Llama
 from engine.model.passes import forward_chunks, width_groups
+from engine.model.transformer import Transformer
 from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, kv: KVManager):
+    def __init__(self, model: Transformer, kv: KVManager):
         self.model = model
         self.kv = kv
 

@@ -1,4 +1,4 @@
-"""Tiny random Llama checkpoints and a tiny tokenizer, built on disk for tests."""
+"""Tiny random checkpoints (Llama, Mistral, Qwen2, Qwen3) and a tiny tokenizer, built on disk for tests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ CORPUS = [
     "import os\nimport sys\n\nprint(os.path.join('a', 'b'))\n",
     "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 🚀 текст",
 ]
+
+
+# per family, the config fields that set it apart in published checkpoints (head_dim: Qwen3's
+# default is 128, so tiny models give theirs)
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=None),  # v0.2 on: full attention
+    "qwen2": dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096, max_window_layers=2),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+}
 
 
 def make_tokenizer(path: Path, vocab_size: int = 320):
@@ -37,23 +47,28 @@ def make_tokenizer(path: Path, vocab_size: int = 320):
 def make_model(path: Path, tokenizer_dir: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 128, tied: bool = False,
                rope_scaling: dict | None = None, max_pos: int = 512, dtype=torch.float32,
-               vocab_size: int | None = None):
-    """Saves a random-init LlamaForCausalLM (HF format) with the tokenizer; returns the HF model."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+               vocab_size: int | None = None, model_type: str = "llama", **family):
+    """Saves a random-init HF causal LM of `model_type` (llama, mistral, qwen2, qwen3; `family`:
+    more config fields) with the tokenizer; returns the HF model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size or len(tok), hidden_size=hidden, num_hidden_layers=layers,
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size or len(tok), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
         tie_word_embeddings=tied, max_position_embeddings=max_pos, rope_scaling=rope_scaling,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **family,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     with torch.no_grad():  # larger-than-default weights so random models are far from uniform
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(2.5)
+            elif name.endswith(".bias"):  # zero at init: random, or a bias would test nothing
+                p.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones at init: one scale per channel
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return model

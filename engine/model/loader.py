@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelPlan
-from engine.model.llama import LayerWeights, Llama, LlamaShape
+from engine.model.transformer import LayerWeights, ModelShape, Transformer
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -82,27 +82,38 @@ class _TensorReader:
         return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
-def read_shape(path: Path) -> LlamaShape:
+def read_shape(path: Path) -> ModelShape:
     """The model's shape from its config.json (no weights read)."""
-    return LlamaShape.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+    return ModelShape.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
-def load_llama(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Llama:
+def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Transformer:
     """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says."""
     shape = read_shape(path)
     reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
-    layers = []
-    for i in range(shape.num_layers):
-        pre = f"model.layers.{i}."
-        layers.append(LayerWeights(
-            attn_norm=reader.get(pre + "input_layernorm.weight"),
-            qkv=torch.cat([reader.get(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            o=reader.get(pre + "self_attn.o_proj.weight"),
-            mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-            down=reader.get(pre + "mlp.down_proj.weight"),
-        ))
+    layers = [_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
     embed = reader.get("model.embed_tokens.weight")
     tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
     lm_head = embed if tied else reader.get("lm_head.weight")
-    return Llama(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, plan)
+    return Transformer(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, plan)
+
+
+def _layer(reader: _TensorReader, shape: ModelShape, pre: str) -> LayerWeights:
+    """One layer's tensors (HF names under `pre`), q/k/v and gate/up fused."""
+    attn = pre + "self_attn."
+    weights = LayerWeights(
+        attn_norm=reader.get(pre + "input_layernorm.weight"),
+        qkv=torch.cat([reader.get(attn + f"{n}_proj.weight") for n in "qkv"]),
+        o=reader.get(attn + "o_proj.weight"),
+        mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+        down=reader.get(pre + "mlp.down_proj.weight"),
+    )
+    if shape.qkv_bias:
+        weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])
+    if shape.o_bias:
+        weights.o_bias = reader.get(attn + "o_proj.bias")
+    if shape.qk_norm:  # one row per head: the query heads' rows, then the key heads'
+        weights.qk_norm = torch.cat([reader.get(attn + "q_norm.weight").expand(shape.num_heads, -1),
+                                     reader.get(attn + "k_norm.weight").expand(shape.num_kv_heads, -1)])
+    return weights

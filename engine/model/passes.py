@@ -9,7 +9,7 @@ import torch
 
 from engine.kv import CachePool, make_pool
 from engine.kv.protocol import power_of_two_at_least
-from engine.model.llama import Llama
+from engine.model.transformer import Transformer
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
 
@@ -29,7 +29,7 @@ def width_groups(lengths: list[int]) -> list[list[int]]:
     return [groups[w] for w in sorted(groups)]
 
 
-def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list[list[int]],
+def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                    start_positions: list[int], all_logits: bool = False) -> torch.Tensor:
     """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
 
@@ -51,14 +51,14 @@ def forward_chunks(model: Llama, pool: CachePool, slots: list[int], chunks: list
     return model.forward(ids, pos, view, last)  # [B, vocab]
 
 
-def fill_slots(model: Llama, pool: CachePool, batch: int, context: int) -> list[int]:
+def fill_slots(model: Transformer, pool: CachePool, batch: int, context: int) -> list[int]:
     """`batch` new slots of `pool`, each holding `context` tokens' K/V (for timing passes)."""
     slots = [pool.allocate_slot([])[0] for _ in range(batch)]
     forward_chunks(model, pool, slots, [[i % model.shape.vocab_size] * context for i in range(batch)], [0] * batch)
     return slots
 
 
-def time_pass(model: Llama, pool: CachePool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
+def time_pass(model: Transformer, pool: CachePool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
     """Seconds for one pass of `tokens` tokens per slot after its `context` keys (every position's
     logits when all_logits, as a verify pass); the slots are rolled back to `context` after."""
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def time_pass(model: Llama, pool: CachePool, slots: list[int], tokens: int, cont
     return seconds
 
 
-def pool_for(model: Llama, max_slots: int, max_seq_len: int, backend: str = "paged", block_size: int = 16,
+def pool_for(model: Transformer, max_slots: int, max_seq_len: int, backend: str = "paged", block_size: int = 16,
              num_blocks: int | None = None, prefix_caching: bool = False) -> CachePool:
     """A KV pool shaped for `model` (its layers, heads and dtype)."""
     s = model.shape

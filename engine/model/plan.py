@@ -23,9 +23,10 @@ import torch
 
 from engine.config import ModelPlan
 from engine.model.kernels import one_sequence
-from engine.model.llama import Llama, cpu_packs
-from engine.model.loader import load_llama
+from engine.model.loader import load_model, read_shape
 from engine.model.passes import fill_slots, pool_for, time_pass
+from engine.model.token_step import TokenStep
+from engine.model.transformer import ModelShape, Transformer, cpu_packs
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,13 @@ def label(plan: ModelPlan | dict) -> str:
     return "+".join([p["dtype"], *(n for n in ("one_sequence_kernel", "token_step") if p.get(n))])
 
 
-def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
-    """The plans worth measuring for a model of `role` asked to run in `dtype` on `device`."""
+def candidates(role: str, dtype: str, device: str, shape: ModelShape) -> list[ModelPlan]:
+    """The plans worth measuring for a model of `shape` and `role` asked to run in `dtype` on `device`."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
-    kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if one_sequence.load() else None
+    runs = {"target": one_sequence.load() is not None, "draft": TokenStep.runs(shape)}[role]
+    kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if runs else None
     out = []
     for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16
         with_kernel = kernel and (d == "float32" or (kernel == "token_step" and d == "bfloat16"))
@@ -71,22 +73,22 @@ def candidates(role: str, dtype: str, device: str) -> list[ModelPlan]:
 
 
 def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: int,
-                 explicit: ModelPlan | None = None) -> tuple[Llama, PlanChoice]:
+                 explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
     """The model at `path` loaded with its plan: the explicit one, the cached one, or the one
     measured fastest now (then cached)."""
     if explicit is not None:
         if device == "cpu" and explicit.dtype != "float32" and not cpu_packs(getattr(torch, explicit.dtype)):
             log.warning("%s: this CPU has no %s matmul kernels; computing in float32", path.name, explicit.dtype)
             explicit = dataclasses.replace(explicit, dtype="float32")
-        return load_llama(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
-    options = candidates(role, dtype, device)  # the first: the asked-for dtype where it runs well
+        return load_model(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
+    options = candidates(role, dtype, device, read_shape(path))  # the first: the asked-for dtype where it runs well
     if len(options) == 1 or not _fits_in_memory(path, len(options)):
-        return load_llama(path, options[0], device, max_positions), PlanChoice(options[0], "unmeasured")
+        return load_model(path, options[0], device, max_positions), PlanChoice(options[0], "unmeasured")
     cache = _cache_file(path, role, dtype, device)
     cached = _read_cache(cache)
     if cached is not None and cached.plan in options:
-        return load_llama(path, cached.plan, device, max_positions), cached
-    models = {label(p): load_llama(path, p, device, max_positions) for p in options}
+        return load_model(path, cached.plan, device, max_positions), cached
+    models = {label(p): load_model(path, p, device, max_positions) for p in options}
     shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
     ms = measure(models, shapes, max_positions, all_logits=role == "target")
     costs = relative_costs(ms, SCENARIOS[role])
@@ -106,7 +108,7 @@ def relative_costs(ms: dict[str, dict[str, float]], scenarios: dict) -> dict[str
     return {name: math.exp(statistics.fmean(math.log(w[sc] / best[sc]) for sc in scenarios)) for name, w in work.items()}
 
 
-def measure(models: dict[str, Llama], shapes, max_positions: int, all_logits: bool) -> dict[str, dict[str, float]]:
+def measure(models: dict[str, Transformer], shapes, max_positions: int, all_logits: bool) -> dict[str, dict[str, float]]:
     """Median ms of each model's pass at each (sequences, tokens) shape over CONTEXT keys,
     interleaved across models so slow drifts of the host hit every candidate alike; passes
     return every position's logits (a verify pass) or the last one's (a draft's catch-up)."""

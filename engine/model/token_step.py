@@ -43,15 +43,13 @@ class TokenStep:
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor):
-        tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in vars(lw).values()]
-        widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.head_dim)
+        tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in lw.tensors()]
         self._kernels = one_sequence.load()
-        if any(t.device.type != "cpu" or t.dtype != embed.dtype for t in tensors) or any(w % 8 for w in widths) \
-                or embed.dtype not in (torch.float32, torch.bfloat16) or shape.num_heads % shape.num_kv_heads \
-                or self._kernels is None:
+        if not self.runs(shape) or any(t.device.type != "cpu" or t.dtype != embed.dtype for t in tensors) \
+                or embed.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("forward_plan token_step: the CPU token step cannot run here (it needs float32 or "
-                             "bfloat16 weights on an x86-64 CPU with AVX2, widths that are multiples of 8, and the "
-                             "kernels built)")
+                             "bfloat16 weights on an x86-64 CPU with AVX2, widths that are multiples of 8, no "
+                             "attention biases or q/k norms, and the kernels built)")
         self.dtype = embed.dtype  # of the KV storage it reads and writes
         cos, sin, final_norm = cos.float(), sin.float(), final_norm.float()
         layers = [type(lw)(**{**vars(lw), "attn_norm": lw.attn_norm.float(), "mlp_norm": lw.mlp_norm.float()})
@@ -78,6 +76,13 @@ class TokenStep:
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
         self._vocab_size = shape.vocab_size
 
+    @staticmethod
+    def runs(shape) -> bool:
+        """Whether a model of this shape can take token steps (dtype and device aside)."""
+        widths = (shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.head_dim)
+        return one_sequence.load() is not None and not any(w % 8 for w in widths) \
+            and not shape.num_heads % shape.num_kv_heads and not (shape.qkv_bias or shape.o_bias or shape.qk_norm)
+
     def _held(self, t: torch.Tensor) -> int:
         self._keep.append(t)
         return t.data_ptr()
@@ -93,7 +98,7 @@ class TokenStep:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None) -> torch.Tensor:
-        """As Llama.forward for a pass over B sequences of T query rows, computing only each
+        """As Transformer.forward for a pass over B sequences of T query rows, computing only each
         sequence's tokens up to logits_index[b] (all T rows are real when it is None, which
         then needs T == 1). Returns logits [B, vocab] (or [B, 1, vocab] when logits_index is
         None), float32."""

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine.kv import CachePool
-from engine.model.llama import Llama
 from engine.model.passes import fill_slots, time_pass
+from engine.model.transformer import Transformer
 
 
 def smoothed(old: float | None, new: float, smoothing: float) -> float:
@@ -177,7 +177,7 @@ def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
 CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's share as in a typical context
 
 
-def calibrate(costs: MeasuredCosts, target: tuple[Llama, CachePool], draft: tuple[Llama, CachePool] | None,
+def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
               max_tokens: int, max_batch: int, repeats: int = 3) -> None:
     """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
     first, catching up on two tokens, and a one-token step) at power-of-two batch sizes up to
@@ -205,7 +205,7 @@ def _room(pool: CachePool, batch: int) -> int:
     return pool.max_seq_len if shared is None else min(pool.max_seq_len, shared // batch)
 
 
-def _median_pass(model: Llama, pool: CachePool, batch: int, tokens: int, context: int, repeats: int,
+def _median_pass(model: Transformer, pool: CachePool, batch: int, tokens: int, context: int, repeats: int,
                  all_logits: bool = False) -> float:
     context = max(context, 1)
     slots = fill_slots(model, pool, batch, context)

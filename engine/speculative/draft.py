@@ -10,27 +10,32 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine.kv import KVManager
-from engine.model.llama import Llama
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.tokenizer import Tokenizer
+from engine.model.transformer import ModelShape, Transformer
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
-def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target: Llama, draft: Llama,
+def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target: ModelShape, draft: ModelShape,
                      target_name: str, draft_name: str) -> None:
-    """A draft must speak the target's vocabulary: same size, same tokenizer, same EOS ids."""
+    """A draft, of any family, must speak the target's vocabulary: the same tokens with the same ids,
+    the same EOS ids, an embedding row for every token. Embedding sizes may differ (rows of padding:
+    Qwen2.5-7B has 152,064 where 0.5B has 151,936); the proposer works in the target's."""
     problems = []
-    if target.shape.vocab_size != draft.shape.vocab_size:
-        problems.append(f"vocab size {target.shape.vocab_size} vs {draft.shape.vocab_size}")
-    if target_tok.vocab_size != draft_tok.vocab_size:
-        problems.append(f"tokenizer size {target_tok.vocab_size} vs {draft_tok.vocab_size}")
+    if target_tok.hf.get_vocab() != draft_tok.hf.get_vocab():
+        problems.append(f"their tokenizers differ ({target_tok.vocab_size} vs {draft_tok.vocab_size} tokens"
+                        f"{', the same number with other ids' if target_tok.vocab_size == draft_tok.vocab_size else ''})")
     if target_tok.eos_token_ids != draft_tok.eos_token_ids:
         problems.append(f"EOS ids {sorted(target_tok.eos_token_ids)} vs {sorted(draft_tok.eos_token_ids)}")
+    for name, shape in (("target", target), ("draft", draft)):
+        if shape.vocab_size < target_tok.vocab_size:
+            problems.append(f"the {name}'s embedding has {shape.vocab_size} rows for {target_tok.vocab_size} tokens")
     if problems:
         raise ValueError(f"draft model {draft_name} is not compatible with target model {target_name}: "
                          + "; ".join(problems))
@@ -40,10 +45,17 @@ class DraftModelProposer:
     name = "draft"
     runs_model = True
 
-    def __init__(self, model: Llama, kv: KVManager, observer: CostObserver):
+    def __init__(self, model: Transformer, kv: KVManager, observer: CostObserver, vocab_size: int):
         self.model = model
         self.kv = kv
         self.observer = observer
+        self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+
+    def _forward(self, rows: list[Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """The draft's last logits for each row's chunk, over the target's vocabulary [N, V]."""
+        logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in rows], chunks, starts)
+        extra = self.vocab_size - logits.shape[-1]  # ids the draft has no row for get probability 0
+        return logits[:, :self.vocab_size] if extra <= 0 else F.pad(logits, (0, extra), value=float("-inf"))
 
     def lag(self, requests: list[Request]) -> list[int]:
         return [r.num_tokens - self.kv.draft_len(r) for r in requests]
@@ -67,7 +79,7 @@ class DraftModelProposer:
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
         long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
         short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
-        logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)  # [N, V]
+        logits = torch.empty(len(reqs), self.vocab_size, device=self.model.device)  # [N, V]
         t0 = time.perf_counter()
         for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
             self._feed(reqs, [long_rows[g] for g in group], chunks, starts, logits)
@@ -81,14 +93,13 @@ class DraftModelProposer:
 
     def _feed(self, reqs: list[Request], rows: list[int], chunks: list[list[int]], starts: list[int],
               logits: torch.Tensor) -> None:
-        logits[rows] = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(reqs[i]) for i in rows],
-                                      [chunks[i] for i in rows], [starts[i] for i in rows])
+        logits[rows] = self._forward([reqs[i] for i in rows], [chunks[i] for i in rows], [starts[i] for i in rows])
 
     def _draft(self, reqs: list[Request], ks: list[int], logits: torch.Tensor,
                with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
         """ks[i] tokens for reqs[i]: the first from the catch-up logits [N, V], the rest from
         one-token steps; with q [N, max(ks), V] when with_q."""
-        sampling = _Sampling(reqs, self.model) if with_q else None
+        sampling = _Sampling(reqs, self.vocab_size, self.model.device) if with_q else None
         tokens: list[list[int]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         steps, t0 = 0, time.perf_counter()
@@ -99,8 +110,8 @@ class DraftModelProposer:
             active = [i for i in active if len(tokens[i]) < ks[i]]
             if not active:
                 break
-            step_logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(reqs[i]) for i in active],
-                                         [[tokens[i][-1]] for i in active], [self.kv.draft_len(reqs[i]) for i in active])
+            step_logits = self._forward([reqs[i] for i in active], [[tokens[i][-1]] for i in active],
+                                        [self.kv.draft_len(reqs[i]) for i in active])
             if len(active) < len(reqs):  # only the requests that still need tokens step
                 step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device), step_logits)
             logits, steps = step_logits, steps + 1
@@ -112,10 +123,10 @@ class DraftModelProposer:
 class _Sampling:
     """Draws draft tokens from each request's adjusted distribution, keeping every q."""
 
-    def __init__(self, reqs: list[Request], model: Llama):
+    def __init__(self, reqs: list[Request], vocab_size: int, device: torch.device):
         self.reqs = reqs
-        self.rows = SamplingRows.build([r.params for r in reqs], model.device)
-        self.seen = context_mask([r.all_token_ids for r in reqs], model.shape.vocab_size, model.device) \
+        self.rows = SamplingRows.build([r.params for r in reqs], device)
+        self.seen = context_mask([r.all_token_ids for r in reqs], vocab_size, device) \
             if self.rows.needs_penalty else None
         self.q_steps: list[torch.Tensor] = []  # [N, V] per step
 

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan
-from engine.model.loader import load_llama, resolve_model_path
+from engine.model.loader import load_model, resolve_model_path
 from engine.model.passes import forward_chunks
 from tests.helpers import pool_for
 
@@ -29,7 +29,7 @@ def test_shipped_checkpoint_logits_match_transformers(name):
     ids = tok.encode(PROMPTS[0], return_tensors="pt")  # [1, T]
     with torch.no_grad():
         expected = hf(input_ids=ids).logits[0]  # [T, vocab]
-    ours = load_llama(path, ModelPlan("float32"), "cpu", max_positions=512)
+    ours = load_model(path, ModelPlan("float32"), "cpu", max_positions=512)
     pool = pool_for(ours, max_slots=1, max_seq_len=512)
     slot, _ = pool.allocate_slot([])
     got = forward_chunks(ours, pool, [slot], [ids[0].tolist()], [0], all_logits=True)[0]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.config import with_embedded_defaults
 from engine.metrics import StepMetrics
 from tests.helpers import InMemoryRecorder
 
@@ -289,3 +292,15 @@ def test_a_default_max_seq_len_fits_the_kv_blocks_asked_for(tiny_model):
     """With only num_kv_blocks given, the default max_seq_len is what those blocks hold."""
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4, block_size=4, num_kv_blocks=50)
     assert llm.config.max_seq_len == 200
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("serve_config*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_serve_config_is_a_valid_engine_config(path):
+    """The served config and the GPU examples (not run here) validate as EngineConfig, and their
+    user_config as live speculation changes, so a typo surfaces in CI rather than on a GPU."""
+    import yaml
+
+    app = yaml.safe_load(path.read_text())["applications"][0]
+    config = EngineConfig.from_kwargs(**with_embedded_defaults(app["args"].get("engine") or {}))
+    assert config.speculative.updated(app["deployments"][0].get("user_config") or {}).use_speculative_decoding

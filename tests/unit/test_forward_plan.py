@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine import LLM
 from engine.config import EngineConfig, ModelPlan
 from engine.model import plan
+from engine.model.loader import read_shape
 from tests.helpers import make_model
 
 
-def test_candidates_are_the_paths_that_can_run_here():
+def test_candidates_are_the_paths_that_can_run_here(tiny_model):
+    shape = read_shape(tiny_model[0])
     for role, kernel in (("target", "one_sequence_kernel"), ("draft", "token_step")):
-        options = plan.candidates(role, "bfloat16", "cpu")
+        options = plan.candidates(role, "bfloat16", "cpu", shape)
         assert ModelPlan("float32") in options  # float32 represents bf16 weights exactly
         assert (ModelPlan("bfloat16") in options) == plan.cpu_packs(torch.bfloat16)
         assert all(not getattr(p, other) for p in options
                    for other in {"one_sequence_kernel", "token_step"} - {kernel})  # never the other role's path
-        assert plan.candidates(role, "float32", "cpu") == [p for p in options if p.dtype == "float32"]
-    assert plan.candidates("target", "bfloat16", "cuda") == [ModelPlan("bfloat16")]  # unmeasured on GPUs
+        assert plan.candidates(role, "float32", "cpu", shape) == [p for p in options if p.dtype == "float32"]
+    assert plan.candidates("target", "bfloat16", "cuda", shape) == [ModelPlan("bfloat16")]  # unmeasured on GPUs
+    # the token step has no attention biases or q/k norms: not a candidate for such a draft
+    biased = dataclasses.replace(shape, qkv_bias=True)
+    assert not any(p.token_step for p in plan.candidates("draft", "float32", "cpu", biased))
 
 
 def test_the_winner_is_fastest_over_scenarios_weighted_by_how_often_each_pass_runs():
@@ -34,15 +41,16 @@ def test_the_winner_is_fastest_over_scenarios_weighted_by_how_often_each_pass_ru
 
 
 def test_a_plan_is_measured_once_per_fingerprint_then_cached(tmp_path, tok_dir, monkeypatch):
-    if len(plan.candidates("draft", "bfloat16", "cpu")) < 2:
-        pytest.skip("one candidate path on this host: nothing to measure")
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     make_model(tmp_path / "m", tok_dir, seed=3, dtype=torch.bfloat16)
+    shape = read_shape(tmp_path / "m")
+    if len(plan.candidates("draft", "bfloat16", "cpu", shape)) < 2:
+        pytest.skip("one candidate path on this host: nothing to measure")
     measured, real = [], plan.measure
     monkeypatch.setattr(plan, "measure", lambda *a, **k: measured.append(a[1]) or real(*a, **k))
     model, choice = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
     assert choice.source == "measured" and model.plan == choice.plan and len(measured) == 1
-    assert set(choice.ms) == {plan.label(p) for p in plan.candidates("draft", "bfloat16", "cpu")}
+    assert set(choice.ms) == {plan.label(p) for p in plan.candidates("draft", "bfloat16", "cpu", shape)}
     assert len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 1
     again, cached = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
     assert (cached.source, cached.plan, again.plan, len(measured)) == ("cached", choice.plan, choice.plan, 1)
@@ -58,10 +66,10 @@ def test_the_engine_reports_its_plan_and_takes_explicit_ones(tiny_model, tiny_dr
     stats = llm.engine.stats()["forward_plan"]
     assert stats["target"]["source"] == "explicit" and llm.engine.model.plan == ModelPlan("float32")
     assert stats["draft"]["source"] != "explicit"  # a role left out of the mapping is measured
-    assert llm.engine.draft_model.plan in plan.candidates("draft", "float32", "cpu")
+    assert llm.engine.draft_model.plan in plan.candidates("draft", "float32", "cpu", llm.engine.draft_model.shape)
     auto = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=128).engine
     assert auto.forward_plan["target"]["source"] in ("measured", "cached", "unmeasured")
-    assert auto.model.plan in plan.candidates("target", "float32", "cpu")
+    assert auto.model.plan in plan.candidates("target", "float32", "cpu", auto.model.shape)
     with pytest.raises(ValueError, match="forward_plan.draft: one_sequence_kernel is for the target"):
         EngineConfig(forward_plan={"draft": {"dtype": "float32", "one_sequence_kernel": True}})
     with pytest.raises(ValueError, match=r"unknown forward_plan field\(s\): \['verifier'\]"):

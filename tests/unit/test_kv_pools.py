@@ -265,10 +265,10 @@ def test_grouped_attention_gives_the_logits_of_one_group(tiny_model, monkeypatch
 
     from engine.config import ModelPlan
     from engine.kv import make_pool, protocol
-    from engine.model.loader import load_llama
+    from engine.model.loader import load_model
     from engine.model.passes import forward_chunks
 
-    model = load_llama(Path(tiny_model[0]), ModelPlan("float32"), "cpu", max_positions=512)
+    model = load_model(Path(tiny_model[0]), ModelPlan("float32"), "cpu", max_positions=512)
     s = model.shape
     lengths = [5, 7, 150]
     logits = {}

@@ -83,7 +83,7 @@ def test_tokenizer_mismatch_is_a_clear_error(tmp_path, tiny_model):
     other_tok = tmp_path / "tok"
     make_tokenizer(other_tok, vocab_size=300)
     make_model(tmp_path / "draft", other_tok, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
-    with pytest.raises(ValueError, match="not compatible with target model.*vocab size"):
+    with pytest.raises(ValueError, match="not compatible with target model.*tokenizers differ"):
         spec_llm(tiny_model[0], tmp_path / "draft")
 
 
@@ -250,7 +250,7 @@ def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, t
     llm = spec_llm(tiny_model[0], tiny_draft[0])
     eng = llm.engine
     observer = RecordingObserver()
-    draft = DraftModelProposer(eng.draft_model, eng.kv, observer)
+    draft = DraftModelProposer(eng.draft_model, eng.kv, observer, eng.model.shape.vocab_size)
     eng.add_request(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     eng.step()  # target prefill + first token; the draft has seen nothing yet
     req = next(iter(eng.scheduler.running))

@@ -5,8 +5,8 @@ configuration we draw N sequences with speculation (K = 2, so the 2nd and 3rd to
 from one verify round: accepted, recovered or bonus) and compare the empirical marginals of
 the 2nd and 3rd tokens with the exact target marginals computed by enumerating every prefix.
 
-Significance: each chi-square test rejects at p < 1e-3 (8 tests -> family-wise false alarm
-< 1%). Power: with N = 3000 the test detects a total-variation shift of a few percent; the
+Significance: each chi-square test rejects at p < 1e-3 (16 tests -> family-wise false alarm
+< 2%). Power: with N = 3000 the test detects a total-variation shift of a few percent; the
 `teeth` test shows that replacing the correction distribution norm(max(0, p - q)) with p
 (a classic bug) is rejected.
 """
@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
 from engine.speculative.proposer import Proposal
 from engine.speculative.rejection import Acceptance, verify
-from tests.helpers import make_model
+from tests.helpers import FAMILIES, make_model
 
 VOCAB = 16
 PROMPT = [3, 7, 2, 9, 4]
@@ -38,13 +38,13 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, tok_dir):
-    tpath, dpath = tmp_path_factory.mktemp("stat_t"), tmp_path_factory.mktemp("stat_d")
+def make_pair(tpath, dpath, tok_dir, model_type: str = "llama"):
+    """A 16-token target of the family and a perturbed copy as draft; returns the HF target."""
+    family = dict(FAMILIES[model_type], head_dim=16)
     target = make_model(tpath, tok_dir, seed=5, hidden=32, layers=1, heads=2, kv_heads=1,
-                        intermediate=64, vocab_size=VOCAB)
+                        intermediate=64, vocab_size=VOCAB, **family)
     draft = make_model(dpath, tok_dir, seed=5, hidden=32, layers=1, heads=2, kv_heads=1,
-                       intermediate=64, vocab_size=VOCAB)
+                       intermediate=64, vocab_size=VOCAB, **family)
     torch.manual_seed(11)
     with torch.no_grad():  # peaked distributions, so a wrong correction is visible
         target.lm_head.weight.mul_(6.0)
@@ -53,7 +53,13 @@ def pair(tmp_path_factory, tok_dir):
             p.add_(0.5 * p.std() * torch.randn_like(p))
     target.save_pretrained(tpath, safe_serialization=True)
     draft.save_pretrained(dpath, safe_serialization=True)
-    return tpath, dpath, target
+    return target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tok_dir):
+    tpath, dpath = tmp_path_factory.mktemp("stat_t"), tmp_path_factory.mktemp("stat_d")
+    return tpath, dpath, make_pair(tpath, dpath, tok_dir)
 
 
 def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -104,6 +110,19 @@ def test_speculative_sampling_matches_target_marginals(pair, name):
     params = SamplingParams(**CONFIGS[name])
     m2, m3 = exact_marginals(hf, params)
     tokens, acceptance = sample_speculative(tpath, dpath, params)
+    assert 0.3 < acceptance < 0.9, f"draft should disagree sometimes (acceptance {acceptance:.2f})"
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_speculative_sampling_matches_target_marginals_in_every_family(tmp_path, tok_dir, model_type):
+    """The same test, same N and threshold, on a pair of each other family (Qwen2's biases, Qwen3's
+    q/k norms in both models)."""
+    hf = make_pair(tmp_path / "t", tmp_path / "d", tok_dir, model_type)
+    params = SamplingParams(**CONFIGS["t07_topk"])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, acceptance = sample_speculative(tmp_path / "t", tmp_path / "d", params)
     assert 0.3 < acceptance < 0.9, f"draft should disagree sometimes (acceptance {acceptance:.2f})"
     assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
     assert chi2_pvalue(tokens[:, 2], m3) > 1e-3

@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig, ModelPlan
 from engine.model.kernels import one_sequence
-from engine.model.loader import load_llama
+from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
 from engine.model.token_step import WeightKind
 from tests.helpers import make_model, pool_for
@@ -44,8 +44,8 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
     rounding (a bf16 model keeps a bf16 KV cache); passes of at most three tokens run as token
     steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
     make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
-    reference = load_llama(tmp_path, ModelPlan(compute), "cpu", 256)
-    stepped = load_llama(tmp_path, ModelPlan(compute, token_step=True), "cpu", 256)
+    reference = load_model(tmp_path, ModelPlan(compute), "cpu", 256)
+    stepped = load_model(tmp_path, ModelPlan(compute, token_step=True), "cpu", 256)
     step = stepped._token_step
     assert reference._token_step is None and step is not None
     assert step._model.kind == (WeightKind.BF16 if weights == "bfloat16" else WeightKind.F32)

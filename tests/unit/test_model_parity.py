@@ -1,82 +1,24 @@
-"""Our Llama forward and generation against transformers.LlamaForCausalLM (fp32)."""
+"""The forward's paths against transformers and each other: long-context decode, bf16 checkpoints on
+CPUs without bf16 kernels, row invariance of the kernels exact greedy speculation rests on (fp32).
+Every family's logits and greedy output against transformers: test_model_families.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from engine.config import ModelPlan
-from engine.model.loader import load_llama
+from engine.model.loader import load_model, read_shape
 from engine.model.passes import forward_chunks
 from tests.helpers import make_model, pool_for
 
 F32 = ModelPlan("float32")
 
-CONFIGS = {
-    "gqa_untied": dict(),
-    "gqa_tied": dict(tied=True),
-    "mha": dict(heads=4, kv_heads=4),
-    "llama3_rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-}
-PROMPTS = [
-    "def add(a, b):",
-    "class Point:\n    def",
-    "for i in range(10):\n",
-    "import os",
-    "The quick brown fox jumps over the lazy dog and then",
-    "x",
-]
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(tmp_path, tok_dir, name):
-    hf = make_model(tmp_path, tok_dir, seed=3, **CONFIGS[name])
-    ours = load_llama(tmp_path, F32, "cpu", max_positions=512)
-    pool = pool_for(ours)
-    torch.manual_seed(0)
-    ids = torch.randint(0, hf.config.vocab_size, (3, 150))
-    with torch.no_grad():
-        expected = hf(input_ids=ids).logits  # [3, 150, vocab]
-    slots = [pool.allocate_slot([])[0] for _ in range(3)]
-    # different prefill split per row: exercises chunked writes and the batched mask
-    first = forward_chunks(ours, pool, slots, [ids[i, :100].tolist() for i in range(3)], [0, 0, 0], all_logits=True)
-    rest = forward_chunks(ours, pool, slots, [ids[i, 100:].tolist() for i in range(3)], [100, 100, 100],
-                          all_logits=True)
-    got = torch.cat([first, rest], dim=1)
-    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
-
-
-def _hf_greedy(hf, tok, prompt: str, n: int) -> list[int]:
-    ids = torch.tensor([tok.encode(prompt)])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))
-    return out[0, ids.shape[1]:].tolist()
-
-
-@pytest.mark.parametrize("backend", ["slotted", "paged"])
-def test_greedy_generation_matches_transformers(tiny_model, backend):
-    from transformers import AutoTokenizer
-
-    path, hf = tiny_model
-    tok = AutoTokenizer.from_pretrained(path)
-    expected = [_hf_greedy(hf, tok, p, 24) for p in PROMPTS]
-    llm = LLM(model=str(path), dtype="float32", kv_cache_backend=backend, block_size=4,
-              max_seq_len=128, max_batch_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
-    batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    assert alone == expected
-    assert batched == expected
-
-
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir, backend):
     """Decode steps over > 128 keys take the explicit-attention path; batched rows differ in length."""
     hf = make_model(tmp_path, tok_dir, seed=4)
-    ours = load_llama(tmp_path, F32, "cpu", max_positions=512)
+    ours = load_model(tmp_path, F32, "cpu", max_positions=512)
     pool = pool_for(ours, backend, block_size=8)
     torch.manual_seed(1)
     lengths = [140, 170, 131]
@@ -98,18 +40,19 @@ def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok
     """Where oneDNN cannot pack bf16 (AVX2-only CPUs, simulated here), every candidate plan of a
     bf16 model computes in float32: the checkpoint's bf16 weights upcast exactly, a float32 KV
     pool, bit for bit what a float32 load computes."""
-    from engine.model import llama as llama_module
     from engine.model import plan as plan_module
+    from engine.model import transformer as transformer_module
 
-    if not llama_module.cpu_packs(torch.float32):
+    if not transformer_module.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     monkeypatch.setattr(plan_module, "cpu_packs", lambda dtype: dtype == torch.float32)
-    for role in ("target", "draft"):
-        assert {p.dtype for p in plan_module.candidates(role, "bfloat16", "cpu")} == {"float32"}
-    assert {p.dtype for p in plan_module.candidates("target", "bfloat16", "cuda")} == {"bfloat16"}
     make_model(tmp_path, tok_dir, seed=5, dtype=torch.bfloat16)
-    model = load_llama(tmp_path, plan_module.candidates("target", "bfloat16", "cpu")[0], "cpu", max_positions=256)
-    reference = load_llama(tmp_path, F32, "cpu", max_positions=256)
+    shape = read_shape(tmp_path)
+    for role in ("target", "draft"):
+        assert {p.dtype for p in plan_module.candidates(role, "bfloat16", "cpu", shape)} == {"float32"}
+    assert {p.dtype for p in plan_module.candidates("target", "bfloat16", "cuda", shape)} == {"bfloat16"}
+    model = load_model(tmp_path, plan_module.candidates("target", "bfloat16", "cpu", shape)[0], "cpu", max_positions=256)
+    reference = load_model(tmp_path, F32, "cpu", max_positions=256)
     torch.manual_seed(1)
     ids = torch.randint(0, reference.shape.vocab_size, (2, 40))
     logits = []
@@ -124,16 +67,16 @@ def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok
 def test_packed_float32_rows_do_not_depend_on_the_batch():
     """The property exact greedy speculation rests on: a row's result is bit-identical whether
     it is computed alone, in a verify pass of a few rows, or in a large batch."""
-    from engine.model import llama as llama_module
+    from engine.model import transformer as transformer_module
 
-    if not llama_module.cpu_packs(torch.float32):
+    if not transformer_module.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     torch.manual_seed(0)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 512))  # [out, in]
     x = torch.randn(64, 512)  # [rows, in]
-    full = llama_module._packed_linear(x, packed)  # [64, out]
+    full = transformer_module._packed_linear(x, packed)  # [64, out]
     for rows in (1, 2, 5, 6, 9, 33):
-        assert torch.equal(llama_module._packed_linear(x[:rows], packed), full[:rows])
+        assert torch.equal(transformer_module._packed_linear(x[:rows], packed), full[:rows])
 
 
 def _prefill_then_steps(model_dir, m) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +98,7 @@ def test_float32_rms_norm_matches_torch_and_rows_do_not_depend_on_the_batch(tmp_
     import torch.nn.functional as F
 
     make_model(tmp_path, tok_dir, seed=4)
-    model = load_llama(tmp_path, F32, "cpu", max_positions=64)
+    model = load_model(tmp_path, F32, "cpu", max_positions=64)
     torch.manual_seed(0)
     x = torch.randn(64, 7, hidden) * 3  # [B, T, hidden]
     w = torch.randn(hidden)
@@ -177,8 +120,8 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     if one_sequence.load() is None:
         pytest.skip("the one-sequence CPU kernel does not build on this machine")
     make_model(tmp_path, tok_dir, seed=5, dtype=checkpoint_dtype)
-    target = load_llama(tmp_path, ModelPlan("float32", one_sequence_kernel=True), "cpu", max_positions=256)
-    onednn = load_llama(tmp_path, F32, "cpu", max_positions=256)
+    target = load_model(tmp_path, ModelPlan("float32", one_sequence_kernel=True), "cpu", max_positions=256)
+    onednn = load_model(tmp_path, F32, "cpu", max_positions=256)
     few = target._one_sequence
     assert few is not None and onednn._one_sequence is None
     assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype

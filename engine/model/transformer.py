@@ -1,13 +1,13 @@
-"""Llama forward pass written against our KV-cache views: RMSNorm, RoPE (plain and `llama3`
-scaling), grouped-query attention, SwiGLU, tied or untied embeddings. One functional code path
-serves prefill, decode, chunked prefill and the verify pass; q/k/v and gate/up are fused so a
-layer is four matmuls; which kernels a pass takes is the model's `ModelPlan`.
+"""The decoder-only transformer of the Llama, Mistral, Qwen2 and Qwen3 families, written against our
+KV-cache views: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or untied embeddings, and the
+few per-family options of `ModelShape`. One functional code path serves prefill, decode, chunked
+prefill and the verify pass; q/k/v and gate/up are fused so a layer is four matmuls; which kernels
+a pass takes is the model's `ModelPlan`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.kernels import one_sequence
+from engine.model.rope import Rope
 from engine.model.token_step import TokenStep
 
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
@@ -43,8 +44,14 @@ def cpu_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type values this forward runs
+
+
 @dataclass(frozen=True)
-class LlamaShape:
+class ModelShape:
+    """A checkpoint's dimensions and the options that tell its family apart: q/k/v biases (Qwen2),
+    per-head q/k RMSNorm (Qwen3), a sliding window (Mistral; the engine keeps sequences within it)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,17 +60,31 @@ class LlamaShape:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def max_sequence(self) -> int:
+        """The longest sequence the forward computes exactly: the model's positions, or its sliding
+        window where shorter (within it, sliding-window attention is full attention)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> LlamaShape:
-        model_type = cfg.get("model_type")
-        if model_type not in ("llama", None):
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama checkpoints")
+    def from_hf_config(cls, cfg: dict) -> ModelShape:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise ValueError(f"{model_type}: only a bias-free SiLU-gated MLP is supported (hidden_act "
+                             f"{cfg.get('hidden_act')!r}, mlp_bias {cfg.get('mlp_bias')!r})")
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        attention_bias = bool(cfg.get("attention_bias"))  # Llama, Mistral, Qwen3: on q, k, v and o
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -71,57 +92,39 @@ class LlamaShape:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope=Rope.from_hf_config(cfg, head_dim),
+            max_position_embeddings=_positions(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(cfg, model_type),
         )
 
 
-def _rope_scaling(cfg: dict) -> dict | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
-    return dict(scaling)
+def _positions(cfg: dict) -> int:
+    """Positions the model is meant for: yarn scaling stretches the original ones by its factor
+    (Qwen2.5 keeps max_position_embeddings at 32,768 and reaches 131,072 with factor 4)."""
+    positions = cfg.get("max_position_embeddings", 2048)
+    yarn = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if yarn.get("rope_type", yarn.get("type")) == "yarn" and yarn.get("factor"):
+        original = yarn.get("original_max_position_embeddings") or positions
+        positions = max(positions, int(yarn["factor"] * original))
+    return positions
 
 
-def rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (float32), with llama3 scaling applied if configured."""
-    dim = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    s = shape.rope_scaling
-    if s is None:
-        return inv_freq
-    factor = s["factor"]
-    low, high = s["low_freq_factor"], s["high_freq_factor"]
-    original = s["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    # long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, and the
-    # band in between interpolates linearly in 1/wavelength between the two.
-    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    blend = (original / wavelength - low) / (high - low)
-    interpolated = (1 - blend) * scaled / factor + blend * scaled
-    in_band = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(in_band, interpolated, scaled)
-
-
-def _rope_tables(shape: LlamaShape, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim] for rotate-half RoPE, the minus of the first half of
-    the rotation folded into sin."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(shape))  # [max_positions, head_dim // 2]
-    angles = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-    sin = angles.sin()
-    half = sin.shape[-1] // 2
-    signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-    return angles.cos().to(dtype).to(device), signed.to(dtype).to(device)
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The window of the layers that attend over one (None: every layer attends to all keys)."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):  # only when switched on, and only in layers past max_window_layers
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+            for i in range(cfg["num_hidden_layers"])]
+        if not cfg.get("use_sliding_window") or "sliding_attention" not in layer_types:
+            return None
+    return int(window) if window else None
 
 
 @dataclass
@@ -134,6 +137,12 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q's norm per query head, then k's
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if t is not None]
 
 
 class OneSequencePath(NamedTuple):
@@ -145,10 +154,10 @@ class OneSequencePath(NamedTuple):
     lm_head: torch.Tensor
 
 
-class Llama:
-    """Functional Llama over explicit weights. Thread-compatible, holds no per-request state."""
+class Transformer:
+    """The forward over explicit weights. Thread-compatible, holds no per-request state."""
 
-    def __init__(self, shape: LlamaShape, embed: torch.Tensor, layers: list[LayerWeights],
+    def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
         """Weights arrive in the plan's dtype; a path the plan asks for that cannot run here is a
         ValueError."""
@@ -160,7 +169,7 @@ class Llama:
         self.lm_head = lm_head  # [vocab, hidden] (the embedding itself when tied)
         self.dtype = embed.dtype
         self.device = embed.device
-        self.cos, self.sin = _rope_tables(shape, max_positions, self.dtype, self.device)  # [max_positions, head_dim]
+        self.cos, self.sin = shape.rope.tables(max_positions, self.dtype, self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
         self.num_parameters = sum(t.numel() for t in self._weights())
         self._token_step = TokenStep(shape, embed, layers, final_norm, self.lm_head, self.cos, self.sin) \
@@ -172,7 +181,7 @@ class Llama:
             self._pack_for_cpu()
 
     def _weights(self) -> list[torch.Tensor]:
-        tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in vars(lw).values()]
+        tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.tensors()]
         return tensors + ([] if self.lm_head is self.embed else [self.lm_head])
 
     def _one_sequence_path(self) -> OneSequencePath:
@@ -197,7 +206,10 @@ class Llama:
         self._linear = _packed_linear
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dimension; weight [last] or, per head, [heads, last]."""
         if x.dtype != torch.float32:  # half precision: reduced in float32 inside the fused op
+            if weight.dim() > 1:
+                return F.rms_norm(x, (x.shape[-1],), eps=self.shape.rms_norm_eps) * weight
             return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_norm_eps)
         # float32: F.rms_norm's arithmetic as in-place ops, bit-identical and cheaper on CPU
         # (docs/performance-notes.md#rms-norm); each row independent of the batch
@@ -275,10 +287,14 @@ class Llama:
         B, T = h.shape[:2]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         qkv = linear(self._rms_norm(h, lw.attn_norm), lw.qkv)  # [B, T, q_size + 2 * kv_size]
-        qk = self._rotate(qkv[..., :q_size + kv_size].view(B, T, s.num_heads + s.num_kv_heads, s.head_dim), *rope)
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        qk = qkv[..., :q_size + kv_size].view(B, T, s.num_heads + s.num_kv_heads, s.head_dim)
+        qk = self._rotate(qk if lw.qk_norm is None else self._rms_norm(qk, lw.qk_norm), *rope)
         q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
         kv.write(i, k, qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim))
         attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, head_dim]
-        h = h + linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)
+        out = linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)  # [B, T, hidden]
+        h = h + (out if lw.o_bias is None else out.add_(lw.o_bias))
         gate, up = linear(self._rms_norm(h, lw.mlp_norm), lw.gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
         return h + linear(F.silu(gate) * up, lw.down)
