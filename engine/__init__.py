@@ -1,4 +1,4 @@
-"""specserve engine: a Llama inference engine with lossless speculative decoding (no Ray)."""
+"""specserve engine: an inference engine for Llama-family models with lossless speculative decoding (no Ray)."""
 
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLM, LLMEngine

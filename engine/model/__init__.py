@@ -1,1 +1,1 @@
-"""Model code: our Llama forward, checkpoint loading and the tokenizer wrapper."""
+"""Model code: the decoder-only transformer (Llama, Mistral, Qwen2, Qwen3), checkpoint loading, RoPE and the tokenizer wrapper."""
