@@ -78,7 +78,7 @@ class LLMEngine:
             config.speculative.draft_model = str(draft_path)
         shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
         if draft_path is not None:
-            check_compatible(tokenizer, Tokenizer(draft_path), *shapes, config.model, config.draft_model)
+            check_compatible(tokenizer, Tokenizer(draft_path), config.model, config.draft_model)
         if config.max_seq_len is None:  # on CPU the plan may compute (and cache) in float32
             value_bytes = 4 if config.device == "cpu" else getattr(torch, config.dtype).itemsize
             config.max_seq_len = default_max_seq_len(shapes, value_bytes, config.max_batch_size,

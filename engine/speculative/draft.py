@@ -15,27 +15,23 @@ import torch.nn.functional as F
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import ModelShape, Transformer
+from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
-def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target: ModelShape, draft: ModelShape,
-                     target_name: str, draft_name: str) -> None:
-    """A draft, of any family, must speak the target's vocabulary: the same tokens with the same ids,
-    the same EOS ids, an embedding row for every token. Embedding sizes may differ (rows of padding:
-    Qwen2.5-7B has 152,064 where 0.5B has 151,936); the proposer works in the target's."""
+def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
+    """A draft, of any family, must speak the target's vocabulary: the same tokens with the same ids
+    and the same EOS ids. Embedding sizes may differ (rows of padding: Qwen2.5-7B has 152,064 where
+    0.5B has 151,936); the proposer works in the target's."""
     problems = []
     if target_tok.hf.get_vocab() != draft_tok.hf.get_vocab():
         problems.append(f"their tokenizers differ ({target_tok.vocab_size} vs {draft_tok.vocab_size} tokens"
                         f"{', the same number with other ids' if target_tok.vocab_size == draft_tok.vocab_size else ''})")
     if target_tok.eos_token_ids != draft_tok.eos_token_ids:
         problems.append(f"EOS ids {sorted(target_tok.eos_token_ids)} vs {sorted(draft_tok.eos_token_ids)}")
-    for name, shape in (("target", target), ("draft", draft)):
-        if shape.vocab_size < target_tok.vocab_size:
-            problems.append(f"the {name}'s embedding has {shape.vocab_size} rows for {target_tok.vocab_size} tokens")
     if problems:
         raise ValueError(f"draft model {draft_name} is not compatible with target model {target_name}: "
                          + "; ".join(problems))
@@ -53,6 +49,8 @@ class DraftModelProposer:
 
     def _forward(self, rows: list[Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """The draft's last logits for each row's chunk, over the target's vocabulary [N, V]."""
+        if self.model.shape.vocab_size < self.vocab_size:  # an id past the draft's rows (padding) reads row 0
+            chunks = [[t if t < self.model.shape.vocab_size else 0 for t in c] for c in chunks]
         logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in rows], chunks, starts)
         extra = self.vocab_size - logits.shape[-1]  # ids the draft has no row for get probability 0
         return logits[:, :self.vocab_size] if extra <= 0 else F.pad(logits, (0, extra), value=float("-inf"))
