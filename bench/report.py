@@ -185,7 +185,8 @@ def serve(r: dict) -> list[str]:
              f"then `guidellm run` with that many concurrent streams, {r['tokens']} output tokens a request over the "
              f"code prompts, greedy; medians of {r['repeats']} interleaved repeats (`python -m bench serve`). "
              f"Goodput: requests/s with TTFT ≤ {slo['ttft_ms']:.0f} ms and mean inter-token latency ≤ "
-             f"{slo['itl_ms']:.0f} ms. One run's command:", "", f"`{r['guidellm_command']}`", "",
+             f"{slo['itl_ms']:.0f} ms. One run's command, against `serve run serve_config.yaml` on port 8000 "
+             "(`prompts.jsonl`: the code prompts, a `{\"prompt\", \"output_tokens_count\"}` object a line):", "", f"`{r['guidellm_command']}`", "",
              "| streams | mode | output tok/s (range) | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | goodput (req/s) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for level, row in r["results"].items():

@@ -14,7 +14,7 @@ the replica's engine config and threads), interleaved with the rest: HTTP / in-p
 the serving layer (proxy, router, SSE, JSON, the client) costs. Reported per level and mode,
 medians over repeats: output tokens/s, TTFT and inter-token latency p50/p95, and goodput
 (requests/s meeting both SLOs: TTFT and mean inter-token latency). guidellm's JSON for every run
-is kept under bench/results/serve_runs/.
+is kept under bench/results/serve_runs/ (not committed: ~15 MB a sweep).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,16 @@ def guidellm_command(url: str, model: str, streams: int, requests: int, data: Pa
             "--backend", backend, "--profile", f"kind=concurrent,streams={streams}",
             "--constraint", f"kind=max_requests,count={requests}", "--data", f"kind=json_file,path={data}",
             "--metrics", metrics, "--output", f"kind=json,path={out}", "--seed", "kind=static,value=0"]
+
+
+def shareable(command: list[str], url: str, data: Path) -> str:
+    """A run's command as a person would type it: against `serve run serve_config.yaml` on port
+    8000, the prompts in prompts.jsonl ({"prompt", "output_tokens_count"} per line)."""
+    shown = " ".join(f"{k}={v}" for k, v in WORKERS_ENV.items()) + " " + " ".join(shlex.quote(a) for a in command)
+    for old, new in ((str(Path(sys.executable).parent / "guidellm"), "guidellm"), (url, "http://127.0.0.1:8000"),
+                     (str(data), "prompts.jsonl"), (str(RUNS) + "/", "")):
+        shown = shown.replace(old, new)
+    return shown
 
 
 def figures(report: dict) -> dict:
@@ -206,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     threads = math.ceil(deployment["ray_actor_options"].get("num_cpus", 1))  # as serve_app.server sets them
     with local_server(cfg, work) as server:
+        url = server.url
         live = LiveServer(server, app["args"].get("served_model_name", "specserve-default"))
         stats = live.client.get("/v1/engine/stats").json()
         local = InProcess(app["args"].get("engine") or {}, threads)
@@ -218,11 +230,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"c={level:>2}: " + "  ".join(f"{n} {m['tok_s']:.0f}" for n, m in row["modes"].items())
               + f"  | adaptive / max(plain, {row['best_fixed']}) {row['adaptive_over_best']:.3f}"
               + f", / plain {row['adaptive_over_plain']:.2f}")
-    env = " ".join(f"{k}={v}" for k, v in WORKERS_ENV.items())
     path = write("serve", {"host": host_class(machine()), "tokens": args.tokens, "repeats": args.repeats,
                            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "modes": mode_configs,
                            "forward_plan": stats.get("forward_plan"), "engine_threads": threads,
-                           "guidellm_command": f"{env} {' '.join(command)}", "results": rows, "raw": results})
+                           "guidellm_command": shareable(command, url, data), "results": rows, "raw": results})
     print(f"wrote {path}")
 
 
