@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-KERNEL_CACHE_CAPACITY = 64  # per cache; the shapes a decode step reuses fit in far fewer
+KERNEL_CACHE_CAPACITY = 512  # per cache: holds speculative steps' shapes (docs/performance-notes.md#kernel-caches)
 _VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
