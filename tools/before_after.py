@@ -74,6 +74,10 @@ def main() -> None:
     if args.one_tree:
         print(json.dumps(run_tree(args.one_tree)))
         return
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from serve_app.kernel_caches import bound_kernel_caches
+
+    bound_kernel_caches()  # both trees under the serving bound (inherited by the processes), as bench runs
     trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for rep in range(args.repeats):

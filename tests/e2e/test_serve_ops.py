@@ -81,7 +81,9 @@ def test_user_config_change_applies_live_without_dropping_streams(server):
 
 
 def test_load_scales_to_a_second_replica_and_every_request_succeeds(server):
-    assert replica_states(serve_status()).get("RUNNING") == 1
+    # an earlier test's load may have scaled up; downscaling takes downscale_delay_s (60 s)
+    server.wait_until(lambda: replica_states(serve_status()).get("RUNNING") == 1, 240,
+                      "one replica before the load")
     results: list[dict] = []
     lock = threading.Lock()
     scaled = threading.Event()
