@@ -52,7 +52,6 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
-        self._shape: tuple[int, int] | None = None  # (B, K) of the last step (None: a probe)
 
     def reconfigure(self, changes: dict) -> SpecConfig:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
@@ -70,21 +69,18 @@ class SpeculativeDecoder:
     def forget(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
 
-    def observe_step(self, phases: PhaseSeconds) -> None:
-        """A decode-only step's time outside its model passes, by its (B, K)."""
-        if self._shape is not None:
-            self.costs.observe_other(*self._shape, phases.other)
+    def observe_step(self, stats: DecodeStats, phases: PhaseSeconds) -> None:
+        """A decode-only step's time outside its model passes, by its (B, K) (not a probe's)."""
+        if stats.reason != "probe":
+            self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position), phases.other)
 
     def decode(self, reqs: list[Request]) -> DecodeResult:
         plan = self._plan(reqs)
-        self._shape = None if plan.reason == "probe" else (len(reqs), 0)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         t0 = time.perf_counter()
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
         draft_seconds = time.perf_counter() - t0
-        if self._shape is not None:
-            self._shape = (len(reqs), proposal.k_max)
         if proposal.k_max == 0:
             return self._plain(reqs, "no_proposal", draft_seconds)
         t1 = time.perf_counter()
