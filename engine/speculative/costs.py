@@ -51,6 +51,12 @@ class TimingTable:
         """The entry's decayed observation count in batch's bucket (0 if never observed there)."""
         return self._weight.get(batch_bucket(batch), {}).get(tokens_per_seq, 0.0)
 
+    def fitted(self, batch: int, ts: range, least_weight: float, default: float) -> list[float]:
+        """Estimates for each T in `ts` (consecutive) on the line through them, each weighted by its
+        trust (at least least_weight): one noisy or stale entry cannot make one T look cheaper."""
+        times = [self.estimate(batch, t) or default for t in ts]
+        return line_fit(times, [max(self.weight(batch, t), least_weight) for t in ts])
+
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
             return None
@@ -115,6 +121,8 @@ class MeasuredCosts:
     catch-ups per token; and a step's time outside the passes by (B, K) (paid once per step, so
     it favours longer rounds)."""
 
+    STALE_WEIGHT = 0.05  # least weight of a time in a line fit (calibrated, never measured since)
+
     def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
         self.draft_first = TimingTable()
@@ -138,24 +146,19 @@ class MeasuredCosts:
     def observe_other(self, batch: int, k: int, seconds: float) -> None:
         self.other.observe(batch, k, max(seconds, 0.0))
 
-    def other_times(self, batch: int, k_max: int, least_weight: float) -> list[float]:
-        """A step's time outside its passes for K = 0..k_max: plain steps as measured; K >= 1
-        on the line through the measured K (weighted by trust, at least least_weight each)."""
-        times = [self.other.estimate(batch, k) or 0.0 for k in range(k_max + 1)]
-        weights = [max(self.other.weight(batch, k), least_weight) for k in range(1, k_max + 1)]
-        return times[:1] + line_fit(times[1:], weights)
+    def verify_times(self, batch: int, k_max: int) -> list[float]:
+        """Target pass seconds for K = 0..k_max (K + 1 tokens per sequence), on a fitted line."""
+        return self.target.fitted(batch, range(1, k_max + 2), self.STALE_WEIGHT, 1.0)
 
-    def target_time(self, batch: int, tokens_per_seq: int) -> float:
-        return self.target.estimate(batch, tokens_per_seq) or 1.0
+    def other_times(self, batch: int, k_max: int) -> list[float]:
+        """A step's seconds outside its passes for K = 0..k_max: plain as measured, K >= 1 fitted."""
+        return [self.other.estimate(batch, 0) or 0.0] + self.other.fitted(batch, range(1, k_max + 1),
+                                                                        self.STALE_WEIGHT, 0.0)
 
-    def target_weight(self, batch: int, tokens_per_seq: int) -> float:
-        return self.target.weight(batch, tokens_per_seq)
-
-    def draft_time(self, batch: int) -> float:
-        return self.draft.estimate(batch, 1) or 0.0
-
-    def draft_first_time(self, batch: int) -> float:
-        return self.draft_first.estimate(batch, 1) or self.draft_time(batch)
+    def draft_times(self, rows: int) -> tuple[float, float]:
+        """A round's first draft pass and each further step over `rows` sequences (0 until measured)."""
+        step = self.draft.estimate(rows, 1) or 0.0
+        return self.draft_first.estimate(rows, 1) or step, step
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""

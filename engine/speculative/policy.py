@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.speculative.costs import MeasuredCosts, line_fit
+from engine.speculative.costs import MeasuredCosts
 
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
 
@@ -116,7 +116,6 @@ class Choice:
 
 class SpecPolicy:
     MAX_PROBE_BACKOFF = 8  # probes at least every probe_every * this many plain steps
-    STALE_WEIGHT = 0.05  # least weight of a verify time in the fit (calibrated, never measured since)
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
@@ -130,20 +129,13 @@ class SpecPolicy:
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
 
-    def _verify_times(self, batch: int, k_max: int) -> list[float]:
-        """Target pass times for 1..k_max + 1 tokens per sequence (index k: K = k): the line
-        through the measured times, each entry weighted by how much it is trusted (one noisy or
-        stale entry cannot make one K look cheaper than its neighbours)."""
-        times = [self.costs.target_time(batch, k + 1) for k in range(k_max + 1)]
-        weights = [max(self.costs.target_weight(batch, k + 1), self.STALE_WEIGHT) for k in range(k_max + 1)]
-        return line_fit(times, weights)
-
     def _step_seconds(self, k: int, batch: int, draft_rows: int | None, verify: float, other: float) -> float:
         """A step's time at K = k: its draft passes, its verify pass and the rest."""
         draft_rows = batch if draft_rows is None else draft_rows
         if k == 0 or not draft_rows:
             return verify + other
-        return self.costs.draft_first_time(draft_rows) + (k - 1) * self.costs.draft_time(draft_rows) + verify + other
+        first, step = self.costs.draft_times(draft_rows)
+        return first + (k - 1) * step + verify + other
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], seconds: float,
                  catch_up_tokens: int = 0) -> float:
@@ -170,8 +162,7 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
-        verify = self._verify_times(batch, k_max)
-        other = self.costs.other_times(batch, k_max, self.STALE_WEIGHT)
+        verify, other = self.costs.verify_times(batch, k_max), self.costs.other_times(batch, k_max)
         seconds = [self._step_seconds(k, batch, draft_rows, verify[k], other[k]) for k in range(k_max + 1)]
         curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
         scores = {k: self._goodput(k, curves, k_caps, seconds[k], catch_up_tokens) for k in range(k_max + 1)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket
+from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit
 from engine.speculative.ngram import ngram_propose
 from engine.speculative.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
 
@@ -24,13 +24,21 @@ class MemoryBoundCosts:
     def draft_first_time(self, batch):
         return self.draft_time(batch)
 
-    def catch_up_time(self, tokens):
-        return 0.0
+    def draft_times(self, batch):
+        return self.draft_first_time(batch), self.draft_time(batch)
 
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
 
-    def other_times(self, batch, k_max, least_weight):
+    def verify_times(self, batch, k_max):  # as MeasuredCosts fits them: a line weighted by trust
+        ts = range(1, k_max + 2)
+        return line_fit([self.target_time(batch, t) for t in ts],
+                        [max(self.target_weight(batch, t), MeasuredCosts.STALE_WEIGHT) for t in ts])
+
+    def catch_up_time(self, tokens):
+        return 0.0
+
+    def other_times(self, batch, k_max):
         return [self.overhead + self.per_k * k for k in range(k_max + 1)]
 
     overhead = 0.0
@@ -303,14 +311,12 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     near_end = choose([40] * 8, 8 * 300)
     assert near_end.k == 0
     tokens = 8 * expected_tokens(0.7, k)
-    step = costs.draft_time(8) * k + costs.target_time(8, k + 1)
+    step = costs.draft_times(8)[1] * k + costs.verify_times(8, k)[k]
     charged = costs.catch_up_time(8 * 300) / (8 * 41 / tokens)
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
 
 
 def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
-    from engine.speculative.costs import line_fit
-
     assert line_fit([1, 2, 3], [1, 1, 1]) == pytest.approx([1, 2, 3])
     assert line_fit([1, 3, 2, 4], [1, 1, 1, 1]) == pytest.approx([1.3, 2.1, 2.9, 3.7])  # slope 0.8
     assert line_fit([5, 4, 3], [1, 1, 1]) == pytest.approx([4, 4, 4])  # falling: flat at the mean
@@ -328,7 +334,7 @@ def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k(
     measured = MeasuredCosts()
     for k, seconds in [(0, 1e-3), (1, 2e-3), (2, 5e-3), (4, 7e-3)]:
         measured.observe_other(8, k, seconds)
-    other = measured.other_times(6, 6, least_weight=0.05)  # bucket 8
+    other = measured.other_times(6, 6)  # bucket 8
     assert other[0] == pytest.approx(1e-3)
     slope = other[2] - other[1]  # K = 3, 5, 6 never measured: nearest K, little weight
     assert slope == pytest.approx(1.41e-3, rel=0.01) and other[1:] == pytest.approx([other[1] + slope * i for i in range(6)])
