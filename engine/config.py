@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from engine.structured_output import StructuredOutput
+
 DEFAULT_MODEL = "embedded:target"
 DEFAULT_DRAFT_MODEL = "embedded:draft"
 
@@ -239,6 +241,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
+    structured_output: StructuredOutput | None = None  # a grammar the output must follow (engine/grammar.py)
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature, 0.0, 100.0)
@@ -251,6 +254,10 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
         check_int("spec_length", self.spec_length, 0, 64, optional=True)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_output (a complete document ends at EOS)")
 
     def _check_stops(self) -> None:
         if self.stop is None:

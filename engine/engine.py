@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
+from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
@@ -65,6 +66,7 @@ class LLMEngine:
         self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
         self.last_step = StepResult()
         self.fault_hook: Callable[[Request], None] | None = None  # test-only: called per request with new tokens
+        self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""
@@ -160,10 +162,18 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
         req = Request(request_id, ids, params, torch.Generator().manual_seed(seed),
-                      IncrementalText(self.tokenizer, params.stop))
+                      IncrementalText(self.tokenizer, params.stop), grammar=self._grammar(params))
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A matcher for the request's structured output (GrammarError when it does not compile)."""
+        if params.structured_output is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.shape.vocab_size)
+        return self._grammars.matcher(params.structured_output)
 
     def abort(self, request_id: str, error: str | None = None) -> StepOutput | None:
         """Ends a request now, its KV freed at once (finish reason "error" with an error message).
@@ -231,6 +241,8 @@ class LLMEngine:
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise ValueError(f"token {token} is not allowed by the request's structured output")
         req.output_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now

@@ -15,6 +15,7 @@ from typing import Literal, get_args
 import torch
 
 from engine.config import SamplingParams
+from engine.grammar import GrammarMatcher
 from engine.model.tokenizer import IncrementalText
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -62,6 +63,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar: GrammarMatcher | None = None  # with params.structured_output: its state after the output so far
 
     @property
     def all_token_ids(self) -> list[int]:

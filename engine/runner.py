@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.grammar import mask_rows
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.transformer import Transformer
@@ -55,5 +56,6 @@ class ModelRunner:
 
 
 def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    logits = mask_rows(logits, [r.grammar for r in reqs])
     return greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
                             [r.generator for r in reqs])

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.tokenizer import Tokenizer
@@ -96,26 +97,46 @@ class DraftModelProposer:
     def _draft(self, reqs: list[Request], ks: list[int], logits: torch.Tensor,
                with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
         """ks[i] tokens for reqs[i]: the first from the catch-up logits [N, V], the rest from
-        one-token steps; with q [N, max(ks), V] when with_q."""
+        one-token steps; with q [N, max(ks), V] when with_q. A request with a grammar drafts
+        only tokens it allows (its matcher walks ahead and is rolled back after)."""
         sampling = _Sampling(reqs, self.vocab_size, self.model.device) if with_q else None
         tokens: list[list[int]] = [[] for _ in reqs]
+        grammars = [r.grammar for r in reqs]
+        walked = [0] * len(reqs)  # tokens each grammar accepted ahead of its request
         active = list(range(len(reqs)))
         steps, t0 = 0, time.perf_counter()
-        while True:
-            drawn = logits.argmax(dim=-1).tolist() if sampling is None else sampling.draw(logits, active)
-            for i in active:
-                tokens[i].append(drawn[i])
-            active = [i for i in active if len(tokens[i]) < ks[i]]
-            if not active:
-                break
-            step_logits = self._forward([reqs[i] for i in active], [[tokens[i][-1]] for i in active],
-                                        [self.kv.draft_len(reqs[i]) for i in active])
-            if len(active) < len(reqs):  # only the requests that still need tokens step
-                step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device), step_logits)
-            logits, steps = step_logits, steps + 1
+        try:
+            while True:
+                logits = mask_rows(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
+                drawn = logits.argmax(dim=-1).tolist() if sampling is None else sampling.draw(logits, active)
+                for i in active:
+                    tokens[i].append(drawn[i])
+                active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
+                if not active:
+                    break
+                step_logits = self._forward([reqs[i] for i in active], [[tokens[i][-1]] for i in active],
+                                            [self.kv.draft_len(reqs[i]) for i in active])
+                if len(active) < len(reqs):  # only the requests that still need tokens step
+                    step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device),
+                                                             step_logits)
+                logits, steps = step_logits, steps + 1
+        finally:
+            for g, n in zip(grammars, walked):
+                if g is not None:
+                    g.rollback(n)
         if steps:
             self.observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
         return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
+
+
+def _walk(grammar: GrammarMatcher | None, token: int, walked: list[int], row: int) -> bool:
+    """Advances a row's grammar past its drafted token; whether the row may draft on."""
+    if grammar is None:
+        return True
+    if not grammar.accept(token):
+        return False
+    walked[row] += 1
+    return not grammar.terminated
 
 
 class _Sampling:

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import SpecConfig
+from engine.grammar import cut_proposals, mask_logits
 from engine.kv import KVManager
 from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
@@ -80,6 +81,10 @@ class SpeculativeDecoder:
             return self._plain(reqs, plan.reason)
         t0 = time.perf_counter()
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
+        masks = None
+        if any(r.grammar is not None for r in reqs):  # proposals cut where the grammar forbids them
+            tokens, masks = cut_proposals([r.grammar for r in reqs], proposal.tokens, self.runner.model.shape.vocab_size)
+            proposal = Proposal(tokens, proposal.q, proposal.sources)
         draft_seconds = time.perf_counter() - t0
         if proposal.k_max == 0:
             return self._plain(reqs, "no_proposal", draft_seconds)
@@ -87,6 +92,8 @@ class SpeculativeDecoder:
         starts = [self.kv.computed(r) for r in reqs]
         logits = self.runner.forward(reqs, [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)],
                                      all_logits=True)  # [N, K+1, V]
+        if masks is not None:
+            logits = mask_logits(logits, masks)
         num_accepted, finals = accept(reqs, proposal, logits)
         target_seconds = time.perf_counter() - t1
         self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
