@@ -16,8 +16,6 @@ import torch
 from engine.model.tokenizer import Tokenizer
 from engine.structured_output import StructuredOutput
 
-MAX_ROLLBACK_TOKENS = 65  # a proposal walk goes at most spec_length (<= 64) + 1 tokens ahead
-
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled; `param` names the request field it came from."""
@@ -42,8 +40,7 @@ class GrammarCompiler:
             compiled = self._compile(spec)
         except RuntimeError as exc:  # xgrammar reports bad schemas and regexes as RuntimeErrors
             raise GrammarError(f"{spec.kind}: {str(exc).splitlines()[0].split('] ')[-1]}") from None
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS),
-                              self.vocab_size)
+        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size)  # rollback unbounded
 
     def _compile(self, spec: StructuredOutput):
         # compact JSON: a free-whitespace grammar lets a small model pad a document forever

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored (as vLLM does), so any OpenAI client works unchanged. Extensions
 beyond the OpenAI API: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and
-spec_length (per-request cap on proposed tokens per round; 0 turns speculation off for it).
+spec_length (per-request cap on proposed tokens per round; 0 turns speculation off for it), and
+guided_regex / guided_choice (structured outputs beside OpenAI's `response_format`, as in vLLM).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import SamplingParams
+from engine.structured_output import StructuredOutput
+from serve_app.errors import APIError
 
 MAX_STOP_STRINGS = 16
 
@@ -19,6 +22,20 @@ MAX_STOP_STRINGS = 16
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar enforces every schema wholly; keywords it cannot are refused
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -42,6 +59,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     spec_length: Annotated[int, Field(ge=0, le=64)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("n")
     @classmethod
@@ -68,8 +88,37 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty,
             max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            seed=self.seed, spec_length=self.spec_length,
+            seed=self.seed, spec_length=self.spec_length, structured_output=self.structured_output(),
         )
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field that asks for structured output, if one does."""
+        given = [name for name, on in (("response_format", self.response_format is not None
+                                        and self.response_format.type != "text"),
+                                       ("guided_regex", self.guided_regex is not None),
+                                       ("guided_choice", self.guided_choice is not None)) if on]
+        if len(given) > 1:
+            raise APIError(400, f"at most one of {given} may be given", param=given[1], code="invalid_value")
+        return given[0] if given else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        param = self.structured_param
+        try:
+            if param == "guided_regex":
+                return StructuredOutput("regex", self.guided_regex)
+            if param == "guided_choice":
+                return StructuredOutput.choice(self.guided_choice)
+            if param is None or self.response_format.type == "json_object":
+                return None if param is None else StructuredOutput("json_object")
+            spec = self.response_format.json_schema
+            if spec is None or spec.schema_ is None:
+                param = "response_format.json_schema" + ("" if spec is None else ".schema")
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            param = "response_format.json_schema.schema"
+            return StructuredOutput.json_schema(spec.schema_)
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
     @property
     def include_usage(self) -> bool:

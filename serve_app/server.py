@@ -26,6 +26,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig, with_embedded_defaults
+from engine.grammar import GrammarError
 from engine.metrics import StepMetrics
 from engine.request import RequestOutput
 from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
@@ -191,6 +192,9 @@ class LLMServer:
         try:
             params = req.sampling_params(default_max_tokens)
             return await self.engine.add(prompt, params, request_id=request_id, chat=chat)
+        except GrammarError as exc:
+            raise APIError(400, f"{req.structured_param}: {exc}", param=req.structured_param,
+                           code="invalid_value") from None
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         except EngineOverloadedError as exc:
