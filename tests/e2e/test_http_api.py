@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.serve_fixture import API_KEY
@@ -158,6 +160,17 @@ BAD_INPUTS = [
     ("deeply nested JSON", "/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ("wrong method", "/v1/completions", None, 405, None),
+    ("json_schema without schema", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ("unsupported schema keyword", "/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 2}}}},
+     400, "response_format"),
+    ("invalid schema", "/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+    ("regex that does not compile", "/v1/completions", {"prompt": "x", "guided_regex": "(("}, 400, "guided_regex"),
+    ("oversized grammar", "/v1/completions", {"prompt": "x", "guided_regex": "a" * 70000}, 400, "guided_regex"),
+    ("unknown response_format type", "/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
+     400, "response_format"),
 ]
 
 
@@ -184,3 +197,70 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(server):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    kind: Literal["cat", "dog", "fish"]
+    age: int = pydantic.Field(ge=0, le=30)
+    vaccinated: bool
+
+
+def test_openai_client_structured_outputs_parse_and_validate(server):
+    """`response_format` through the official client: json_schema (its parse helper with a pydantic
+    model), json_object, streaming; every output parses and validates."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    messages = [{"role": "user", "content": "describe a pet as JSON"}]
+    parsed = client.chat.completions.parse(model="specserve-default", messages=messages, response_format=Pet,
+                                           temperature=0.7, seed=4, max_tokens=128)
+    assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Pet)
+    obj = client.chat.completions.create(model="specserve-default", messages=messages, max_tokens=128,
+                                         temperature=0, response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason in ("stop", "length")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    schema = Pet.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
+    text = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="specserve-default", prompt=PROMPTS[0], max_tokens=128, temperature=0.9, seed=1, stream=True,
+        extra_body={"response_format": fmt}) if chunk.choices)
+    Pet.model_validate_json(text)
+
+
+def test_concurrent_constrained_and_free_requests_under_adaptive_speculation(server):
+    """Mixed load: constrained requests (two schemas, a choice list) beside unconstrained ones, all
+    at once; each constrained output validates against its own grammar."""
+    small = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["n"]}
+    bodies = []
+    for i in range(12):
+        kind = i % 4
+        body = {"prompt": PROMPTS[i % 3], "max_tokens": 96, "temperature": 0.8, "seed": i}
+        if kind == 0:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}}
+        elif kind == 1:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "n", "schema": small}}
+        elif kind == 2:
+            body["guided_choice"] = ["yes", "no", "maybe later"]
+        bodies.append(body)
+    results: list = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        with server.client() as c:
+            results[i] = c.post("/v1/completions", json=bodies[i], timeout=300).json()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, r in enumerate(results):
+        choice = r["choices"][0]
+        if i % 4 == 0:
+            Pet.model_validate_json(choice["text"])
+        elif i % 4 == 1:
+            assert 0 <= json.loads(choice["text"])["n"] <= 9
+        elif i % 4 == 2:
+            assert choice["text"] in ("yes", "no", "maybe later") and choice["finish_reason"] == "stop"
+        else:
+            assert choice["finish_reason"] in ("stop", "length")
