@@ -5,6 +5,7 @@
     llamacpp llama.cpp (llama-cpp-python) plain and prompt-lookup on the same weights as GGUF
     sweep    batch sweep 1..64: plain vs fixed K vs adaptive, and the K the policy picked
     plan     the forward plan measured at load (auto) vs every plan forced, batch 1 and 16
+    structured  constrained (JSON schema) vs free decoding, speculation off and on, batch 1 and 16
     serve    guidellm against `serve run serve_config.yaml`: concurrency 1..32, plain / fixed K / adaptive
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
     plots    PNGs from bench/results/*.json
@@ -18,12 +19,12 @@ import importlib
 import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
-            "sweep": "bench.sweep", "plan": "bench.plans",
+            "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),
-       ("llamacpp", []), ("sweep", []), ("plan", []), ("serve", []), ("plots", []), ("report", [])]
+       ("llamacpp", []), ("sweep", []), ("plan", []), ("structured", []), ("serve", []), ("plots", []), ("report", [])]
 
 
 def run(command: str, argv: list[str]) -> None:

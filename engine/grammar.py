@@ -58,20 +58,27 @@ def _regex_literal(text: str) -> str:
 
 
 class GrammarMatcher:
-    """One request's grammar state: which tokens may come next, and accepting or undoing tokens."""
+    """One request's grammar state: which tokens may come next, and accepting or undoing tokens.
+    Masks travel as xgrammar's packed bitmask rows (int32 [ceil(V / 32)], bit j of word w: token
+    32 w + j) and are unpacked once per batch."""
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self._bitmask = torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32)  # [1, ceil(V / 32)]
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens allowed next into bitmask[row] (int32 [N, W]): only the grammar's stop
+        tokens once it is complete; every token after a stop token (what follows it is dropped)."""
+        if self.terminated:
+            bitmask[row] = -1
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def allowed(self) -> torch.Tensor:
-        """[V] bool: tokens the grammar allows next (only its stop tokens once it is complete; all
-        after a stop token, since whatever follows it is dropped)."""
-        if self.terminated:
-            return torch.ones(self.vocab_size, dtype=torch.bool)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        return unpack_bitmask(self._bitmask, self.vocab_size)[0]
+        """[V] bool: the tokens allowed next."""
+        bitmask = new_bitmask(1, self.vocab_size)
+        self.fill(bitmask, 0)
+        return unpack_bitmask(bitmask, self.vocab_size)[0]
 
     def accept(self, token: int) -> bool:
         return self._matcher.accept_token(token)
@@ -84,23 +91,28 @@ class GrammarMatcher:
     def terminated(self) -> bool:
         return self._matcher.is_terminated()
 
-    def walk(self, tokens: list[int]) -> tuple[int, torch.Tensor]:
-        """How many of `tokens` the grammar allows in a row (n), and the masks at positions 0..n
-        [n + 1, V] (mask j: after tokens[:j]); the state is left as it was."""
-        masks, accepted = [], 0
-        for token in [*tokens, None]:
-            masks.append(self.allowed())
-            if token is None or not masks[-1][token] or not self.accept(token):
+    def walk(self, tokens: list[int], bitmask: torch.Tensor) -> int:
+        """How many of `tokens` the grammar allows in a row (n); bitmask[j] (int32 [>= n + 1, W]) gets
+        the mask after tokens[:j] for j = 0..n. The state is left as it was."""
+        accepted = 0
+        for j, token in enumerate([*tokens, None]):
+            self.fill(bitmask, j)
+            if token is None or not int(bitmask[j, token >> 5]) >> (token & 31) & 1 or not self.accept(token):
                 break
             accepted += 1
         self.rollback(accepted)
-        return accepted, torch.stack(masks)
+        return accepted
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, ceil(V / 32)], every token allowed."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's int32 bitmask [N, ceil(V / 32)] (bit j of word w: token 32 w + j) -> bool [N, V]."""
+    """Packed masks int32 [..., ceil(V / 32)] -> bool [..., V]."""
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :vocab_size]
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -110,24 +122,21 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def mask_rows(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
     """logits [N, V] with each constrained row restricted to what its grammar allows now."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    if all(m is None for m in matchers):
         return logits
-    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [N, V]
-    for i in rows:
-        allowed[i] = matchers[i].allowed()
-    return mask_logits(logits, allowed)
+    bitmask = new_bitmask(len(matchers), logits.shape[-1])  # [N, W]
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill(bitmask, i)
+    return mask_logits(logits, unpack_bitmask(bitmask, logits.shape[-1]))
 
 
 def cut_proposals(matchers: list[GrammarMatcher | None], tokens: list[list[int]],
                   vocab_size: int) -> tuple[list[list[int]], torch.Tensor]:
     """Each row's proposal cut before the first token its grammar forbids, and the verify pass's
     masks [N, K + 1, V] (K: the longest cut proposal; True on unconstrained rows)."""
-    walks = [(len(t), None) if m is None else m.walk(t) for m, t in zip(matchers, tokens)]
-    cut = [t[:n] for t, (n, _) in zip(tokens, walks)]
-    width = max(len(t) for t in cut) + 1
-    masks = torch.ones(len(tokens), width, vocab_size, dtype=torch.bool)  # [N, K + 1, V]
-    for i, (n, walked) in enumerate(walks):
-        if walked is not None:
-            masks[i, :n + 1] = walked[:n + 1]
-    return cut, masks
+    bitmask = new_bitmask(len(tokens) * (max(map(len, tokens)) + 1), vocab_size).view(
+        len(tokens), -1, -(-vocab_size // 32))  # [N, K_in + 1, W]
+    cut = [t if m is None else t[:m.walk(t, bitmask[i])] for i, (m, t) in enumerate(zip(matchers, tokens))]
+    width = max(map(len, cut)) + 1
+    return cut, unpack_bitmask(bitmask[:, :width], vocab_size)
