@@ -31,11 +31,12 @@ SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
     "required": ["name", "args", "returns"]}}
 SPECULATION = {"plain": PLAIN, "draft adaptive": adaptive("draft"), "hybrid adaptive": adaptive("hybrid")}
 GRAMMAR_CALLS = [("engine.runner", "mask_rows"), ("engine.speculative.draft", "mask_rows"),
+                 ("engine.speculative.draft", "_walk"),
                  ("engine.speculative.step", "cut_proposals"), ("engine.speculative.step", "mask_logits")]
 
 
 class GrammarClock:
-    """Wall time inside the grammar's calls (module-level names patched, matchers' accept wrapped)."""
+    """Wall time inside the grammar's calls (module-level names patched, matchers' commit wrapped)."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
@@ -48,7 +49,7 @@ class GrammarClock:
         for module_name, fn in GRAMMAR_CALLS:
             module = importlib.import_module(module_name)
             setattr(module, fn, self._timed(f"{module_name.split('.')[-1]}.{fn}", getattr(module, fn)))
-        GrammarMatcher.accept = self._timed("accept", GrammarMatcher.accept)
+        GrammarMatcher.commit = self._timed("commit", GrammarMatcher.commit)
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):

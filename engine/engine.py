@@ -241,7 +241,7 @@ class LLMEngine:
         return outputs
 
     def _append(self, req: Request, token: int, now: float) -> StepOutput:
-        if req.grammar is not None and not req.grammar.accept(token):
+        if req.grammar is not None and not req.grammar.commit(token):
             raise ValueError(f"token {token} is not allowed by the request's structured output")
         req.output_token_ids.append(token)
         if req.first_token_time is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from engine.model.tokenizer import Tokenizer
@@ -59,20 +60,29 @@ def _regex_literal(text: str) -> str:
 
 class GrammarMatcher:
     """One request's grammar state: which tokens may come next, and accepting or undoing tokens.
-    Masks travel as xgrammar's packed bitmask rows (int32 [ceil(V / 32)], bit j of word w: token
-    32 w + j) and are unpacked once per batch."""
+    `commit` advances it with the request's output; proposers and the verify pass `accept` ahead
+    and `rollback`. Masks travel as xgrammar's packed bitmask rows (int32 [ceil(V / 32)], bit j of
+    word w: token 32 w + j), unpacked once per batch; the masks of a step's walks ahead are kept
+    until the next commit, so the verify pass reuses the ones the draft filled."""
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._ahead: list[int] = []  # tokens accepted past the committed state
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}  # tokens ahead -> packed mask [W]
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask[row] (int32 [N, W]): only the grammar's stop
         tokens once it is complete; every token after a stop token (what follows it is dropped)."""
         if self.terminated:
             bitmask[row] = -1
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        known = self._masks.get(tuple(self._ahead))
+        if known is not None:
+            bitmask[row] = known
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._masks[tuple(self._ahead)] = bitmask[row].clone()
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next."""
@@ -80,12 +90,22 @@ class GrammarMatcher:
         self.fill(bitmask, 0)
         return unpack_bitmask(bitmask, self.vocab_size)[0]
 
-    def accept(self, token: int) -> bool:
+    def commit(self, token: int) -> bool:
+        """Advances past the request's next output token; False (state unchanged) if not allowed."""
+        self._masks.clear()
         return self._matcher.accept_token(token)
+
+    def accept(self, token: int) -> bool:
+        """Walks ahead past a proposed token (undone by `rollback`); False if not allowed."""
+        if not self._matcher.accept_token(token):
+            return False
+        self._ahead.append(token)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._matcher.rollback(num_tokens)
+            del self._ahead[-num_tokens:]
 
     @property
     def terminated(self) -> bool:
@@ -105,19 +125,19 @@ class GrammarMatcher:
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)], every token allowed."""
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+    """int32 [rows, ceil(V / 32)] on the host (where xgrammar fills it), every token allowed."""
+    return torch.from_numpy(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Packed masks int32 [..., ceil(V / 32)] -> bool [..., V]."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :vocab_size]
+    """Packed masks int32 [..., ceil(V / 32)] -> bool [..., V] (one C call: masks are per token)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [..., 32 W]
+    return torch.from_numpy(bits[..., :vocab_size].view(np.bool_))
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits [..., V] with -inf where `allowed` [..., V] is False."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
 
 
 def mask_rows(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
