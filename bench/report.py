@@ -203,6 +203,26 @@ def serve(r: dict) -> list[str]:
     return lines + _img("serve")
 
 
+def structured(r: dict) -> list[str]:
+    lines = [f"**Structured outputs** — the code prompts decoded freely or under a JSON schema (six objects of "
+             f"names, argument lists and return types), {r['tokens']} tokens a request, greedy, {_host(r['machine'])}, "
+             f"{_plan(r)}; tokens/s end to end, medians of {r['repeats']} interleaved repeats with their range "
+             "(`python -m bench structured`). *Kept*: constrained speedup ÷ free speedup. *Grammar*: the share of "
+             "wall time inside grammar calls (masks filled and applied, walks ahead, commits).", "",
+             "| batch | speculation | free tok/s | constrained tok/s | free speedup | constrained speedup | kept | "
+             "grammar share |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b, row in r["results"].items():
+        for name in [n.removeprefix("free ") for n in row if n.startswith("free ")]:
+            free, con = row[f"free {name}"], row[f"constrained {name}"]
+            gain = row.get(f"{name} speedup")
+            cells = ["", "", ""] if gain is None else [f"{gain['free']:.2f}x", f"{gain['constrained']:.2f}x",
+                                                       f"{gain['kept']:.3f}"]
+            lines.append(f"| {b} | {name} | {free['tok_s']['median']:.0f} ({free['tok_s']['min']:.0f}–"
+                         f"{free['tok_s']['max']:.0f}) | {con['tok_s']['median']:.0f} ({con['tok_s']['min']:.0f}–"
+                         f"{con['tok_s']['max']:.0f}) | " + " | ".join(cells) + f" | {con['grammar_share']:.1%} |")
+    return lines + [""]
+
+
 def _best(results: dict, prefix: str) -> tuple[str, float]:
     """The fastest variant whose name starts with prefix: (name, speedup over plain)."""
     name = max((n for n in results if n.startswith(prefix)), key=lambda n: results[n]["speedup"])
@@ -265,6 +285,12 @@ def summary() -> str:
         if "1" in r["results"]:
             one = r["results"]["1"]["adaptive_over_plain"]
             row("serving (guidellm): adaptive >= 1.8x plain at concurrency 1", f"{one:.2f}x", one >= 1.8)
+    if (r := _load("structured")) is not None:
+        kept = {f"batch {b} {n.removesuffix(' speedup')}": v["kept"] for b, row_ in r["results"].items()
+                for n, v in row_.items() if n.endswith(" speedup")}
+        worst = min(kept, key=kept.get)
+        row("structured outputs: constrained speculation keeps >= 90% of the free speedup",
+            f"{min(kept.values()):.3f} ({worst}) to {max(kept.values()):.3f}", min(kept.values()) >= 0.9)
     if (r := _load("plans")) is not None:
         ratios = {k: e["auto_over_best_other"]["median"] for k, e in r["results"].items()}
         worst = min(ratios, key=ratios.get)
@@ -288,7 +314,7 @@ def build() -> str:
     if first_spec is not None:
         out += costs_table(first_spec)
     for name, fn in (("plans", plans), ("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep),
-                     ("serve", serve)):
+                     ("serve", serve), ("structured", structured)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)
