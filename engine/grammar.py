@@ -1,7 +1,7 @@
-"""Structured outputs: a request's grammar (JSON, a JSON schema, a regex or a choice list), compiled
-by xgrammar, and the per-request matcher whose token masks restrict the target's distribution.
+"""Structured outputs at run time: a request's grammar compiled by llguidance, the per-request
+matcher, and the token masks that restrict the target's (and the draft's) distribution.
 
-A matcher's committed state follows the request's output tokens (the engine accepts each token it
+A matcher's committed state follows the request's output tokens (the engine commits each token it
 appends); proposers and the verify pass walk ahead of it and roll back. Masked-out tokens get
 logit -inf before any other adjustment, so a constrained request samples from the target's
 distribution restricted to the grammar and renormalised, with speculation on or off.
@@ -9,7 +9,7 @@ distribution restricted to the grammar and renormalised, with speculation on or 
 
 from __future__ import annotations
 
-import json
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -17,63 +17,73 @@ import torch
 from engine.model.tokenizer import Tokenizer
 from engine.structured_output import StructuredOutput
 
+CACHED_GRAMMARS = 256  # compiled grammars kept per engine (least recently used dropped)
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: free whitespace lets a small model pad forever
+
 
 class GrammarError(ValueError):
-    """A grammar that cannot be compiled; `param` names the request field it came from."""
+    """A grammar that cannot be compiled or enforced; `param` names the request field it came from."""
 
     param = "structured_output"
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one tokenizer and logits width; xgrammar caches by grammar."""
+    """Compiles StructuredOutputs for one tokenizer and logits width, keeping recent ones."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
-        import xgrammar  # imported on the first constrained request: no cost for engines without one
+        import llguidance  # imported on the first constrained request: no cost for engines without one
+        import llguidance.hf
 
-        self._xgr = xgrammar
+        self._llg = llguidance
         self.vocab_size = vocab_size
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.stop_ids = frozenset(tokenizer.eos_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
+                                                       eos_token=sorted(tokenizer.eos_token_ids))
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()  # spec -> template LLMatcher
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher for `spec`; GrammarError names what llguidance cannot enforce in it (an
+        unimplemented schema keyword, an unknown format, a regex that does not parse, ...)."""
+        template = self._compiled.pop(spec, None)
+        if template is None:
+            grammar = self._grammar(spec)
+            failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+            if failed:
+                raise GrammarError(f"{spec.kind}: {'; '.join(messages)}")
+            template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        self._compiled[spec] = template
+        if len(self._compiled) > CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return GrammarMatcher(template.deep_copy(), self.vocab_size, self.stop_ids)
+
+    def _grammar(self, spec: StructuredOutput) -> str:
+        llg = self._llg
         try:
-            compiled = self._compile(spec)
-        except RuntimeError as exc:  # xgrammar reports bad schemas and regexes as RuntimeErrors
-            raise GrammarError(f"{spec.kind}: {str(exc).splitlines()[0].split('] ')[-1]}") from None
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), self.vocab_size)  # rollback unbounded
-
-    def _compile(self, spec: StructuredOutput):
-        # compact JSON: a free-whitespace grammar lets a small model pad a document forever
-        if spec.kind == "json_object":
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "json_schema":
-            return self._compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(spec.value)
-        return self._compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(spec.value)))
-
-
-def _regex_literal(text: str) -> str:
-    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
+            if spec.kind in ("json_object", "json_schema"):
+                return llg.LLMatcher.grammar_from_json_schema(spec.value or '{"type": "object"}', defaults=JSON_OPTIONS)
+            return llg.grammar_from(spec.kind, spec.value)
+        except (ValueError, RuntimeError) as exc:
+            raise GrammarError(f"{spec.kind}: {exc}") from None
 
 
 class GrammarMatcher:
     """One request's grammar state: which tokens may come next, and accepting or undoing tokens.
     `commit` advances it with the request's output; proposers and the verify pass `accept` ahead
-    and `rollback`. Masks travel as xgrammar's packed bitmask rows (int32 [ceil(V / 32)], bit j of
-    word w: token 32 w + j), unpacked once per batch; the masks of a step's walks ahead are kept
-    until the next commit, so the verify pass reuses the ones the draft filled."""
+    and `rollback`. Masks travel packed (int32 [ceil(V / 32)], bit j of word w: token 32 w + j) and
+    are unpacked once per batch; the masks of a step's walks ahead are kept until the next commit,
+    so the verify pass reuses the ones the draft filled."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, stop_ids: frozenset[int]):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._stop_ids = stop_ids
         self._ahead: list[int] = []  # tokens accepted past the committed state
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}  # tokens ahead -> packed mask [W]
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the tokens allowed next into bitmask[row] (int32 [N, W]): only the grammar's stop
-        tokens once it is complete; every token after a stop token (what follows it is dropped)."""
+        """Writes the tokens allowed next into bitmask[row] (int32 [N, W], host): only the stop
+        tokens once the grammar is complete; every token after a stop token (what follows it is
+        dropped)."""
         if self.terminated:
             bitmask[row] = -1
             return
@@ -81,8 +91,9 @@ class GrammarMatcher:
         if known is not None:
             bitmask[row] = known
             return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-        self._masks[tuple(self._ahead)] = bitmask[row].clone()
+        out = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        self._masks[tuple(self._ahead)] = out.clone()
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next."""
@@ -91,33 +102,41 @@ class GrammarMatcher:
         return unpack_bitmask(bitmask, self.vocab_size)[0]
 
     def commit(self, token: int) -> bool:
-        """Advances past the request's next output token; False (state unchanged) if not allowed."""
+        """Advances past the request's next output token; False if the grammar forbids it."""
         self._masks.clear()
-        return self._matcher.accept_token(token)
+        return self._matcher.consume_token(token)
 
     def accept(self, token: int) -> bool:
-        """Walks ahead past a proposed token (undone by `rollback`); False if not allowed."""
-        if not self._matcher.accept_token(token):
+        """Walks ahead past a proposed token the grammar allows (undone by `rollback`). A stop token
+        is only recorded: llguidance keeps no state for it to roll back."""
+        if token in self._stop_ids and self._matcher.is_accepting():
+            self._ahead.append(token)
+            return True
+        if not self._matcher.consume_token(token):
             return False
         self._ahead.append(token)
         return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
-            self._matcher.rollback(num_tokens)
+            stops = int(self.terminated)  # a stop token can only be the last one ahead
+            if num_tokens > stops:
+                self._matcher.rollback(num_tokens - stops)
             del self._ahead[-num_tokens:]
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        """A stop token was accepted ahead (the request ends there)."""
+        return bool(self._ahead) and self._ahead[-1] in self._stop_ids
 
     def walk(self, tokens: list[int], bitmask: torch.Tensor) -> int:
-        """How many of `tokens` the grammar allows in a row (n); bitmask[j] (int32 [>= n + 1, W]) gets
+        """How many of `tokens` the grammar allows in a row, up to a stop token (n); bitmask[j] (int32 [>= n + 1, W]) gets
         the mask after tokens[:j] for j = 0..n. The state is left as it was."""
         accepted = 0
         for j, token in enumerate([*tokens, None]):
             self.fill(bitmask, j)
-            if token is None or not int(bitmask[j, token >> 5]) >> (token & 31) & 1 or not self.accept(token):
+            if token is None or self.terminated or not int(bitmask[j, token >> 5]) >> (token & 31) & 1 \
+                    or not self.accept(token):
                 break
             accepted += 1
         self.rollback(accepted)

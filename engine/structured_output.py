@@ -1,9 +1,9 @@
 """What a request's output must follow (`response_format` and its kin): a JSON object, a JSON
-schema, a regex or a choice list, validated at the edge. engine/grammar.py compiles and enforces it.
+schema, a regex or a choice list, checked for shape and size here; engine/grammar.py compiles and
+enforces it (refusing what it cannot enforce).
 
-A schema may use only the keywords the grammar enforces (`SCHEMA_KEYWORDS`) besides annotations:
-a keyword it would ignore (`not`, `oneOf`, `multipleOf`, ...) could let an output through that does
-not validate, so it is refused, naming where it is.
+An object schema with `properties` and no `additionalProperties` is closed (as in OpenAI's strict
+mode and xgrammar's default): otherwise a small model pads a document with invented keys.
 """
 
 from __future__ import annotations
@@ -14,18 +14,6 @@ from typing import Literal, get_args
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "choice"]
 MAX_GRAMMAR_CHARS = 65536  # a schema's JSON, a regex or a choice list's JSON at most this long
-SCHEMA_KEYWORDS = frozenset((
-    "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",  # any instance
-    "properties", "required", "additionalProperties", "minProperties", "maxProperties",  # objects
-    "items", "prefixItems", "minItems", "maxItems",  # arrays
-    "minLength", "maxLength", "pattern", "format",  # strings
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",  # numbers
-))
-ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment",
-                         "deprecated", "readOnly", "writeOnly"))
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keywords whose values map names to schemas
-_SCHEMA_LISTS = ("anyOf", "prefixItems")  # ... that hold lists of schemas
-_SCHEMAS = ("items", "additionalProperties")  # ... that hold one schema
 
 
 @dataclass(frozen=True)
@@ -48,20 +36,9 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict) -> StructuredOutput:
-        """A schema checked against the JSON Schema meta-schema and `SCHEMA_KEYWORDS`."""
-        import jsonschema
-
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            raise ValueError(f"invalid JSON schema: {exc.message}") from None
-        unsupported = _unsupported_keywords(schema, "#")
-        if unsupported:
-            raise ValueError(f"unsupported JSON schema keyword(s) {unsupported}; supported: "
-                             f"{sorted(SCHEMA_KEYWORDS)} and annotations")
-        return cls("json_schema", json.dumps(schema))  # key order kept: properties are generated in it
+        return cls("json_schema", json.dumps(closed(schema)))  # key order kept: properties come in it
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutput:
@@ -70,17 +47,22 @@ class StructuredOutput:
         return cls("choice", json.dumps(choices))
 
 
-def _unsupported_keywords(schema, path: str) -> list[str]:
-    """Paths ("#/properties/a/not") of the keywords outside SCHEMA_KEYWORDS and ANNOTATIONS."""
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")  # name -> schema
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed(schema):
+    """A copy of `schema` in which every object with `properties` and no `additionalProperties`
+    (nor `patternProperties`) takes no other keys."""
     if not isinstance(schema, dict):
-        return []
-    out = [f"{path}/{k}" for k in schema if k not in SCHEMA_KEYWORDS and k not in ANNOTATIONS]
-    for key in _SCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items():
-            out += _unsupported_keywords(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        for i, sub in enumerate(schema.get(key) or []):
-            out += _unsupported_keywords(sub, f"{path}/{key}/{i}")
-    for key in _SCHEMAS:
-        out += _unsupported_keywords(schema.get(key), f"{path}/{key}")
+        return schema
+    out = {k: closed(v) if k in ("items", "additionalProperties", "not") else v for k, v in schema.items()}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
     return out

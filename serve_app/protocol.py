@@ -102,6 +102,13 @@ class _Common(BaseModel):
             raise APIError(400, f"at most one of {given} may be given", param=given[1], code="invalid_value")
         return given[0] if given else None
 
+    @property
+    def grammar_param(self) -> str | None:
+        """The field an error in the grammar itself is reported against."""
+        if self.structured_param == "response_format" and self.response_format.type == "json_schema":
+            return "response_format.json_schema.schema"
+        return self.structured_param
+
     def structured_output(self) -> StructuredOutput | None:
         param = self.structured_param
         try:

@@ -193,8 +193,7 @@ class LLMServer:
             params = req.sampling_params(default_max_tokens)
             return await self.engine.add(prompt, params, request_id=request_id, chat=chat)
         except GrammarError as exc:
-            raise APIError(400, f"{req.structured_param}: {exc}", param=req.structured_param,
-                           code="invalid_value") from None
+            raise APIError(400, f"{req.grammar_param}: {exc}", param=req.grammar_param, code="invalid_value") from None
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         except EngineOverloadedError as exc:

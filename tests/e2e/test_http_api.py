@@ -163,7 +163,7 @@ BAD_INPUTS = [
     ("json_schema without schema", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
     ("unsupported schema keyword", "/v1/completions", {"prompt": "x", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 2}}}},
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "not": {"const": 2}}}}},
      400, "response_format"),
     ("invalid schema", "/v1/completions", {"prompt": "x", "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),

@@ -208,15 +208,46 @@ def test_cut_proposals_stop_at_the_first_forbidden_token(tok_dir):
     assert matcher.allowed().nonzero().flatten().tolist() == [a]  # the walk was rolled back
 
 
+def test_a_walk_through_the_end_of_a_document_and_its_eos_rolls_back_cleanly(tok_dir):
+    """The verify pass may walk a proposal past a complete document and its EOS; rolling back must
+    leave the committed state exactly as it was (llguidance keeps no state for the EOS)."""
+    tokenizer = Tokenizer(tok_dir)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer.hf)).matcher(StructuredOutput.choice(["ab"]))
+    a, b = (tokenizer.hf.convert_tokens_to_ids(c) for c in "ab")
+    eos = min(tokenizer.eos_token_ids)
+    (cut,), masks = cut_proposals([matcher], [[a, b, eos, a]], len(tokenizer.hf))
+    assert cut == [a, b, eos] and masks[0, 3].all()  # after the EOS: anything (it is dropped)
+    assert matcher.commit(a) and matcher.commit(b) and matcher.commit(eos)
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise():
+    from engine.structured_output import closed
+
+    inner = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": inner, "c": {"type": "array", "items": inner}},
+              "$defs": {"d": inner}, "anyOf": [inner]}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
+    assert closed({**inner, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in closed({"type": "object"})  # json_object stays open
+
+
 @pytest.mark.parametrize("schema, fragment", [
-    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "#/oneOf"),
-    ({"type": "array", "items": {"type": "number", "multipleOf": 3}}, "#/items/multipleOf"),
-    ({"type": "foo"}, "invalid JSON schema"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"type": "array", "items": {"type": "number"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "string", "format": "made-up"}, "made-up"),
+    ({"type": "foo"}, "foo"),
+    ({"$ref": "#/$defs/missing"}, "missing"),
 ])
-def test_schemas_the_grammar_cannot_enforce_are_refused_naming_where(schema, fragment):
-    with pytest.raises(ValueError, match="unsupported|invalid") as err:
-        StructuredOutput.json_schema(schema)
+def test_schemas_the_grammar_cannot_enforce_are_refused_naming_what(tok_dir, schema, fragment):
+    """A keyword the grammar would ignore could let an output through that does not validate."""
+    tokenizer = Tokenizer(tok_dir)
+    with pytest.raises(GrammarError, match="json_schema") as err:
+        GrammarCompiler(tokenizer, len(tokenizer.hf)).matcher(StructuredOutput.json_schema(schema))
     assert fragment in str(err.value)
 
 
@@ -246,7 +277,7 @@ def test_a_grammar_that_does_not_compile_is_refused_and_others_run_on(tiny_model
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * 70000]}}}},
      "response_format.json_schema.schema"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
@@ -263,7 +294,7 @@ def test_api_response_formats_become_structured_outputs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
     so = ChatCompletionRequest.model_validate({**chat, "response_format": fmt}).sampling_params(16).structured_output
-    assert so.kind == "json_schema" and json.loads(so.value) == schema
+    assert so.kind == "json_schema" and json.loads(so.value) == {**schema, "additionalProperties": False}
     so = ChatCompletionRequest.model_validate({**chat, "response_format": {"type": "json_object"}}).sampling_params(16)
     assert so.structured_output == StructuredOutput("json_object")
     assert ChatCompletionRequest.model_validate({**chat, "response_format": {"type": "text"}}) \
