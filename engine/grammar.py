@@ -144,7 +144,7 @@ class GrammarMatcher:
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, ceil(V / 32)] on the host (where xgrammar fills it), every token allowed."""
+    """int32 [rows, ceil(V / 32)] on the host (where the grammar fills it), every token allowed."""
     return torch.from_numpy(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
 
 

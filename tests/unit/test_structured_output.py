@@ -315,3 +315,14 @@ def test_the_statistical_test_has_teeth_without_the_verify_mask(tiny_model, tiny
     outs = llm.generate([[5, 17, 9, 30]] * 300, SamplingParams(temperature=1.0, max_tokens=4,
                                                               structured_output=StructuredOutput.choice(CHOICES)))
     assert sum(o.finish_reason == "error" for o in outs) > 10
+
+
+def test_special_tokens_are_never_text_inside_a_string(tok_dir):
+    """Inside a JSON string almost any token is text, but not BOS, PAD or EOS (xgrammar 0.2.8
+    would allow BOS and PAD there with a tokenizer like the shipped one's)."""
+    tokenizer = Tokenizer(tok_dir)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer.hf)).matcher(StructuredOutput.json_schema({"type": "string"}))
+    assert matcher.commit(tokenizer.hf.convert_tokens_to_ids('"'))
+    allowed = matcher.allowed()
+    assert allowed.sum() > len(tokenizer.hf) // 2
+    assert not any(allowed[tokenizer.hf.convert_tokens_to_ids(t)] for t in tokenizer.hf.all_special_tokens)
