@@ -109,13 +109,21 @@ def test_promtool_accepts_config_and_rules():
 
 
 def test_prometheus_sees_speculation_and_every_expression_returns_data(server, prometheus):
+    """One replica's exported counters and Prometheus's series for that replica agree before and
+    after this test's traffic (an earlier test's load may have scaled the app up: the test waits
+    for one replica, and compares that replica's series only)."""
+    from tests.e2e.test_serve_ops import replica_states, serve_status
+
+    server.wait_until(lambda: replica_states(serve_status()) == {"RUNNING": 1}, 240, "one running replica")
+    replica = server.stats()["replica"]
+
     def exported():
         totals = server.stats()["exported_counter_totals"]
         return totals.get("specserve_draft_tokens_total", 0.0), totals.get("specserve_draft_accepted_tokens_total", 0.0)
 
     def prom_totals():
-        return (scalar(prometheus, "sum(ray_specserve_draft_tokens_total)") or 0.0,
-                scalar(prometheus, "sum(ray_specserve_draft_accepted_tokens_total)") or 0.0)
+        return (scalar(prometheus, f'sum(ray_specserve_draft_tokens_total{{replica="{replica}"}})') or 0.0,
+                scalar(prometheus, f'sum(ray_specserve_draft_accepted_tokens_total{{replica="{replica}"}})') or 0.0)
 
     before = exported()
     server.wait_until(lambda: prom_totals() == before, 120, "prometheus to scrape the current counters")
