@@ -5,6 +5,7 @@
     llamacpp llama.cpp (llama-cpp-python) plain and prompt-lookup on the same weights as GGUF
     sweep    batch sweep 1..64: plain vs fixed K vs adaptive, and the K the policy picked
     plan     the forward plan measured at load (auto) vs every plan forced, batch 1 and 16
+    prefill  prefill chunk padding policies (power of two, multiples of 64 / 32, exact), batch 1
     structured  constrained (JSON schema) vs free decoding, speculation off and on, batch 1 and 16
     serve    guidellm against `serve run serve_config.yaml`: concurrency 1..32, plain / fixed K / adaptive
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
@@ -19,7 +20,7 @@ import importlib
 import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
-            "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured",
+            "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),

@@ -147,7 +147,8 @@ class EngineConfig:
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, memory permitting
     kv_cache_backend: KVBackend = "paged"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # paged: default max_batch_size * max_seq_len / block_size
+    num_kv_blocks: int | None = None  # paged, per pool; default: max_batch_size full sequences, memory permitting
+    kv_cache_memory_fraction: float = 0.9  # share of the memory free after loading the models the KV pools may take
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
@@ -168,6 +169,8 @@ class EngineConfig:
         check_choice("kv_cache_backend", self.kv_cache_backend, get_args(KVBackend))
         check_int("block_size", self.block_size, 1, 1024)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        self.kv_cache_memory_fraction = _check_number("kv_cache_memory_fraction", self.kv_cache_memory_fraction,
+                                                      0.0, 1.0, lo_open=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("num_threads", self.num_threads, 1, 1024, optional=True)

@@ -13,13 +13,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedded_defaults
+from engine.faults import is_device_fault
 from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
+from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
 from engine.model.plan import device_memory, load_planned, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
-from engine.model.transformer import ModelShape, Transformer
+from engine.model.transformer import Transformer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -30,27 +32,18 @@ from engine.speculative.step import SpeculativeDecoder
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-KV_MEMORY_SHARE = 0.25  # the default max_seq_len keeps max_batch_size full sequences' KV within this share
-
-
-def default_max_seq_len(shapes: list[ModelShape], value_bytes: int, max_batch_size: int, memory_bytes: int) -> int:
-    """The longest sequence every model runs (its positions or sliding window), lowered until
-    max_batch_size sequences of that length keep their KV (every model's, `value_bytes` a value)
-    within KV_MEMORY_SHARE of the memory."""
-    per_token = sum(2 * s.num_layers * s.num_kv_heads * s.head_dim * value_bytes for s in shapes)
-    fits = int(KV_MEMORY_SHARE * memory_bytes // (per_token * max_batch_size))
-    return max(2, min(min(s.max_sequence for s in shapes), fits))
-
 
 class LLMEngine:
     """The engine loop: requests in, StepOutputs out. Not thread-safe; see AsyncLLMEngine."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, free_memory: Callable[[str], int] = free_memory):
+        """free_memory(device): bytes the device can still allocate (the KV pools are sized from it)."""
         self.config = config
         if config.device == "cpu" and config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.tokenizer, model_path, draft_path = self._resolve_checkpoints()
         self.model, self.draft_model = self._load_models(model_path, draft_path)
+        config.num_kv_blocks = self._kv_blocks(free_memory(config.device))
         pool = functools.partial(pool_for, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
                                  backend=config.kv_cache_backend, block_size=config.block_size,
                                  num_blocks=config.num_kv_blocks)  # the draft's is never shared: no prefix cache
@@ -97,6 +90,18 @@ class LLMEngine:
             raise ValueError(f"num_kv_blocks * block_size = {config.num_kv_blocks * config.block_size} "
                              f"tokens cannot hold one sequence of max_seq_len {config.max_seq_len}")
         return tokenizer, model_path, draft_path
+
+    def _kv_blocks(self, free_bytes: int) -> int | None:
+        """Blocks per pool: num_kv_blocks if given, else what kv_cache_memory_fraction of the free
+        memory holds for both models (slotted pools: checked to fit, one block per slot)."""
+        c = self.config
+        if c.num_kv_blocks is not None and c.kv_cache_backend == "paged":
+            return c.num_kv_blocks
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        per_token = kv_bytes_per_token([m.shape for m in models], [m.dtype.itemsize for m in models])
+        blocks = pool_blocks(free_bytes, c.kv_cache_memory_fraction, per_token, c.block_size, c.max_batch_size,
+                             c.max_seq_len, paged=c.kv_cache_backend == "paged")
+        return blocks if c.kv_cache_backend == "paged" else None
 
     def _load_models(self, model_path, draft_path) -> tuple[Transformer, Transformer | None]:
         """Both models, each with its forward plan (engine/model/plan.py)."""
@@ -235,6 +240,8 @@ class LLMEngine:
                         break  # tokens after a stop are dropped
                     outputs.append(self._append(req, token, now))
             except Exception as exc:  # one request's failure must not touch the others
+                if is_device_fault(exc):
+                    raise  # the device is suspect for every request
                 if not req.is_finished:
                     req.error = f"{type(exc).__name__}: {exc}"
                     outputs.append(self._finish(req, "error", ""))
@@ -276,7 +283,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Queue lengths, KV in use, the speculation settings and the forward plan."""
-        out = {"running": self.num_running(), "waiting": self.num_waiting(),
+        out = {"running": self.num_running(), "waiting": self.num_waiting(), "num_kv_blocks": self.config.num_kv_blocks,
                "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan}
         if self.speculation is not None:
             out["speculation"] = dataclasses.asdict(self.speculation.settings)

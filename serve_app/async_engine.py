@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine, Prompt
+from engine.faults import is_device_fault
 from engine.request import FinishReason, RequestOutput, StepOutput
 
 log = logging.getLogger("serve_app.async_engine")
@@ -189,14 +190,17 @@ class AsyncLLMEngine:
                 try:
                     outputs = engine.step()
                 except Exception as exc:
+                    if is_device_fault(exc):
+                        raise  # fatal: below, the loop stops and the health check fails
                     log.error("engine step failed; failing the running requests:\n%s", traceback.format_exc())
                     self._fail_all(f"internal error in the engine step: {exc}")
                     continue
                 for observer in self.step_observers:
                     observer(engine, outputs)
                 self._publish(engine, _deltas(outputs))
-        except BaseException as exc:  # the loop itself broke: health checks must fail
-            self.fatal_error = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # the loop itself broke, or the device faulted: health checks must fail
+            self.fatal_error = f"{'device fault, replica must be replaced: ' if is_device_fault(exc) else ''}" \
+                               f"{type(exc).__name__}: {exc}"
             log.critical("engine loop died:\n%s", traceback.format_exc())
             for target in list(self._streams.values()):
                 _send(target, EngineDeadError(self.fatal_error))

@@ -59,11 +59,15 @@ async def _api_error_handler(_request, exc: APIError):
 
 FAULT_USER = "specserve-test-fault"  # with SPECSERVE_TEST_HOOKS=1: this request fails mid-generation
 FAULT_PREFIX = "fault-"
+DEVICE_FAULT_USER = "specserve-test-device-fault"  # ... this one raises a (simulated) sticky CUDA error
+DEVICE_FAULT_PREFIX = "devicefault-"
 
 
 def _inject_fault(request) -> None:
     if request.request_id.startswith(FAULT_PREFIX) and len(request.output_token_ids) >= 2:
         raise RuntimeError("injected fault (SPECSERVE_TEST_HOOKS)")
+    if request.request_id.startswith(DEVICE_FAULT_PREFIX) and len(request.output_token_ids) >= 2:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected, SPECSERVE_TEST_HOOKS)")
 
 
 def _replica_id() -> str:
@@ -187,8 +191,8 @@ class LLMServer:
 
     async def _start(self, req, prompt, chat, default_max_tokens):
         request_id = None
-        if self.test_hooks and req.user == FAULT_USER:
-            request_id = f"{FAULT_PREFIX}{uuid.uuid4().hex}"
+        if self.test_hooks and req.user in (FAULT_USER, DEVICE_FAULT_USER):
+            request_id = f"{FAULT_PREFIX if req.user == FAULT_USER else DEVICE_FAULT_PREFIX}{uuid.uuid4().hex}"
         try:
             params = req.sampling_params(default_max_tokens)
             return await self.engine.add(prompt, params, request_id=request_id, chat=chat)

@@ -7,6 +7,7 @@ a pass takes is the model's `ModelPlan`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
@@ -21,6 +23,7 @@ from engine.model.kernels import one_sequence
 from engine.model.rope import Rope
 from engine.model.token_step import TokenStep
 
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
 
 
@@ -177,6 +180,9 @@ class Transformer:
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
         self._linear = F.linear
+        # on CUDA, no cuDNN attention: its plans are cached by exact key length, new every decode step
+        self._attention_backends = functools.partial(sdpa_kernel, CUDA_ATTENTION_BACKENDS) \
+            if self.device.type == "cuda" else contextlib.nullcontext
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
 
@@ -273,8 +279,9 @@ class Transformer:
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
         groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
-        for i, lw in enumerate(layers):
-            h = self._layer(h, lw, linear, rope, kv, i, groups)
+        with self._attention_backends():
+            for i, lw in enumerate(layers):
+                h = self._layer(h, lw, linear, rope, kv, i, groups)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)

@@ -349,3 +349,36 @@ def test_killed_replica_is_replaced_and_service_recovers(server):
     ok = [stream(server, {"prompt": p, "max_tokens": 16, "temperature": 0}) for p in PROMPTS]
     assert all(r["done"] and not r["error"] for r in ok)
     print(f"\nreplica kill: recovered in {recovery_s:.1f} s")
+
+
+def test_a_device_fault_fails_health_and_the_replica_is_replaced(server):
+    """A simulated sticky CUDA error in one request's step: that request and every other one in
+    flight end with a clear error, the replica's /health turns 503 (the engine loop stopped),
+    Serve's health check replaces the replica, and requests after that succeed."""
+    pid = server.stats()["pid"]
+    results: dict[str, dict] = {}
+
+    def run(name: str, body: dict) -> None:
+        results[name] = stream(server, body, timeout_s=120)
+
+    normal = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    threads = [threading.Thread(target=run, args=(f"normal{i}", {**normal, "prompt": PROMPTS[i]})) for i in range(2)]
+    for t in threads:
+        t.start()
+    server.wait_until(lambda: server.stats()["running"] >= 2, 60, "two requests in flight")
+    run("fault", {**normal, "prompt": PROMPTS[2], "user": "specserve-test-device-fault"})
+    for t in threads:
+        t.join(timeout=120)
+    for name, r in results.items():
+        message = r["error"]["message"] if isinstance(r["error"], dict) else str(r["error"])
+        assert "device fault" in message, (name, r)
+
+    def replaced() -> bool:
+        try:
+            return httpx.get(server.url + "/health", timeout=5).status_code == 200 and server.stats()["pid"] != pid
+        except (httpx.HTTPError, KeyError, ValueError):
+            return False
+
+    server.wait_until(replaced, 300, "Serve to replace the faulted replica")
+    ok = [stream(server, {"prompt": p, "max_tokens": 16, "temperature": 0}) for p in PROMPTS]
+    assert all(r["done"] and not r["error"] for r in ok)

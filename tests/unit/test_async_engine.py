@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from serve_app.async_engine import AsyncLLMEngine, EngineDeadError
@@ -91,3 +92,40 @@ def test_a_stream_closed_before_its_first_delta_aborts_its_request(tiny_model):
 
     assert asyncio.run(main()) == (None, False, 0)  # aborted and released, nothing holds KV
     aeng.shutdown()
+
+
+def test_a_device_fault_stops_the_loop_fails_every_request_and_fails_health(tiny_model):
+    """A sticky device error (here a simulated CUDA illegal access in one request's step) is not
+    one request's problem: every in-flight request fails with a clear error, the loop stops and
+    the health check fails, so Serve replaces the replica. An ordinary error stays isolated."""
+    from engine.faults import is_device_fault
+
+    assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_device_fault(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_device_fault(RuntimeError("shape mismatch")) and not is_device_fault(ValueError("CUDA error"))
+    aeng = AsyncLLMEngine(config(tiny_model[0]))
+
+    def fault(request):
+        if request.request_id == "bad" and len(request.output_token_ids) >= 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    aeng.engine.fault_hook = fault
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        others = [await aeng.add("def add(a, b):", params) for _ in range(2)]
+        bad = await aeng.add("x", params, request_id="bad")
+        results = []
+        for stream in [*others, bad]:
+            try:
+                async for _ in stream:
+                    pass
+                results.append("finished")
+            except EngineDeadError as exc:
+                results.append(str(exc))
+        return results
+
+    results = asyncio.run(main())
+    assert all("device fault" in r and "illegal memory access" in r for r in results), results
+    with pytest.raises(EngineDeadError, match="device fault"):
+        aeng.check_health()

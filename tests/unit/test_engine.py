@@ -275,7 +275,7 @@ def test_prefill_groups_pad_no_row_past_twice_its_length():
 def test_max_seq_len_defaults_to_the_models_positions_within_a_memory_share(tiny_model):
     """A model with 512 positions gets max_seq_len 512 (not a constant that would refuse it);
     on a device with too little memory for max_batch_size such sequences' KV, it is lowered."""
-    from engine.engine import KV_MEMORY_SHARE, default_max_seq_len
+    from engine.kv.sizing import KV_MEMORY_SHARE, default_max_seq_len
     from engine.model.loader import read_shape
 
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4)
@@ -292,6 +292,38 @@ def test_a_default_max_seq_len_fits_the_kv_blocks_asked_for(tiny_model):
     """With only num_kv_blocks given, the default max_seq_len is what those blocks hold."""
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4, block_size=4, num_kv_blocks=50)
     assert llm.config.max_seq_len == 200
+
+
+def test_kv_pools_are_sized_from_the_free_memory_both_models_counted(tiny_model, tiny_draft):
+    """Without num_kv_blocks, each pool gets what kv_cache_memory_fraction of the reported free
+    memory holds for every model's KV (at most max_batch_size full sequences); an explicit
+    num_kv_blocks wins; too little memory for one sequence is a ValueError saying so."""
+    from engine.kv.sizing import kv_bytes_per_token
+    from engine.model.loader import read_shape
+
+    target, draft = read_shape(tiny_model[0]), read_shape(tiny_draft[0])
+    alone, both = kv_bytes_per_token([target], [4]), kv_bytes_per_token([target, draft], [4, 4])
+    assert both > alone
+
+    def engine(free: int, **kw) -> LLMEngine:
+        config = EngineConfig.from_kwargs(model=str(tiny_model[0]), dtype="float32", max_batch_size=8, max_seq_len=256,
+                                          block_size=16, forward_plan="torch", **kw)
+        return LLMEngine(config, free_memory=lambda device: free)
+
+    free = 40 * 16 * both * 2  # 40 blocks of both models' KV at fraction 0.5
+    assert engine(free, kv_cache_memory_fraction=0.5).config.num_kv_blocks == 40 * both // alone  # target only
+    spec = dict(draft_model=str(tiny_draft[0]), use_speculative_decoding=True, spec_policy="fixed")
+    sized = engine(free, kv_cache_memory_fraction=0.5, **spec)
+    assert sized.config.num_kv_blocks == 40 and sized.stats()["num_kv_blocks"] == 40
+    assert sized.kv.target.free_token_capacity() == sized.kv.draft.free_token_capacity() == 40 * 16
+    assert engine(10**15).config.num_kv_blocks == 8 * 256 // 16  # plenty: max_batch_size full sequences
+    assert engine(free, num_kv_blocks=100, **spec).config.num_kv_blocks == 100  # explicit wins
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction.*one sequence of max_seq_len 256"):
+        engine(15 * 16 * both, kv_cache_memory_fraction=1.0, **spec)  # 15 blocks < 16 for one sequence
+    with pytest.raises(ValueError, match="8 slots"):
+        engine(free // 4, kv_cache_backend="slotted", **spec)
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        EngineConfig(kv_cache_memory_fraction=0.0)
 
 
 @pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("serve_config*.yaml")),
