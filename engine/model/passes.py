@@ -12,12 +12,13 @@ from engine.kv.protocol import power_of_two_at_least
 from engine.model.transformer import Transformer
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
+PAD_MULTIPLE = 32  # wider ones are padded to a multiple of this (docs/performance-notes.md#prefill-padding)
 
 
 def padded_length(t: int) -> int:
-    """Long chunks are padded to a power of two: a few shapes instead of one per length
-    (docs/performance-notes.md#prefill-padding)."""
-    return t if t <= UNPADDED_MAX else power_of_two_at_least(t)
+    """A pass's width: exact up to UNPADDED_MAX, else rounded up to a multiple of PAD_MULTIPLE (a
+    bounded number of shapes for little padding)."""
+    return t if t <= UNPADDED_MAX else -(-t // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def width_groups(lengths: list[int]) -> list[list[int]]:
