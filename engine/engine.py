@@ -166,7 +166,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        req = Request(request_id, ids, params, torch.Generator().manual_seed(seed),
+        req = Request(request_id, ids, params, torch.Generator(device=self.model.device).manual_seed(seed),
                       IncrementalText(self.tokenizer, params.stop), grammar=self._grammar(params))
         self._requests[request_id] = req
         self.scheduler.add(req)

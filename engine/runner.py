@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine import host_sync
 from engine.grammar import mask_rows
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
@@ -56,6 +57,7 @@ class ModelRunner:
 
 
 def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """Token ids for each row, read back to the host in one transfer."""
     logits = mask_rows(logits, [r.grammar for r in reqs])
-    return greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
-                            [r.generator for r in reqs])
+    return host_sync.read(greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
+                                           [r.generator for r in reqs]))

@@ -1,4 +1,5 @@
-"""Logits -> the adjusted distribution a request samples from, and seeded draws.
+"""Logits -> the adjusted distribution a request samples from, and seeded draws, on the logits'
+device (nothing is copied to the host but the drawn token ids, by the caller).
 
 `adjusted_probs` is the one definition of "the distribution we sample from": plain sampling
 draws from it, speculative acceptance compares the target's and the proposer's (p and q).
@@ -26,6 +27,8 @@ class SamplingRows:
     penalty: torch.Tensor  # [N] float32
     needs_sort: bool  # any row uses top-k or top-p
     needs_penalty: bool
+    needs_min_p: bool
+    any_greedy: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str) -> SamplingRows:
@@ -41,12 +44,14 @@ class SamplingRows:
             penalty=col([p.repetition_penalty for p in params], torch.float32),
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy),
             needs_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0 for p in params if not p.greedy),
+            any_greedy=any(p.greedy for p in params),
         )
 
     def repeat_rows(self, n: int) -> SamplingRows:
         """Each row repeated n times in place (row i -> rows i*n .. i*n+n-1)."""
-        rep = {k: v.repeat_interleave(n) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return SamplingRows(**rep, needs_sort=self.needs_sort, needs_penalty=self.needs_penalty)
+        return SamplingRows(**{k: v.repeat_interleave(n) if isinstance(v, torch.Tensor) else v
+                               for k, v in vars(self).items()})
 
 
 def context_mask(contexts: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
@@ -89,11 +94,11 @@ def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor 
         sorted_logits = sorted_logits.masked_fill(mass_before >= rows.top_p[:, None], float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
     probs = scaled.softmax(dim=-1)  # [N, V]
-    if bool((rows.min_p > 0).any()):
+    if rows.needs_min_p:
         floor = rows.min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [N, 1]
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    if bool(rows.greedy.any()):
+    if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(rows.greedy[:, None], one_hot, probs)
     return probs
@@ -101,20 +106,25 @@ def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor 
 
 def draw(probs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
          rows: list[int] | None = None) -> torch.Tensor:
-    """probs [N, V] -> token ids [N]: the argmax of greedy rows (one-hot), a draw with its own
-    generator for each other row among `rows` (default all); rows outside keep the argmax."""
+    """probs [N, V] -> token ids [N] on probs' device: the argmax of greedy rows (one-hot), and for
+    each other row among `rows` (default all) the inverse CDF at a uniform from its own generator
+    (on the same device: seeded draws reproduce per device); rows outside keep the argmax."""
     tokens = probs.argmax(dim=-1)  # [N]
-    for i in range(len(params)) if rows is None else rows:
-        if not params[i].greedy:
-            tokens[i] = torch.multinomial(probs[i].cpu(), 1, generator=generators[i])[0]
+    sampled = [i for i in (range(len(params)) if rows is None else rows) if not params[i].greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=probs.device)  # [S]
+        uniforms = torch.cat([torch.rand(1, generator=generators[i], device=probs.device) for i in sampled])  # [S]
+        cdf = probs[index].cumsum(dim=-1)  # [S, V]
+        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # first cdf > u
+        tokens[index] = picks.clamp_(max=probs.shape[-1] - 1)
     return tokens
 
 
 def greedy_or_sample(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
-                     generators: list[torch.Generator]) -> list[int]:
-    """The plain-decode sampling step for N rows: logits [N, V] -> N token ids."""
+                     generators: list[torch.Generator]) -> torch.Tensor:
+    """The plain-decode sampling step for N rows: logits [N, V] -> N token ids [N] (device)."""
     if not any(p.needs_probs for p in params):
-        return logits.argmax(dim=-1).tolist()  # fast path: nothing to adjust
+        return logits.argmax(dim=-1)  # fast path: nothing to adjust
     rows = SamplingRows.build(params, logits.device)
     seen = context_mask(contexts, logits.shape[-1], logits.device) if rows.needs_penalty else None
-    return draw(adjusted_probs(logits, rows, seen), params, generators).tolist()
+    return draw(adjusted_probs(logits, rows, seen), params, generators)

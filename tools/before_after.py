@@ -1,7 +1,7 @@
 """Before/after of a change: the default engine of two source trees, run in alternating processes.
 
     git worktree add /tmp/before <rev>
-    python tools/before_after.py --before /tmp/before --after . --repeats 3
+    python tools/before_after.py --before /tmp/before --after . --repeats 3 [--temperature 0.8]
 
 Each process loads one tree's default engine (`LLM()`, the embedded pair, batch up to 16) and
 times plain decoding, draft K = 5 and the adaptive draft, hybrid and n-gram settings at batch 1
@@ -30,7 +30,7 @@ SETTINGS = {"plain": {"use_speculative_decoding": False}, "draft K=5": spec("dra
             "ngram adaptive": spec("ngram", 8, "adaptive")}
 
 
-def run_tree(tree: str) -> dict[str, float]:
+def run_tree(tree: str, temperature: float = 0.0) -> dict[str, float]:
     """tok/s of every setting at batch 1 and 16 in this process, on `tree`'s engine."""
     sys.path.insert(0, tree)
     import torch
@@ -53,7 +53,7 @@ def run_tree(tree: str) -> dict[str, float]:
                                       method=settings.get("speculative_method"),
                                       spec_length=settings.get("spec_length"), policy=settings.get("spec_policy"))
         for batch, prompts, n in ((1, b1, 96), (16, b16, 64)):
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=7)
             groups = [[p] for p in prompts] if batch == 1 else [prompts]
             for warm_up in (True, False):
                 t0 = time.perf_counter()
@@ -69,10 +69,11 @@ def main() -> None:
     ap.add_argument("--after", required=True, help="source tree of the 'after' engine")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="before_after.json")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (seeded)")
     ap.add_argument("--one-tree", help=argparse.SUPPRESS)  # internal: run one tree, print JSON
     args = ap.parse_args()
     if args.one_tree:
-        print(json.dumps(run_tree(args.one_tree)))
+        print(json.dumps(run_tree(args.one_tree, args.temperature)))
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from serve_app.kernel_caches import bound_kernel_caches
@@ -83,7 +84,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name, tree in trees.items():
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--before", "-", "--after", "-",
-                                   "--one-tree", tree], capture_output=True, text=True, cwd="/", check=True)
+                                   "--one-tree", tree, "--temperature", str(args.temperature)], capture_output=True, text=True, cwd="/", check=True)
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(rep, name, {k: round(v) for k, v in runs[name][-1].items()}, flush=True)
     result = {}

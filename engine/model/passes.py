@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine import host_sync
 from engine.kv import CachePool, make_pool
 from engine.kv.protocol import power_of_two_at_least
 from engine.model.transformer import Transformer
@@ -62,9 +63,11 @@ def fill_slots(model: Transformer, pool: CachePool, batch: int, context: int) ->
 def time_pass(model: Transformer, pool: CachePool, slots: list[int], tokens: int, context: int, all_logits: bool) -> float:
     """Seconds for one pass of `tokens` tokens per slot after its `context` keys (every position's
     logits when all_logits, as a verify pass); the slots are rolled back to `context` after."""
+    host_sync.wait(model.device)
     t0 = time.perf_counter()
     forward_chunks(model, pool, slots, [[1] * tokens] * len(slots), [context] * len(slots),
                    all_logits=all_logits and tokens > 1)
+    host_sync.wait(model.device)
     seconds = time.perf_counter() - t0
     for s in slots:
         pool.truncate_to(s, context)

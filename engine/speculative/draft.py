@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine import host_sync
 from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
@@ -79,14 +80,16 @@ class DraftModelProposer:
         long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
         short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
         logits = torch.empty(len(reqs), self.vocab_size, device=self.model.device)  # [N, V]
-        t0 = time.perf_counter()
-        for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
-            self._feed(reqs, [long_rows[g] for g in group], chunks, starts, logits)
-        t1 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         if long_rows:
+            for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
+                self._feed(reqs, [long_rows[g] for g in group], chunks, starts, logits)
+            host_sync.wait(self.model.device)  # no read follows: the clock must see the device's work
+            t1 = time.perf_counter()
             self.observer.observe_catch_up(sum(len(chunks[i]) for i in long_rows), t1 - t0)
         if short_rows:
             self._feed(reqs, short_rows, chunks, starts, logits)
+            host_sync.wait(self.model.device)
             self.observer.observe_draft_first(len(reqs), time.perf_counter() - t1)
         return logits
 
@@ -108,7 +111,7 @@ class DraftModelProposer:
         try:
             while True:
                 logits = mask_rows(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
-                drawn = logits.argmax(dim=-1).tolist() if sampling is None else sampling.draw(logits, active)
+                drawn = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active))
                 for i in active:
                     tokens[i].append(drawn[i])
                 active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
@@ -149,10 +152,10 @@ class _Sampling:
             if self.rows.needs_penalty else None
         self.q_steps: list[torch.Tensor] = []  # [N, V] per step
 
-    def draw(self, logits: torch.Tensor, active: list[int]) -> list[int]:
+    def draw(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
         q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
         self.q_steps.append(q)
         drawn = draw(q, [r.params for r in self.reqs], [r.generator for r in self.reqs], active)  # [N]
         if self.seen is not None:
             self.seen.scatter_(1, drawn[:, None], True)
-        return drawn.tolist()
+        return drawn

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine import host_sync
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.proposer import Proposal
@@ -85,19 +86,20 @@ def verify_greedy(target_argmax: torch.Tensor, draft: torch.Tensor, num_proposed
 def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """logits [N, K+1, V] -> (accepted proposals per request, final token per request)."""
     n, k1, _ = logits.shape
-    draft = torch.zeros(n, k1 - 1, dtype=torch.long)  # [N, K]
-    for i, t in enumerate(proposal.tokens):
-        draft[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    draft = draft.to(logits.device)
+    draft = torch.tensor([t + [0] * (k1 - 1 - len(t)) for t in proposal.tokens], dtype=torch.long,
+                         device=logits.device).view(n, k1 - 1)  # [N, K]
     num_proposed = torch.tensor([len(t) for t in proposal.tokens], device=logits.device)  # [N]
     if proposal.q is None:  # every row greedy without penalty: compare argmaxes
         num_accepted, final = verify_greedy(logits.argmax(dim=-1), draft, num_proposed)
-        return num_accepted.tolist(), final.tolist()
-    p = _target_probs(reqs, logits, draft, num_proposed)  # [N, K+1, V]
-    uniforms = torch.stack([torch.rand(k1 - 1, generator=r.generator) for r in reqs]).to(logits.device)  # [N, K]
-    result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms)
-    final = draw(result.final_probs, [r.params for r in reqs], [r.generator for r in reqs])  # [N]
-    return result.num_accepted.tolist(), final.tolist()
+    else:
+        p = _target_probs(reqs, logits, draft, num_proposed)  # [N, K+1, V]
+        uniforms = torch.stack([torch.rand(k1 - 1, generator=r.generator, device=logits.device)
+                                for r in reqs])  # [N, K]
+        result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms)
+        num_accepted = result.num_accepted
+        final = draw(result.final_probs, [r.params for r in reqs], [r.generator for r in reqs])  # [N]
+    both = host_sync.read(torch.stack([num_accepted, final]))  # one transfer: [2, N]
+    return both[0], both[1]
 
 
 def _target_probs(reqs: list[Request], logits: torch.Tensor, draft: torch.Tensor,
