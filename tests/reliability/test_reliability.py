@@ -121,7 +121,7 @@ def test_sustained_load_loses_nothing_and_leaks_nothing(server, soak):
     for samples in by_replica.values():
         if len(samples) < 6:
             continue
-        # serve_app/kernel_caches.py bounds the per-shape kernel caches, so memory is flat from the start
+        # the test app bounds the kernel caches at 64 entries (tests/serve_fixture.py): memory is flat from the start
         third = len(samples) // 3
         first = statistics.median(v for _, v in samples[:third])
         last = statistics.median(v for _, v in samples[-third:])
