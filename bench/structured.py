@@ -31,7 +31,7 @@ SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
     "required": ["name", "args", "returns"]}}
 SPECULATION = {"plain": PLAIN, "draft adaptive": adaptive("draft"), "hybrid adaptive": adaptive("hybrid")}
 GRAMMAR_CALLS = [("engine.runner", "mask_rows"), ("engine.speculative.draft", "mask_rows"),
-                 ("engine.speculative.draft", "_walk"),
+                 ("engine.speculative.drafting", "_walk"),
                  ("engine.speculative.step", "cut_proposals"), ("engine.speculative.step", "mask_logits")]
 
 

@@ -14,7 +14,7 @@ DEFAULT_MODEL = "embedded:target"
 DEFAULT_DRAFT_MODEL = "embedded:draft"
 
 KVBackend = Literal["slotted", "paged"]
-SpecMethod = Literal["draft", "ngram", "hybrid"]
+SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -59,14 +59,14 @@ class SpecConfig:
     `user_config`. One validator for all of them."""
 
     use_speculative_decoding: bool = False
-    draft_model: str | None = None
+    draft_model: str | None = None  # a draft model, or an EAGLE-3 head (speculative_method "eagle")
     speculative_method: SpecMethod = "draft"
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
     spec_policy: SpecPolicyMode = "adaptive"
     spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
     ngram_max: int = 4
     ngram_min: int = 1
-    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft
+    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
 
     def __post_init__(self) -> None:
@@ -86,7 +86,7 @@ class SpecConfig:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.speculative_method in ("draft", "hybrid")
+        return self.speculative_method in ("draft", "hybrid", "eagle")
 
     @classmethod
     def field_names(cls) -> set[str]:

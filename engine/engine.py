@@ -16,7 +16,9 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedde
 from engine.faults import is_device_fault
 from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
+from engine.kv.features import FeatureCache
 from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
+from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
 from engine.model.plan import device_memory, load_planned, summary
@@ -27,6 +29,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.speculative.costs import MeasuredCosts, calibrate
 from engine.speculative.draft import DraftModelProposer, check_compatible
+from engine.speculative.eagle import EagleProposer
 from engine.speculative.step import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,8 @@ class LLMEngine:
                                  backend=config.kv_cache_backend, block_size=config.block_size,
                                  num_blocks=config.num_kv_blocks)  # the draft's is never shared: no prefix cache
         self.kv = KVManager(pool(self.model, prefix_caching=config.enable_prefix_caching),
-                            pool(self.draft_model) if self.draft_model is not None else None)
+                            pool(self.draft_model) if self.draft_model is not None else None,
+                            FeatureCache() if isinstance(self.draft_model, Eagle3Head) else None)
         self.runner = ModelRunner(self.model, self.kv)
         self.speculation = self._build_speculation() if config.use_speculative_decoding else None
         decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
@@ -72,7 +76,7 @@ class LLMEngine:
             draft_path = resolve_model_path(config.draft_model)
             config.speculative.draft_model = str(draft_path)
         shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
-        if draft_path is not None:
+        if draft_path is not None and not is_eagle3(draft_path):  # a head speaks the target's vocabulary by construction
             check_compatible(tokenizer, Tokenizer(draft_path), config.model, config.draft_model)
         if config.max_seq_len is None:  # on CPU the plan may compute (and cache) in float32
             value_bytes = 4 if config.device == "cpu" else getattr(torch, config.dtype).itemsize
@@ -111,7 +115,10 @@ class LLMEngine:
                                           config.max_seq_len, explicit["target"])
         self.forward_plan = {"target": target_plan.as_dict()}
         draft = None
-        if draft_path is not None:
+        if draft_path is not None and is_eagle3(draft_path):  # computes as its target does
+            draft = load_eagle3(draft_path, model, config.max_seq_len)
+            self.forward_plan["draft"] = {**dataclasses.asdict(draft.plan), "source": "eagle3 head, as the target"}
+        elif draft_path is not None:
             draft, draft_plan = load_planned(draft_path, "draft", config.dtype, config.device, config.max_seq_len,
                                              explicit["draft"])
             self.forward_plan["draft"] = draft_plan.as_dict()
@@ -121,8 +128,11 @@ class LLMEngine:
     def _build_speculation(self) -> SpeculativeDecoder:
         costs = MeasuredCosts()
         settings = self.config.speculative
-        draft = DraftModelProposer(self.draft_model, self.kv, costs, self.model.shape.vocab_size) \
-            if self.draft_model is not None else None
+        draft = None
+        if isinstance(self.draft_model, Eagle3Head):
+            draft = EagleProposer(self.draft_model, self.kv, costs)
+        elif self.draft_model is not None:
+            draft = DraftModelProposer(self.draft_model, self.kv, costs, self.model.shape.vocab_size)
         decoder = SpeculativeDecoder(self.runner, self.kv, settings, draft, costs)
         if settings.spec_policy == "adaptive":
             calibrate(costs, (self.model, self.kv.target),

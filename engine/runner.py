@@ -10,7 +10,7 @@ import torch
 from engine import host_sync
 from engine.grammar import mask_rows
 from engine.kv import KVManager
-from engine.model.passes import forward_chunks, width_groups
+from engine.model.passes import forward_chunks, forward_chunks_features, width_groups
 from engine.model.transformer import Transformer
 from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
@@ -20,6 +20,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, kv: KVManager):
         self.model = model
         self.kv = kv
+        self.capture: tuple[int, ...] = ()  # layers whose inputs go to kv.features (an EAGLE-3 head reads them)
 
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
         """Computes each request's next `n` prompt tokens; a request whose prompt is then
@@ -29,8 +30,8 @@ class ModelRunner:
         token_chunks = [r.all_token_ids[s:s + n] for (r, n), s in zip(chunks, starts)]
         logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)  # [B, vocab]
         for rows in width_groups([len(c) for c in token_chunks]):
-            logits[rows] = forward_chunks(self.model, self.kv.target, [self.kv.target_slot(reqs[b]) for b in rows],
-                                          [token_chunks[b] for b in rows], [starts[b] for b in rows])
+            logits[rows] = self._pass([reqs[b] for b in rows], [token_chunks[b] for b in rows],
+                                      [starts[b] for b in rows], all_logits=False)
         done = []
         for b, r in enumerate(reqs):
             self.kv.register_prefix(r)
@@ -52,8 +53,17 @@ class ModelRunner:
     def forward(self, reqs: list[Request], chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
         """Appends chunks[i] to reqs[i]'s target KV: logits [B, vocab] of each chunk's last token,
         or [B, T, vocab] of every position (a verify pass)."""
-        return forward_chunks(self.model, self.kv.target, [self.kv.target_slot(r) for r in reqs], chunks,
-                              [self.kv.computed(r) for r in reqs], all_logits=all_logits)
+        return self._pass(reqs, chunks, [self.kv.computed(r) for r in reqs], all_logits)
+
+    def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool) -> torch.Tensor:
+        slots = [self.kv.target_slot(r) for r in reqs]
+        if not self.capture:
+            return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits)
+        logits, features = forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,
+                                                   all_logits=all_logits)  # features [B, T, F]
+        for i, (r, c, s) in enumerate(zip(reqs, chunks, starts)):
+            self.kv.features.append(r.request_id, s, features[i, :len(c)])
+        return logits
 
 
 def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:

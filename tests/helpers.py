@@ -106,3 +106,65 @@ class InMemoryRecorder:
 
     def total(self, name: str, **labels) -> float:
         return sum(v for k, v in self.counters.items() if k[0] == name and all((lk, lv) in k[1:] for lk, lv in labels.items()))
+
+
+def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[int] | None = None,
+                     draft_vocab: list[int] | None = None, intermediate: int = 96, lm_scale: float = 1.0,
+                     fmt: str = "safetensors", two_back: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Writes a random EAGLE-3 head for the target at `target_dir` in the published layout
+    (config.json naming LlamaForCausalLMEagle3; fc, midlayer.*, norm, lm_head, d2t, t2d) and
+    returns its tensors (float32, d2t as stored: offsets).
+
+    two_back: the target's embedding [V, H]: the head then guesses the token two back (fc passes
+    the first feature through -- the embedding when aux[0] is 0 --, attention and MLP add nothing,
+    lm_head is the embedding), right on the short cycles random models fall into, so some of its
+    proposals are accepted and some are not."""
+    import json
+
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    H, V, heads = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg["num_key_value_heads"], cfg.get("head_dim") or H // heads
+    ids = torch.tensor(sorted(draft_vocab) if draft_vocab is not None else list(range(V)))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
+
+    w = {"fc.weight": rand(H, 3 * H),
+         "midlayer.hidden_norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         "midlayer.input_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * H, scale=2.0),
+         "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * H, scale=2.0),
+         "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * H),
+         "midlayer.self_attn.o_proj.weight": rand(H, heads * head_dim),
+         "midlayer.post_attention_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         "midlayer.mlp.gate_proj.weight": rand(intermediate, H),
+         "midlayer.mlp.up_proj.weight": rand(intermediate, H),
+         "midlayer.mlp.down_proj.weight": rand(H, intermediate),
+         "norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         "lm_head.weight": rand(len(ids), H, scale=4.0 * lm_scale),
+         "d2t": ids - torch.arange(len(ids)),
+         "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)}
+    if two_back is not None:
+        w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1)
+        w["midlayer.self_attn.o_proj.weight"].zero_()
+        w["midlayer.mlp.down_proj.weight"].zero_()
+        w["norm.weight"] = torch.ones(H)
+        w["lm_head.weight"] = two_back[ids].float() * lm_scale
+    path.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(w, str(path / "model.safetensors"))
+    else:
+        torch.save(w, path / "pytorch_model.bin")
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+              "rope_theta": (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0), "rope_scaling": None,
+              "max_position_embeddings": cfg["max_position_embeddings"], "vocab_size": V,
+              "draft_vocab_size": len(ids), "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if aux is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
+    (path / "config.json").write_text(json.dumps(config))
+    return w

@@ -6,12 +6,15 @@ model, the draft pool; allocation, reservation, rollback, release and the prefix
 - The draft pool fills lazily (the draft proposer), up to the request's tokens (`draft_len`).
 - `rollback(request, length)` keeps the first `length` tokens in both pools; shared prefix
   blocks are never released by it.
+- With an EAGLE-3 head, the draft pool holds the head's KV and `features` the target features
+  it has yet to read (engine/kv/features.py); both are released and rolled back with the rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv.features import FeatureCache
 from engine.kv.protocol import CachePool, OutOfKVCache
 from engine.request import Request
 
@@ -25,9 +28,10 @@ class SequenceKV:
 
 
 class KVManager:
-    def __init__(self, target: CachePool, draft: CachePool | None = None):
+    def __init__(self, target: CachePool, draft: CachePool | None = None, features: FeatureCache | None = None):
         self.target = target
         self.draft = draft
+        self.features = features
         self._records: dict[str, SequenceKV] = {}
 
     def allocate(self, request: Request) -> int | None:
@@ -55,6 +59,8 @@ class KVManager:
         self.target.free_slot(record.target_slot)
         if record.draft_slot is not None:
             self.draft.free_slot(record.draft_slot)
+        if self.features is not None:
+            self.features.free(request.request_id)
 
     def reserve_prefill(self, request: Request, num_tokens: int) -> bool:
         """Room for num_tokens more prompt tokens in the target pool."""
@@ -75,6 +81,8 @@ class KVManager:
         self.target.truncate_to(record.target_slot, length)
         if record.draft_slot is not None:
             self.draft.truncate_to(record.draft_slot, min(self.draft.seq_len(record.draft_slot), length))
+        if self.features is not None:
+            self.features.truncate_to(request.request_id, length)
 
     def register_prefix(self, request: Request) -> None:
         """Offers the request's computed prompt blocks to the prefix cache."""

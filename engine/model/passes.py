@@ -4,12 +4,13 @@ grouped into passes."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from engine import host_sync
 from engine.kv import CachePool, make_pool
-from engine.kv.protocol import power_of_two_at_least
+from engine.kv.protocol import KVView, power_of_two_at_least
 from engine.model.transformer import Transformer
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
@@ -31,6 +32,29 @@ def width_groups(lengths: list[int]) -> list[list[int]]:
     return [groups[w] for w in sorted(groups)]
 
 
+class PassInputs(NamedTuple):
+    """A pass over chunks of several sequences, padded to one width."""
+
+    ids: torch.Tensor  # [B, T] token ids (padded rows: token 0)
+    positions: torch.Tensor  # [B, T] (padded rows: position 0, written to the view's scratch row)
+    view: KVView
+    longest: int  # the longest chunk (T is it, padded)
+    last: torch.Tensor  # [B] index of each chunk's last token
+
+
+def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
+                start_positions: list[int]) -> PassInputs:
+    """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its length)."""
+    longest = max(len(c) for c in chunks)
+    T = padded_length(longest)
+    pads = [[0] * (T - len(c)) for c in chunks]
+    ids = torch.tensor([c + pad for c, pad in zip(chunks, pads)], device=model.device)  # [B, T]
+    pos = torch.tensor([list(range(s, s + len(c))) + pad for c, s, pad in zip(chunks, start_positions, pads)],
+                       device=model.device)  # [B, T]
+    last = torch.tensor([len(c) - 1 for c in chunks], device=model.device)  # [B]
+    return PassInputs(ids, pos, pool.view(slots, [len(c) for c in chunks], width=T), longest, last)
+
+
 def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                    start_positions: list[int], all_logits: bool = False) -> torch.Tensor:
     """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
@@ -38,19 +62,21 @@ def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks
     Returns logits of each chunk's last token [B, vocab], or of every position [B, T, vocab]
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
-    longest = max(len(c) for c in chunks)
-    T = padded_length(longest)
-    pads = [[0] * (T - len(c)) for c in chunks]  # padded rows: token 0 at position 0, written to scratch
-    ids = torch.tensor([c + pad for c, pad in zip(chunks, pads)], device=model.device)  # [B, T]
-    pos = torch.tensor([list(range(s, s + len(c))) + pad for c, s, pad in zip(chunks, start_positions, pads)],
-                       device=model.device)  # [B, T]
-    view = pool.view(slots, [len(c) for c in chunks], width=T)
+    x = pass_inputs(model, pool, slots, chunks, start_positions)
     if all_logits:
-        return model.forward(ids, pos, view, None)[:, :longest]  # [B, longest, vocab]
-    if T == 1:
-        return model.forward(ids, pos, view, None)[:, 0]  # [B, vocab]
-    last = torch.tensor([len(c) - 1 for c in chunks], device=model.device)  # [B]
-    return model.forward(ids, pos, view, last)  # [B, vocab]
+        return model.forward(x.ids, x.positions, x.view, None)[:, :x.longest]  # [B, longest, vocab]
+    if x.ids.shape[1] == 1:
+        return model.forward(x.ids, x.positions, x.view, None)[:, 0]  # [B, vocab]
+    return model.forward(x.ids, x.positions, x.view, x.last)  # [B, vocab]
+
+
+def forward_chunks_features(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
+                            start_positions: list[int], layers: tuple[int, ...],
+                            all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_chunks' logits, and the features of `layers` at every position [B, longest, F]."""
+    x = pass_inputs(model, pool, slots, chunks, start_positions)
+    logits, features = model.forward_features(x.ids, x.positions, x.view, None if all_logits else x.last, layers)
+    return (logits[:, :x.longest] if all_logits else logits), features[:, :x.longest]
 
 
 def fill_slots(model: Transformer, pool: CachePool, batch: int, context: int) -> list[int]:

@@ -274,26 +274,45 @@ class Transformer:
         B, T = input_ids.shape
         if self._token_step is not None and self._token_step.takes(B, T, logits_index):
             return self._token_step.forward(input_ids, position_ids, kv, logits_index)
+        return self._run(input_ids, position_ids, kv, logits_index, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+                         logits_index: torch.Tensor | None, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits, and the inputs of `layers` side by side at every position
+        [B, T, len(layers) * hidden] (the features an EAGLE-3 head reads)."""
+        return self._run(input_ids, position_ids, kv, logits_index, layers)
+
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, logits_index: torch.Tensor | None,
+             capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = input_ids.shape
         few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
         layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
         groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
+        captured = {}  # layer -> its input
         with self._attention_backends():
             for i, lw in enumerate(layers):
-                h = self._layer(h, lw, linear, rope, kv, i, groups)
+                if i in capture:
+                    captured[i] = h
+                h = h + self._attention_block(self._rms_norm(h, lw.attn_norm), lw, linear, rope, kv, i, groups)
+                h = h + self._mlp_block(h, lw, linear)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)
-        return linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab]
+        logits = linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab]
+        return logits, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
 
-    def _layer(self, h: torch.Tensor, lw: LayerWeights, linear: Callable, rope: tuple[torch.Tensor, torch.Tensor],
-               kv: KVView, i: int, groups: list[AttentionGroup]) -> torch.Tensor:
-        """One decoder layer over h [B, T, hidden] -> [B, T, hidden], writing layer i's K/V."""
+    def _attention_block(self, x: torch.Tensor, lw: LayerWeights, linear: Callable,
+                         rope: tuple[torch.Tensor, torch.Tensor], kv: KVView, i: int,
+                         groups: list[AttentionGroup]) -> torch.Tensor:
+        """Self-attention of layer i over its normed input x [B, T, in] -> [B, T, hidden],
+        writing the layer's K/V."""
         s = self.shape
-        B, T = h.shape[:2]
+        B, T = x.shape[:2]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        qkv = linear(self._rms_norm(h, lw.attn_norm), lw.qkv)  # [B, T, q_size + 2 * kv_size]
+        qkv = linear(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
         qk = qkv[..., :q_size + kv_size].view(B, T, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -302,6 +321,9 @@ class Transformer:
         kv.write(i, k, qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim))
         attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, head_dim]
         out = linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)  # [B, T, hidden]
-        h = h + (out if lw.o_bias is None else out.add_(lw.o_bias))
+        return out if lw.o_bias is None else out.add_(lw.o_bias)
+
+    def _mlp_block(self, h: torch.Tensor, lw: LayerWeights, linear: Callable) -> torch.Tensor:
+        """The SwiGLU MLP of the residual stream h [B, T, hidden] (its norm included)."""
         gate, up = linear(self._rms_norm(h, lw.mlp_norm), lw.gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
-        return h + linear(F.silu(gate) * up, lw.down)
+        return linear(F.silu(gate) * up, lw.down)

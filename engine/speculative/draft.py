@@ -7,20 +7,20 @@ k - 1 one-token steps; each part's time goes to the cost model through the obser
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 import torch.nn.functional as F
 
 from engine import host_sync
-from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, width_groups
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
-from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
+from engine.speculative.drafting import draft_tokens, propose_rows
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
@@ -61,16 +61,8 @@ class DraftModelProposer:
         return [r.num_tokens - self.kv.draft_len(r) for r in requests]
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
-        rows = [i for i, k in enumerate(ks) if k > 0]
-        if not rows:
-            return Proposal([[] for _ in requests], None, ["none"] * len(requests))
-        reqs, row_ks = [requests[i] for i in rows], [ks[i] for i in rows]
-        tokens, q = self._draft(reqs, row_ks, self._catch_up(reqs), with_q)
-        part = Proposal(tokens, q, [self.name] * len(reqs))
-        if len(rows) == len(requests):
-            return part
-        empty = q.new_zeros(len(requests), 1, q.shape[-1]) if q is not None else None  # [N, 1, V]
-        return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
+        return propose_rows(requests, ks, self.name, lambda reqs, row_ks: draft_tokens(
+            reqs, row_ks, self._catch_up(reqs), with_q, functools.partial(self._step, reqs), self.observer))
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Feeds each request's unseen tokens (long runs apart from short ones); returns the
@@ -97,65 +89,6 @@ class DraftModelProposer:
               logits: torch.Tensor) -> None:
         logits[rows] = self._forward([reqs[i] for i in rows], [chunks[i] for i in rows], [starts[i] for i in rows])
 
-    def _draft(self, reqs: list[Request], ks: list[int], logits: torch.Tensor,
-               with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
-        """ks[i] tokens for reqs[i]: the first from the catch-up logits [N, V], the rest from
-        one-token steps; with q [N, max(ks), V] when with_q. A request with a grammar drafts
-        only tokens it allows (its matcher walks ahead and is rolled back after)."""
-        sampling = _Sampling(reqs, self.vocab_size, self.model.device) if with_q else None
-        tokens: list[list[int]] = [[] for _ in reqs]
-        grammars = [r.grammar for r in reqs]
-        walked = [0] * len(reqs)  # tokens each grammar accepted ahead of its request
-        active = list(range(len(reqs)))
-        steps, t0 = 0, time.perf_counter()
-        try:
-            while True:
-                logits = mask_rows(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
-                drawn = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active))
-                for i in active:
-                    tokens[i].append(drawn[i])
-                active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
-                if not active:
-                    break
-                step_logits = self._forward([reqs[i] for i in active], [[tokens[i][-1]] for i in active],
-                                            [self.kv.draft_len(reqs[i]) for i in active])
-                if len(active) < len(reqs):  # only the requests that still need tokens step
-                    step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device),
-                                                             step_logits)
-                logits, steps = step_logits, steps + 1
-        finally:
-            for g, n in zip(grammars, walked):
-                if g is not None:
-                    g.rollback(n)
-        if steps:
-            self.observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
-        return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
-
-
-def _walk(grammar: GrammarMatcher | None, token: int, walked: list[int], row: int) -> bool:
-    """Advances a row's grammar past its drafted token; whether the row may draft on."""
-    if grammar is None:
-        return True
-    if not grammar.accept(token):
-        return False
-    walked[row] += 1
-    return not grammar.terminated
-
-
-class _Sampling:
-    """Draws draft tokens from each request's adjusted distribution, keeping every q."""
-
-    def __init__(self, reqs: list[Request], vocab_size: int, device: torch.device):
-        self.reqs = reqs
-        self.rows = SamplingRows.build([r.params for r in reqs], device)
-        self.seen = context_mask([r.all_token_ids for r in reqs], vocab_size, device) \
-            if self.rows.needs_penalty else None
-        self.q_steps: list[torch.Tensor] = []  # [N, V] per step
-
-    def draw(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
-        q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
-        self.q_steps.append(q)
-        drawn = draw(q, [r.params for r in self.reqs], [r.generator for r in self.reqs], active)  # [N]
-        if self.seen is not None:
-            self.seen.scatter_(1, drawn[:, None], True)
-        return drawn
+    def _step(self, reqs: list[Request], rows: list[int], last: list[int]) -> torch.Tensor:
+        """One-token draft passes for reqs[rows] -> their logits [len(rows), V]."""
+        return self._forward([reqs[i] for i in rows], [[t] for t in last], [self.kv.draft_len(reqs[i]) for i in rows])

@@ -15,7 +15,7 @@ from engine.kv import KVManager
 from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
 from engine.speculative.costs import MeasuredCosts
-from engine.speculative.draft import DraftModelProposer
+from engine.speculative.eagle import EagleProposer
 from engine.speculative.hybrid import HybridProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, SpecPolicy
@@ -30,12 +30,17 @@ class RoundPlan:
     ks: list[int]  # what each request may propose (<= k)
 
 
-def build_proposer(settings: SpecConfig, draft: DraftModelProposer | None, vocab_size: int, device) -> Proposer:
-    """The proposer `settings.speculative_method` names (a draft model where it needs one)."""
+def build_proposer(settings: SpecConfig, draft: Proposer | None, vocab_size: int, device) -> Proposer:
+    """The proposer `settings.speculative_method` names; `draft` is the engine's model proposer
+    (a draft model's or an EAGLE-3 head's), which "draft", "eagle" and "hybrid" need."""
+    method = settings.speculative_method
     if settings.needs_draft_model and draft is None:
-        raise ValueError(f"speculative_method={settings.speculative_method!r} needs a draft model (draft_model); "
-                         "this engine has none")
-    if settings.speculative_method == "draft":
+        raise ValueError(f"speculative_method={method!r} needs a draft model (draft_model); this engine has none")
+    if method in ("draft", "eagle") and draft.name != method:
+        raise ValueError(f"speculative_method={method!r} does not fit this engine's draft_model, "
+                         f"{'an EAGLE-3 head' if draft.name == 'eagle' else 'a draft model'}: use "
+                         f"{draft.name!r}, 'hybrid' or 'ngram'")
+    if method in ("draft", "eagle"):
         return draft
     min_n = settings.hybrid_ngram_min if settings.speculative_method == "hybrid" else settings.ngram_min
     lookup = NgramProposer(vocab_size, device, settings.ngram_max, min_n, settings.ngram_one_token_match_max)
@@ -43,7 +48,7 @@ def build_proposer(settings: SpecConfig, draft: DraftModelProposer | None, vocab
 
 
 class SpeculativeDecoder:
-    def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, draft: DraftModelProposer | None,
+    def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, draft: Proposer | None,
                  costs: MeasuredCosts):
         self.runner = runner
         self.kv = kv
@@ -53,6 +58,7 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
+        self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
@@ -61,7 +67,13 @@ class SpeculativeDecoder:
                                        self.runner.model.device)
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.settings = settings
+        self._capture_features()
         return settings
+
+    def _capture_features(self) -> None:
+        """The target's passes keep the features an EAGLE-3 head reads while one may propose."""
+        uses_head = isinstance(self.draft, EagleProposer) and self.settings.speculative_method in ("eagle", "hybrid")
+        self.runner.capture = self.draft.head.aux_layers if uses_head else ()
 
     def tokens_per_round(self) -> int:
         """KV tokens a request's decode round may write: K + 1."""

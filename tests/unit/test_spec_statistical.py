@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
 from engine.speculative.proposer import Proposal
 from engine.speculative.rejection import Acceptance, verify
-from tests.helpers import FAMILIES, make_model
+from tests.helpers import FAMILIES, make_eagle3_head, make_model
 
 VOCAB = 16
 PROMPT = [3, 7, 2, 9, 4]
@@ -81,9 +81,9 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     return m2.numpy(), m3.numpy()
 
 
-def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None) -> tuple[np.ndarray, float]:
+def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, **engine) -> tuple[np.ndarray, float]:
     llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True,
-              spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64, seed=1)
+              spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64, seed=1, **engine)
     if proposer is not None:
         llm.engine.speculation.proposer = proposer(llm.engine)
     kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}
@@ -175,5 +175,21 @@ def test_a_proposer_with_zero_q_on_half_the_vocabulary_keeps_sampling_exact(pair
     tokens, acceptance = sample_speculative(tpath, dpath, params, proposer=EvenTokensDraft)
     assert 0.1 < acceptance < 0.9
     assert (tokens[:, 1:3] % 2 == 1).mean() > 0.1  # tokens the proposer could never propose do occur
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["t1", "t07_topk"])
+def test_eagle_sampling_matches_target_marginals(pair, tmp_path, name):
+    """The same test with an EAGLE-3 head as proposer: q is its distribution over a reduced draft
+    vocabulary (ids 0-11), zero on ids 12-15, which must then come from the correction alone."""
+    tpath, _, hf = pair
+    make_eagle3_head(tmp_path, tpath, aux=[0, 0, 0], draft_vocab=list(range(12)), lm_scale=0.5,
+                     two_back=hf.model.embed_tokens.weight.detach())
+    params = SamplingParams(**CONFIGS[name])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, acceptance = sample_speculative(tpath, tmp_path, params, speculative_method="eagle")
+    assert 0.05 < acceptance < 0.9, f"the head should disagree sometimes (acceptance {acceptance:.2f})"
+    assert (tokens[:, 1:3] >= 12).mean() > 0.02  # tokens outside the draft vocabulary do occur
     assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
     assert chi2_pvalue(tokens[:, 2], m3) > 1e-3

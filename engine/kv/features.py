@@ -1,0 +1,82 @@
+"""Target features a feature-level proposer (EAGLE-3) has yet to read: per request, the hidden
+states the target's passes captured at positions the proposer's head has not consumed.
+
+Contract:
+- `append(request_id, start, rows)`: rows [n, F] are the features of target positions
+  start..start+n-1. A request's rows are contiguous; a start that does not continue them (a
+  first pass after a prefix-cache hit or after capture was off) begins a new run, and the run's
+  `origin` says where, so the head knows its own positions restart there.
+- `truncate_to(request_id, length)` drops rows at positions >= length (rejected verify tokens).
+- `take(request_id)` hands over and forgets the pending rows; `restart` moves the reader's
+  origin (it started over); `free` forgets the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class FeatureRun:
+    origin: int  # target position of the run's first row ever (the head's position 0)
+    start: int  # target position of the first pending row
+    rows: list[torch.Tensor] = field(default_factory=list)  # pending rows, each [n, F], in order
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(r.shape[0] for r in self.rows)
+
+
+@dataclass(frozen=True)
+class PendingFeatures:
+    origin: int
+    start: int
+    rows: torch.Tensor  # [n, F] features of target positions start..start+n-1
+
+
+class FeatureCache:
+    def __init__(self) -> None:
+        self._runs: dict[str, FeatureRun] = {}
+
+    def append(self, request_id: str, start: int, rows: torch.Tensor) -> None:
+        run = self._runs.get(request_id)
+        if run is None or run.end != start:
+            run = self._runs[request_id] = FeatureRun(origin=start, start=start)
+        run.rows.append(rows)
+
+    def truncate_to(self, request_id: str, length: int) -> None:
+        run = self._runs.get(request_id)
+        if run is None or run.end <= length:
+            return
+        keep, pos = [], run.start
+        for r in run.rows:
+            if pos + r.shape[0] <= length:
+                keep.append(r)
+            elif pos < length:
+                keep.append(r[:length - pos])
+            pos += r.shape[0]
+        run.rows = keep
+        if run.start > length:  # nothing left to read and the head is past it: start over there
+            self._runs.pop(request_id)
+
+    def pending(self, request_id: str) -> int:
+        run = self._runs.get(request_id)
+        return 0 if run is None else run.end - run.start
+
+    def take(self, request_id: str) -> PendingFeatures | None:
+        run = self._runs.get(request_id)
+        if run is None or not run.rows:
+            return None
+        rows = run.rows[0] if len(run.rows) == 1 else torch.cat(run.rows)
+        out = PendingFeatures(run.origin, run.start, rows)
+        run.start, run.rows = run.end, []
+        return out
+
+    def restart(self, request_id: str, origin: int) -> None:
+        """The reader's position 0 is now target position `origin`."""
+        self._runs[request_id].origin = origin
+
+    def free(self, request_id: str) -> None:
+        self._runs.pop(request_id, None)

@@ -1,0 +1,162 @@
+"""An EAGLE-3 draft head: one decoder layer over the target's own features.
+
+Step 1 fuses three target hidden states (the inputs of its layers `aux_layers`) with fc (3H -> H);
+every step then norms the next token's embedding (the target's, shared) and the hidden state
+separately, feeds both side by side (2H) to attention, keeps the hidden state as the residual, runs
+the MLP, and returns the pre-norm output (fed back as the next step's hidden state) and, through
+`norm` and `lm_head`, logits over the draft vocabulary, mapped to target ids by d2t.
+
+Checkpoint layout (as published for EAGLE-3 heads, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, and
+read by vLLM's llama_eagle3.py and SGLang's llama_eagle3.py): config.json with an architecture
+naming Eagle3 and `draft_vocab_size`; `fc.weight` [H, 3H_target]; `midlayer.{input_layernorm,
+hidden_norm, post_attention_layernorm}.weight`; `midlayer.self_attn.{q,k,v}_proj.weight` [*, 2H];
+`midlayer.self_attn.o_proj.weight`; `midlayer.mlp.{gate,up,down}_proj.weight`; `norm.weight`;
+`lm_head.weight` [draft_vocab, H]; `d2t` [draft_vocab] (target id = draft id + d2t); `t2d`
+[vocab] (bool); optionally `embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelPlan
+from engine.kv.protocol import KVView
+from engine.model.rope import Rope
+from engine.model.transformer import LayerWeights, ModelShape, Transformer
+
+
+def is_eagle3(path: Path) -> bool:
+    """Whether the checkpoint at `path` is an EAGLE-3 head (its config.json names an Eagle3 architecture)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return any("eagle3" in a.lower() for a in cfg.get("architectures") or [])
+
+
+def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs the head reads: the checkpoint's choice, else EAGLE-3's
+    default low / middle / high (2, L // 2, L - 3)."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = tuple(ids) if ids else (2, target_layers // 2, target_layers - 3)
+    if len(ids) != 3 or not all(0 <= i < target_layers for i in ids):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)}: need three layers of the target's {target_layers}")
+    return ids
+
+
+class Eagle3Head(Transformer):
+    """The head's forward over its own KV pool (one layer). `forward` (the Transformer interface,
+    used to time passes) feeds zero features; the proposer calls `step`."""
+
+    def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
+                 fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
+                 target_vocab: int, aux: tuple[int, ...], max_positions: int):
+        self.fc = fc  # [hidden, 3 * target hidden]
+        self.hidden_norm = hidden_norm  # [hidden]
+        self.draft_to_target = draft_to_target  # [draft_vocab] target id of each draft id
+        self.target_vocab = target_vocab
+        self.aux_layers = aux
+        super().__init__(shape, embed, [layer], final_norm, lm_head, max_positions, ModelPlan(dtype=_dtype_name(embed)))
+        self.identity_vocab = draft_to_target.numel() == target_vocab and bool(
+            (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
+
+    def _pack_for_cpu(self) -> None:
+        super()._pack_for_cpu()
+        self.fc = torch.ops.mkldnn._reorder_linear_weight(self.fc)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = torch.zeros(*input_ids.shape, self.shape.hidden_size, dtype=self.dtype, device=self.device)
+        return self.step(input_ids, position_ids, kv, hidden, logits_index)[0]
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, hidden: torch.Tensor,
+             logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, position_ids [B, T]; hidden [B, T, 3 * target hidden] (target features) or
+        [B, T, hidden] (the head's own output). Returns logits over the target vocabulary (-inf
+        outside the draft vocabulary) [B, (T,) vocab] and the pre-norm output [B, (T,) hidden],
+        at logits_index (or every position when None)."""
+        B, T = input_ids.shape
+        lw = self.layers[0]
+        if hidden.shape[-1] != self.shape.hidden_size:
+            hidden = self._linear(hidden, self.fc)  # [B, T, hidden]
+        x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm),
+                       self._rms_norm(hidden, self.hidden_norm)], dim=-1)  # [B, T, 2 * hidden]
+        rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
+        with self._attention_backends():
+            h = hidden + self._attention_block(x, lw, self._linear, rope, kv, 0, kv.attention_groups(position_ids))
+            h = h + self._mlp_block(h, lw, self._linear)  # [B, T, hidden]
+        if logits_index is not None:
+            h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
+        logits = self._linear(self._rms_norm(h, self.final_norm), self.lm_head).float()  # [B, (T,) draft_vocab]
+        if not self.identity_vocab:
+            full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+            logits = full.index_copy_(-1, self.draft_to_target, logits)  # [B, (T,) vocab]
+        return logits, h
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"EAGLE-3 head {path}: no model.safetensors or pytorch_model.bin")
+
+
+def load_eagle3(path: Path, target: Transformer, max_positions: int) -> Eagle3Head:
+    """The head at `path` for `target` (sharing its embedding, in its dtype, on its device);
+    ValueError names what does not match the target."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    t = target.shape
+    hidden, vocab = cfg["hidden_size"], cfg.get("vocab_size", t.vocab_size)
+    draft_vocab = cfg.get("draft_vocab_size") or vocab
+    problems = []
+    if vocab != t.vocab_size:
+        problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
+    if cfg.get("target_hidden_size", hidden) != t.hidden_size:
+        problems.append(f"target_hidden_size {cfg.get('target_hidden_size', hidden)} != the target's hidden_size {t.hidden_size}")
+    w = _read_tensors(path)
+    if "embed_tokens.weight" not in w and hidden != t.hidden_size:
+        problems.append(f"hidden_size {hidden} != the target's {t.hidden_size} (the head shares its embedding)")
+    if problems:
+        raise ValueError(f"EAGLE-3 head {path} does not fit target model: " + "; ".join(problems))
+    dtype, device = target.dtype, target.device
+
+    def get(name: str) -> torch.Tensor:
+        if name not in w:
+            raise ValueError(f"EAGLE-3 head {path}: tensor {name!r} missing")
+        return w[name].to(device=device, dtype=dtype)
+
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shape = ModelShape(vocab_size=draft_vocab, hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
+                       num_layers=1, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                       head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                       rope=Rope.from_hf_config(cfg, head_dim), max_position_embeddings=t.max_position_embeddings,
+                       tie_word_embeddings=False)
+    m = "midlayer."
+    layer = LayerWeights(attn_norm=get(m + "input_layernorm.weight"),
+                         qkv=torch.cat([get(m + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                         o=get(m + "self_attn.o_proj.weight"), mlp_norm=get(m + "post_attention_layernorm.weight"),
+                         gate_up=torch.cat([get(m + "mlp.gate_proj.weight"), get(m + "mlp.up_proj.weight")]),
+                         down=get(m + "mlp.down_proj.weight"))
+    fc = get("fc.weight")
+    if layer.qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * t.hidden_size):
+        raise ValueError(f"EAGLE-3 head {path}: attention input {layer.qkv.shape[1]} (want 2 x {hidden}) or fc "
+                         f"{tuple(fc.shape)} (want ({hidden}, {3 * t.hidden_size})) does not match")
+    offsets = w.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
+    d2t = offsets + torch.arange(draft_vocab, device=device)  # [draft_vocab] target ids
+    if offsets.numel() != draft_vocab or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
+        raise ValueError(f"EAGLE-3 head {path}: d2t must map {draft_vocab} draft ids into the target's {vocab}")
+    embed = get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
+    return Eagle3Head(shape, embed, layer, get(m + "hidden_norm.weight"), fc, get("norm.weight"), get("lm_head.weight"),
+                      d2t, vocab, aux_layers(cfg, t.num_layers), max_positions)

@@ -1,0 +1,98 @@
+"""The autoregressive drafting loop model proposers share: from each row's first logits, draw a
+token (greedy, or from the request's adjusted distribution, keeping q), walk the row's grammar,
+and step the rows that still need tokens, until each row has its k.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine import host_sync
+from engine.grammar import GrammarMatcher, mask_rows
+from engine.request import Request
+from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
+from engine.speculative.costs import CostObserver
+from engine.speculative.proposer import Proposal
+
+# rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]
+StepFn = Callable[[list[int], list[int]], torch.Tensor]
+
+
+def propose_rows(requests: list[Request], ks: list[int], name: str,
+                 draft: Callable[[list[Request], list[int]], tuple[list[list[int]], torch.Tensor | None]]) -> Proposal:
+    """A Proposal for the rows with ks[i] > 0 drafted by `draft(reqs, ks) -> (tokens, q)`, the
+    other rows empty."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    if not rows:
+        return Proposal([[] for _ in requests], None, ["none"] * len(requests))
+    tokens, q = draft([requests[i] for i in rows], [ks[i] for i in rows])
+    part = Proposal(tokens, q, [name] * len(rows))
+    if len(rows) == len(requests):
+        return part
+    empty = q.new_zeros(len(requests), 1, q.shape[-1]) if q is not None else None  # [N, 1, V]
+    return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
+
+
+def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, step: StepFn,
+                 observer: CostObserver) -> tuple[list[list[int]], torch.Tensor | None]:
+    """ks[i] tokens for reqs[i]: the first from `logits` [N, V], the rest from `step`; with q
+    [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it allows (its
+    matcher walks ahead and is rolled back after). The mean step time goes to the observer."""
+    sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
+    tokens: list[list[int]] = [[] for _ in reqs]
+    grammars = [r.grammar for r in reqs]
+    walked = [0] * len(reqs)  # tokens each grammar accepted ahead of its request
+    active = list(range(len(reqs)))
+    steps, t0 = 0, time.perf_counter()
+    try:
+        while True:
+            logits = mask_rows(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
+            drawn = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active))
+            for i in active:
+                tokens[i].append(drawn[i])
+            active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
+            if not active:
+                break
+            step_logits = step(active, [tokens[i][-1] for i in active])
+            if len(active) < len(reqs):  # only the requests that still need tokens step
+                step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device), step_logits)
+            logits, steps = step_logits, steps + 1
+    finally:
+        for g, n in zip(grammars, walked):
+            if g is not None:
+                g.rollback(n)
+    if steps:
+        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+    return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
+
+
+def _walk(grammar: GrammarMatcher | None, token: int, walked: list[int], row: int) -> bool:
+    """Advances a row's grammar past its drafted token; whether the row may draft on."""
+    if grammar is None:
+        return True
+    if not grammar.accept(token):
+        return False
+    walked[row] += 1
+    return not grammar.terminated
+
+
+class _Sampling:
+    """Draws draft tokens from each request's adjusted distribution, keeping every q."""
+
+    def __init__(self, reqs: list[Request], vocab_size: int, device: torch.device):
+        self.reqs = reqs
+        self.rows = SamplingRows.build([r.params for r in reqs], device)
+        self.seen = context_mask([r.all_token_ids for r in reqs], vocab_size, device) \
+            if self.rows.needs_penalty else None
+        self.q_steps: list[torch.Tensor] = []  # [N, V] per step
+
+    def draw(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
+        q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
+        self.q_steps.append(q)
+        drawn = draw(q, [r.params for r in self.reqs], [r.generator for r in self.reqs], active)  # [N]
+        if self.seen is not None:
+            self.seen.scatter_(1, drawn[:, None], True)
+        return drawn

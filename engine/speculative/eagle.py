@@ -1,0 +1,118 @@
+"""The EAGLE-3 proposer: a one-layer head that reads the target's own features.
+
+Head position j holds (target features at position origin + j, embedding of the token after it),
+so the head can only consume positions whose next token is known: every position the target has
+computed. A round first feeds the features the target's passes left since the last round (the
+KV manager's FeatureCache; a prompt, or the 1..K+1 tokens of the last verify) in one pass whose
+last output gives the first draft, then steps k - 1 times on its own pre-norm output. The draft
+steps' K/V is dropped after the round: the next round feeds the target's features there instead.
+q is the head's distribution over the target vocabulary (0 outside the draft vocabulary), so
+exact acceptance is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from engine import host_sync
+from engine.kv import KVManager
+from engine.model.eagle3 import Eagle3Head
+from engine.model.passes import pass_inputs, width_groups
+from engine.request import Request
+from engine.speculative.costs import CostObserver
+from engine.speculative.drafting import draft_tokens, propose_rows
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+
+
+class EagleProposer:
+    name = "eagle"
+    runs_model = True
+
+    def __init__(self, head: Eagle3Head, kv: KVManager, observer: CostObserver):
+        self.head = head
+        self.kv = kv
+        self.observer = observer
+
+    @property
+    def features(self):
+        return self.kv.features
+
+    def lag(self, requests: list[Request]) -> list[int]:
+        return [self.features.pending(r.request_id) for r in requests]
+
+    def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        return propose_rows(requests, ks, self.name, functools.partial(self._draft, with_q=with_q))
+
+    def _draft(self, reqs: list[Request], ks: list[int], with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
+        lengths = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
+        logits, hidden = self._catch_up(reqs, lengths)
+        real = [self.kv.draft_len(r) for r in reqs]
+        state = {"hidden": hidden}  # [N, hidden] each row's last pre-norm output
+        try:
+            return draft_tokens(reqs, ks, logits, with_q, functools.partial(self._step, reqs, state), self.observer)
+        finally:  # the draft steps' K/V goes: the next round feeds the target's features there
+            for r, n in zip(reqs, real):
+                self.kv.draft.truncate_to(self.kv.draft_slot(r), n)
+
+    def _catch_up(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds each request's pending features; its last logits [N, V] and pre-norm outputs [N, H]."""
+        chunks, features, starts = [], [], []
+        for r, n in zip(reqs, lengths):
+            pending = self.features.take(r.request_id)
+            if pending is None:  # nothing new since the last round: should not happen (a step always adds one)
+                raise RuntimeError(f"request {r.request_id}: no target features to draft from")
+            if pending.start - pending.origin != n:  # a new run (capture was off for a while): the head restarts
+                self.kv.draft.truncate_to(self.kv.draft_slot(r), 0)
+                self.features.restart(r.request_id, pending.start)
+                n = 0
+            chunks.append(r.all_token_ids[pending.start + 1:pending.start + 1 + pending.rows.shape[0]])
+            features.append(pending.rows)
+            starts.append(n)
+        V, H = self.head.target_vocab, self.head.shape.hidden_size
+        logits = torch.empty(len(reqs), V, device=self.head.device)  # [N, V]
+        hidden = torch.empty(len(reqs), H, dtype=self.head.dtype, device=self.head.device)  # [N, H]
+        long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
+        short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
+        t0 = t1 = time.perf_counter()
+        if long_rows:
+            for group in width_groups([len(chunks[i]) for i in long_rows]):
+                self._feed(reqs, [long_rows[g] for g in group], chunks, features, starts, logits, hidden)
+            host_sync.wait(self.head.device)
+            t1 = time.perf_counter()
+            self.observer.observe_catch_up(sum(len(chunks[i]) for i in long_rows), t1 - t0)
+        if short_rows:
+            self._feed(reqs, short_rows, chunks, features, starts, logits, hidden)
+            host_sync.wait(self.head.device)
+            self.observer.observe_draft_first(len(reqs), time.perf_counter() - t1)
+        return logits, hidden
+
+    def _feed(self, reqs, rows, chunks, features, starts, logits, hidden) -> None:
+        logits[rows], hidden[rows] = self._pass([reqs[i] for i in rows], [chunks[i] for i in rows],
+                                                [features[i] for i in rows], [starts[i] for i in rows])
+
+    def _pass(self, reqs: list[Request], chunks: list[list[int]], hidden: list[torch.Tensor],
+              starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends chunks[i] with hidden[i] [n_i, F] at head position starts[i]; last logits and outputs."""
+        x = pass_inputs(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], chunks, starts)
+        T = x.ids.shape[1]
+        h = torch.zeros(len(reqs), T, hidden[0].shape[-1], dtype=self.head.dtype, device=self.head.device)
+        for i, rows in enumerate(hidden):
+            h[i, :rows.shape[0]] = rows
+        return self.head.step(x.ids, x.positions, x.view, h, x.last)
+
+    def _step(self, reqs: list[Request], state: dict, rows: list[int], last: list[int]) -> torch.Tensor:
+        """One draft step for reqs[rows] from their previous outputs -> logits [len(rows), V]."""
+        index = torch.tensor(rows, device=self.head.device)
+        prev = state["hidden"].index_select(0, index)[:, None]  # [n, 1, H]
+        logits, out = self._pass_one([reqs[i] for i in rows], last, prev)
+        state["hidden"] = state["hidden"].index_copy(0, index, out)
+        return logits
+
+    def _pass_one(self, reqs: list[Request], tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = pass_inputs(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], [[t] for t in tokens],
+                        [self.kv.draft_len(r) for r in reqs])
+        return self.head.step(x.ids, x.positions, x.view, hidden, x.last)
+

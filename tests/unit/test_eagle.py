@@ -1,0 +1,215 @@
+"""EAGLE-3 heads: the published checkpoint layout against a plain-PyTorch reference, the target's
+features, clear errors for heads that do not fit, the feature cache, and greedy exactness with
+the eagle proposer (alone and inside hybrid), including live switches that stop feature capture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.config import ModelPlan
+from engine.kv.features import FeatureCache
+from engine.model.eagle3 import is_eagle3, load_eagle3
+from engine.model.loader import load_model
+from engine.model.passes import pass_inputs, pool_for
+from tests.helpers import make_eagle3_head
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x",
+    "for i in range(10):\n    print(i * i)\nfor i in range(10):\n",
+    "import os",
+    "x",
+    "print(os.path.join('a', 'b'))\n" * 3,
+]
+AUX = [0, 1, 1]  # the tiny target has two layers; layer 0's input is the embedding
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, tiny_model):
+    path = tmp_path_factory.mktemp("eagle3")
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    embed = tiny_model[1].model.embed_tokens.weight.detach()
+    make_eagle3_head(path, tiny_model[0], seed=3, aux=AUX, draft_vocab=[i for i in range(vocab) if i % 3 != 2],
+                     two_back=embed)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=8)
+    return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], inputs: list[torch.Tensor]):
+    """The head written out plainly: inputs[j] is position j's hidden input ([3H] target features,
+    or [H], the head's own output). Returns logits over the target vocabulary [T, V] (-inf outside
+    the draft vocabulary) and pre-norm outputs [T, H]."""
+    eps, H = cfg["rms_norm_eps"], cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = H // nh
+    hidden = torch.stack([w["fc.weight"] @ x if x.shape[-1] != H else x for x in inputs])  # [T, H]
+    T = hidden.shape[0]
+    x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"], eps),
+                   _rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)  # [T, 2H]
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, D)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, nkv, D)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, nkv, D)
+    inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+    ang = torch.arange(T).float()[:, None] * inv  # [T, D/2]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+
+    def rope(t):
+        return t * cos + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # [T, nh, D]
+    scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, H)
+    h = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    y = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+    h = h + (F.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T)) \
+        @ w["midlayer.mlp.down_proj.weight"].T
+    draft_logits = _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T  # [T, Vd]
+    ids = w["d2t"] + torch.arange(len(w["d2t"]))
+    logits = torch.full((T, cfg["vocab_size"]), float("-inf"))
+    logits[:, ids] = draft_logits
+    return logits, h
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tiny_model, fmt, backend):
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    w = make_eagle3_head(tmp_path, tiny_model[0], seed=1, aux=AUX, draft_vocab=list(range(0, vocab, 2)), fmt=fmt)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert is_eagle3(tmp_path) and not is_eagle3(tiny_model[0])
+    target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
+    head = load_eagle3(tmp_path, target, 64)
+    assert head.aux_layers == tuple(AUX)
+    pool = pool_for(head, max_slots=2, max_seq_len=64, backend=backend, block_size=4)
+    slot = pool.allocate_slot([])[0]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (14,), generator=g).tolist()
+    features = torch.randn(10, 3 * cfg["hidden_size"], generator=g)  # [10, 3H]
+    x = pass_inputs(head, pool, [slot], [tokens[:10]], [0])  # positions 0..9 from target features
+    logits, out = head.step(x.ids, x.positions, x.view, features[None], None)  # [1, 10, V], [1, 10, H]
+    inputs = list(features)
+    got_logits, got_out = [logits[0]], [out[0]]
+    for j in range(10, 14):  # then one-token steps on the head's own output, as drafting does
+        inputs.append(got_out[-1][-1])
+        x = pass_inputs(head, pool, [slot], [[tokens[j]]], [j])
+        logits, out = head.step(x.ids, x.positions, x.view, got_out[-1][-1:][None], x.last)  # [1, V], [1, H]
+        got_logits.append(logits)
+        got_out.append(out)
+    want_logits, want_out = reference_head(w, cfg, target.embed, tokens, inputs)
+    got_logits, got_out = torch.cat(got_logits), torch.cat(got_out)
+    assert torch.equal(torch.isinf(got_logits), torch.isinf(want_logits))
+    finite = torch.isfinite(want_logits)
+    torch.testing.assert_close(got_logits[finite], want_logits[finite], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-4)
+
+
+def test_target_features_are_the_inputs_of_the_chosen_layers(tiny_model):
+    path, hf = tiny_model
+    target = load_model(path, ModelPlan(dtype="float32"), "cpu", 64)
+    pool = pool_for(target, max_slots=1, max_seq_len=64)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2))
+    x = pass_inputs(target, pool, [pool.allocate_slot([])[0]], ids.tolist(), [0])
+    logits, feats = target.forward_features(x.ids, x.positions, x.view, None, (1, 0, 1))  # [1, 12, 3H]
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i] for i in (1, 0, 1)], -1)
+    torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model, tiny_draft, head_dir):
+    cfg = json.loads((tiny_model[0] / "config.json").read_text())
+    small = tmp_path / "small"
+    make_eagle3_head(small, tiny_draft[0], aux=AUX)  # hidden 32 vs the target's 64
+    with pytest.raises(ValueError, match="hidden_size"):
+        LLM(model=str(tiny_model[0]), draft_model=str(small), use_speculative_decoding=True, speculative_method="eagle")
+    vocab = tmp_path / "vocab"
+    make_eagle3_head(vocab, tiny_model[0], aux=AUX)
+    c = json.loads((vocab / "config.json").read_text())
+    (vocab / "config.json").write_text(json.dumps({**c, "vocab_size": cfg["vocab_size"] + 8}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(model=str(tiny_model[0]), draft_model=str(vocab), use_speculative_decoding=True, speculative_method="eagle")
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True, speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_method='eagle'"):
+        LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
+            speculative_method="eagle")
+
+
+def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():
+    cache = FeatureCache()
+    rows = torch.arange(40.0).view(10, 4)
+    cache.append("a", 0, rows[:6])
+    cache.append("a", 6, rows[6:9])
+    cache.truncate_to("a", 7)  # a verify's rejected positions go
+    assert cache.pending("a") == 7
+    got = cache.take("a")
+    assert (got.origin, got.start) == (0, 0) and torch.equal(got.rows, rows[:7])
+    assert cache.pending("a") == 0 and cache.take("a") is None
+    cache.append("a", 7, rows[7:8])
+    assert cache.take("a").start == 7
+    cache.append("a", 20, rows[:2])  # not contiguous: a new run starts there
+    got = cache.take("a")
+    assert (got.origin, got.start) == (20, 20)
+    cache.free("a")
+    assert cache.pending("a") == 0
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, method, policy):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+              speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
+              kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
+              enable_prefix_caching=backend == "paged")
+    alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
+    batched = llm.generate(PROMPTS, greedy())  # paged: prompts now hit the prefix cache
+    assert [o.token_ids for o in alone] == reference
+    assert [o.token_ids for o in batched] == reference
+    if policy == "fixed":
+        drafted = sum(o.num_draft_tokens for o in batched)
+        accepted = sum(o.num_accepted_tokens for o in batched)
+        assert 0 < accepted < drafted
+        assert any("eagle" in o.proposers for o in batched)
+    assert all(pool.num_used_slots() == 0 for pool in llm.engine.kv.pools().values())
+    assert llm.engine.kv.features.pending(batched[0].request_id) == 0
+
+
+def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, head_dir, reference):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+              speculative_method="eagle", spec_policy="fixed", spec_length=3, dtype="float32",
+              max_seq_len=160, max_batch_size=8)
+    engine = llm.engine
+    ids = [engine.add_request(p, greedy()) for p in PROMPTS]
+    outputs: dict[str, list[int]] = {i: [] for i in ids}
+    for step in range(200):
+        if step == 3:
+            engine.reconfigure_speculation(speculative_method="ngram")  # the target stops keeping features
+        if step == 6:
+            engine.reconfigure_speculation(speculative_method="eagle")  # the head starts over where they resume
+        for out in engine.step():
+            outputs[out.request_id].append(out.token_id)
+        if not engine.has_unfinished_requests():
+            break
+    assert [outputs[i] for i in ids] == reference

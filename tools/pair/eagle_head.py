@@ -1,0 +1,172 @@
+"""The trainable EAGLE-3 head and its training-time test, for the recipe in tools/train_eagle_head.py.
+
+The head reads three of the target's hidden states (the inputs of layers `aux_layers`), fuses them
+(fc: 3H -> H), and with the embedding of the next token runs one decoder layer whose attention
+takes both (2H wide), then a norm and an output layer over a reduced draft vocabulary. Step 1 of a
+rollout starts from the target's features; steps 2..K from the head's own previous (pre-norm)
+output, as at serving time. Training-time test ("TTT"): every step of the rollout is trained, each
+query attending to the real context up to its chain's start plus the chain's own earlier steps,
+exactly the keys it meets when drafting.
+
+Exported in the layout published for EAGLE-3 heads (see engine/model/eagle3.py for the reader).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class TrainableEagle3Head(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                 draft_vocab: int, target_hidden: int, eps: float, rope_theta: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(hidden))
+        self.input_norm = nn.Parameter(torch.ones(hidden))
+        self.q = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.rope_theta = rope_theta
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        ang = positions.float()[:, None] * inv[None]  # [T, D/2]
+        ang = torch.cat([ang, ang], dim=-1)[None, :, None]  # [1, T, 1, D]
+        return ang.cos(), ang.sin()
+
+    def rollout(self, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """features [B, T, 3H_t] (target, position i), embeds [B, T + steps, H] (token i + 1 at
+        index i). Returns, per step s = 1..steps, the draft logits [B, T, Vd] of chain i at step s
+        (its prediction of token i + s + 1)."""
+        B, T, _ = features.shape
+        G = self.heads // self.kv_heads
+        hidden = self.fc(features)  # [B, T, H]
+        causal = torch.ones(T, T, dtype=torch.bool, device=features.device).tril()  # [T, T] key j <= chain i
+        k1 = v1 = None
+        diag_k: list[torch.Tensor] = []  # each [B, kv_heads, T, D]: chain i's own earlier steps
+        diag_v: list[torch.Tensor] = []
+        out = []
+        for s in range(steps):
+            x = torch.cat([self._norm(embeds[:, s:s + T], self.input_norm), self._norm(hidden, self.hidden_norm)], -1)
+            cos, sin = self._rope(torch.arange(s, s + T, device=features.device))
+            q = _rotate(self.q(x).view(B, T, self.heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, h, T, D]
+            k = _rotate(self.k(x).view(B, T, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)  # [B, kv, T, D]
+            v = self.v(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+            if s == 0:
+                k1, v1 = k, v
+            else:
+                diag_k.append(k)
+                diag_v.append(v)
+            qg = q.reshape(B, self.kv_heads, G, T, self.head_dim)  # [B, kv, G, T, D]
+            scale = self.head_dim ** -0.5
+            ctx = torch.einsum("bkgtd,bkjd->bkgtj", qg, k1) * scale  # [B, kv, G, T, T]
+            ctx = ctx.masked_fill(~causal, float("-inf"))
+            own = [torch.einsum("bkgtd,bktd->bkgt", qg, kk)[..., None] * scale for kk in diag_k]  # each [B, kv, G, T, 1]
+            probs = torch.cat([ctx, *own], dim=-1).float().softmax(-1).to(q.dtype)
+            attn = torch.einsum("bkgtj,bkjd->bkgtd", probs[..., :T], v1)
+            for t, vv in enumerate(diag_v):
+                attn = attn + probs[..., T + t:T + t + 1] * vv[:, :, None]
+            attn = attn.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+            h = hidden + self.o(attn)
+            y = self._norm(h, self.post_norm)
+            h = h + self.down(F.silu(self.gate(y)) * self.up(y))
+            out.append(self.lm_head(self._norm(h, self.norm)))
+            hidden = h
+        return out
+
+    def export(self, out: Path, d2t: torch.Tensor, vocab_size: int, target_config: dict, aux_layers: list[int],
+               dtype: torch.dtype = torch.bfloat16) -> None:
+        """Writes config.json + model.safetensors in the published EAGLE-3 layout. d2t: [Vd] target
+        id of each draft id (stored as offsets, target = draft + d2t, as published)."""
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[d2t] = True
+        w = {
+            "fc.weight": self.fc.weight,
+            "midlayer.hidden_norm.weight": self.hidden_norm,
+            "midlayer.input_layernorm.weight": self.input_norm,
+            "midlayer.self_attn.q_proj.weight": self.q.weight,
+            "midlayer.self_attn.k_proj.weight": self.k.weight,
+            "midlayer.self_attn.v_proj.weight": self.v.weight,
+            "midlayer.self_attn.o_proj.weight": self.o.weight,
+            "midlayer.post_attention_layernorm.weight": self.post_norm,
+            "midlayer.mlp.gate_proj.weight": self.gate.weight,
+            "midlayer.mlp.up_proj.weight": self.up.weight,
+            "midlayer.mlp.down_proj.weight": self.down.weight,
+            "norm.weight": self.norm,
+            "lm_head.weight": self.lm_head.weight,
+        }
+        tensors = {n: t.detach().to(dtype).contiguous() for n, t in w.items()}
+        tensors["d2t"] = (d2t - torch.arange(d2t.numel())).to(torch.int64)
+        tensors["t2d"] = t2d
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.fc.out_features,
+            "target_hidden_size": self.fc.in_features // 3,
+            "intermediate_size": self.gate.out_features,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": target_config["max_position_embeddings"],
+            "vocab_size": vocab_size,
+            "draft_vocab_size": int(d2t.numel()),
+            "tie_word_embeddings": False,
+            "bos_token_id": target_config.get("bos_token_id"),
+            "eos_token_id": target_config.get("eos_token_id"),
+            "pad_token_id": target_config.get("pad_token_id"),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True},
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high choice: the inputs of layers 2, L // 2 and L - 3."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def step_weights(steps: int, decay: float = 0.8) -> list[float]:
+    """Loss weight of each rollout step (later steps matter only when earlier ones were accepted)."""
+    w = [decay ** s for s in range(steps)]
+    return [x * steps / sum(w) for x in w]
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -1,0 +1,180 @@
+"""Train an EAGLE-3 head for the shipped target and write it to models/eagle3 (published layout).
+
+    python tools/train_eagle_head.py                    # resumable; ~75 min on 2 CPU cores
+    nohup python tools/train_eagle_head.py > eagle.log 2>&1 &
+
+Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
+target's features (inputs of layers 2, L/2, L-3) and its distributions computed on the fly with
+transformers' LlamaForCausalLM. Loss: cross-entropy of the head's distribution against the
+target's (restricted to the draft vocabulary) at every step of a training-time-test rollout,
+later steps weighted less. Needs the corpus and tokens of tools/make_default_pair.py in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pair.eagle_head import TrainableEagle3Head, cosine_lr, default_aux_layers, step_weights  # noqa: E402
+from pair.generations import generate_rows, mixed_batches  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("recipe.eagle")
+
+
+def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int, eos: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the training text (EOS always in), sorted: d2t."""
+    counts = np.bincount(stream, minlength=vocab) + np.bincount(rows, minlength=vocab)  # [vocab]
+    counts[eos] = counts.max() + 1
+    top = np.sort(np.argsort(-counts, kind="stable")[:size])
+    covered = counts[top].sum() / counts.sum()
+    log.info("draft vocabulary: %d ids cover %.2f%% of training tokens", size, 100 * covered)
+    return torch.from_numpy(top.astype(np.int64))
+
+
+def target_pass(target, ids: torch.Tensor, aux: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """features [B, W, 3H] (inputs of the aux layers), embeddings [B, W, H], logits [B, W, V]."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = target(input_ids=ids, output_hidden_states=True)
+    hs = out.hidden_states  # hs[i]: the input of layer i
+    return torch.cat([hs[i] for i in aux], dim=-1).float(), hs[0].float(), out.logits.float()
+
+
+def rollout_loss(head, feats, embeds, logits, d2t, steps, weights) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Weighted loss over the rollout, and per step the argmax agreement with the target and the
+    expected acceptance sum(min(p, q)) at temperature 1."""
+    T = feats.shape[1] - steps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = head.rollout(feats[:, :T], embeds[:, 1:], steps)
+    loss = feats.new_zeros(())
+    agree, accept = [], []
+    for s, (logit_d, w) in enumerate(zip(outs, weights)):
+        t_logits = logits[:, s + 1:s + 1 + T]  # [B, T, V]: the target's distribution of token i + s + 2
+        p_d = t_logits[..., d2t].softmax(-1)  # [B, T, Vd]
+        logq = logit_d.float().log_softmax(-1)
+        loss = loss + w * -(p_d * logq).sum(-1).mean()
+        with torch.no_grad():
+            agree.append((d2t[logit_d.argmax(-1)] == t_logits.argmax(-1)).float().mean().item())
+            p_full = t_logits.softmax(-1)
+            accept.append(torch.minimum(p_full[..., d2t], logq.exp()).sum(-1).mean().item())
+    return loss / steps, agree, accept
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "specserve-recipe")
+    ap.add_argument("--target", type=Path, default=REPO / "models" / "target")
+    ap.add_argument("--out", type=Path, default=REPO / "models" / "eagle3")
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--ttt-steps", type=int, default=5)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--generations", type=int, default=1536, help="target-written rows (0: corpus only)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop (and export) after this long")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+    from transformers import LlamaForCausalLM
+
+    work = args.work / "eagle3"
+    work.mkdir(parents=True, exist_ok=True)
+    target_cfg = json.loads((args.target / "config.json").read_text())
+    aux = default_aux_layers(target_cfg["num_hidden_layers"])
+    stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
+    rows_path = generate_rows(args.work, args.target, n_rows=args.generations, seed=23, name="generations_eagle",
+                              sampled_every=2) if args.generations else None
+    torch.set_num_threads(args.threads)
+    rows = np.fromfile(rows_path, dtype=np.uint16) if rows_path else np.zeros(0, np.uint16)
+    d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"])
+    window = args.seq + args.ttt_steps
+    batches = mixed_batches(args.work, rows_path, batch=args.batch, generated=args.batch // 2, seq=window) \
+        if rows_path else None
+    val_stream = np.fromfile(args.work / "tokens" / "val.u16", dtype=np.uint16)
+    vrng = np.random.default_rng(99)
+    val = torch.from_numpy(np.stack([val_stream[s:s + window] for s in
+                                     vrng.integers(0, val_stream.size - window, 16)]).astype(np.int64))
+
+    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    H = target_cfg["hidden_size"]
+    head = TrainableEagle3Head(H, target_cfg["intermediate_size"], target_cfg["num_attention_heads"],
+                               target_cfg["num_key_value_heads"], target_cfg.get("head_dim") or H // target_cfg["num_attention_heads"],
+                               args.draft_vocab, H, target_cfg["rms_norm_eps"],
+                               (target_cfg.get("rope_parameters") or target_cfg).get("rope_theta", 10000.0))
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    rng = np.random.default_rng(5)
+    step, elapsed = 0, 0.0
+    ckpt = work / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        rng.bit_generator.state = state["rng"]
+        step, elapsed = state["step"], state["elapsed"]
+        log.info("resumed at step %d (%.0f s trained)", step, elapsed)
+    log.info("head: %.2fM parameters; aux layers %s; %d steps of %d x %d, rollout %d", sum(
+        p.numel() for p in head.parameters()) / 1e6, aux, args.steps, args.batch, args.seq, args.ttt_steps)
+    weights = step_weights(args.ttt_steps)
+    log_path = work / "log.jsonl"
+    last_ckpt, started = time.monotonic(), time.monotonic()
+    bar = tqdm(total=args.steps, initial=step, desc="train eagle3 head", unit="step")
+    while step < args.steps:
+        t0 = time.monotonic()
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, args.steps, args.lr, 50)
+        if batches is not None:
+            ids = batches(rng)
+        else:
+            starts = rng.integers(0, stream.size - window - 1, args.batch)
+            ids = torch.from_numpy(np.stack([stream[s:s + window] for s in starts]).astype(np.int64))
+        feats, embeds, logits = target_pass(target, ids, aux)
+        loss, agree, accept = rollout_loss(head, feats, embeds, logits, d2t, args.ttt_steps, weights)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        elapsed += time.monotonic() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree1=f"{agree[0]:.3f}")
+        record = {"step": step, "loss": loss.item(), "agree": agree, "accept": accept, "elapsed_s": round(elapsed, 1)}
+        if step % 100 == 0 or step == args.steps:
+            with torch.no_grad():
+                vf, ve, vl = target_pass(target, val, aux)
+                _, vagree, vaccept = rollout_loss(head, vf, ve, vl, d2t, args.ttt_steps, weights)
+            record.update(val_agree=vagree, val_accept=vaccept)
+            log.info("step %d: val argmax agreement by step %s, expected acceptance %s", step,
+                     [round(a, 3) for a in vagree], [round(a, 3) for a in vaccept])
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        out_of_time = args.max_minutes is not None and time.monotonic() - started > 60 * args.max_minutes
+        if time.monotonic() - last_ckpt > 300 or step == args.steps or out_of_time:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                        "rng": rng.bit_generator.state}, tmp)
+            tmp.replace(ckpt)
+            last_ckpt = time.monotonic()
+            head.export(args.out, d2t, target_cfg["vocab_size"], target_cfg, aux)
+        if out_of_time:
+            log.info("stopping at step %d after %.0f min (--max-minutes)", step, args.max_minutes)
+            break
+    bar.close()
+    head.export(args.out, d2t, target_cfg["vocab_size"], target_cfg, aux)
+    log.info("exported %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
