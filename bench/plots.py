@@ -150,7 +150,7 @@ def plot_serve(r: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     made = []
     for name, fn in (("spec_code_t0", plot_spec), ("spec_edit_t0", plot_spec), ("spec_code_t0.8", plot_spec),
-                     ("sweep", plot_sweep), ("peers", plot_peers), ("serve", plot_serve)):
+                     ("sweep", plot_sweep), ("sweep_eagle", plot_sweep), ("peers", plot_peers), ("serve", plot_serve)):
         r = _load(name)
         if r is not None:
             out = RESULTS / f"{name}.png"

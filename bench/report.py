@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -153,8 +154,9 @@ def _paired(row: dict) -> str:
     return f"{p['median']:.3f} ({p['min']:.2f}-{p['max']:.2f})"
 
 
-def sweep(r: dict) -> list[str]:
+def sweep(r: dict, image: str = "sweep") -> list[str]:
     names = list(r["variants"])
+    adaptive_name = next(n for n in names if n.endswith("adaptive"))
     windowed = "tok_s_end_to_end" in next(iter(r["results"].values()))[names[0]]
     paired = "adaptive_vs_best_paired" in next(iter(r["results"].values()))
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
@@ -166,7 +168,7 @@ def sweep(r: dict) -> list[str]:
              + (" adaptive ÷ best, whole run |" if windowed else "") + (" adaptive ÷ best, paired |" if paired else ""),
              "| --- |" + " --- |" * (len(names) + 2 + windowed + paired)]
     for b, row in r["results"].items():
-        ks = ", ".join(f"K={k}: {n}" for k, n in row["draft adaptive"]["k_steps"].items())
+        ks = ", ".join(f"K={k}: {n}" for k, n in row[adaptive_name]["k_steps"].items())
         lines.append(f"| {b} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f}" for n in names)
                      + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |"
                      + (f" {row['adaptive_vs_best_end_to_end']:.3f} |" if windowed else "")
@@ -175,7 +177,7 @@ def sweep(r: dict) -> list[str]:
         lines += ["", "The paired column is the median, over repeats, of each repeat's adaptive run ÷ the same "
                   "repeat's run of the best other variant (min-max in brackets): the two ran minutes apart, so "
                   "the host's slow drifts cancel, where the ratio of medians compares runs up to a sweep apart."]
-    return lines + [""] + _img("sweep")
+    return lines + [""] + _img(image)
 
 
 def serve(r: dict) -> list[str]:
@@ -267,7 +269,9 @@ def summary() -> str:
             parts.append(f"{w}: draft {same_draft:.2f}x, best {ours[name]['vs_transformers_assisted']:.2f}x ({name})")
             met &= same_draft >= 2.0
         row("our speculative decoding (same draft) >= 2x transformers assisted generation", "; ".join(parts), met)
-    if (r := _load("sweep")) is not None:
+    for name, what in (("sweep", "adaptive"), ("sweep_eagle", "adaptive with the EAGLE-3 head")):
+        if (r := _load(name)) is None:
+            continue
         ratios = {b: row_["adaptive_vs_best"] for b, row_ in r["results"].items()}
         worst = min(ratios, key=ratios.get)
         measured = f"{min(ratios.values()):.3f} (batch {worst}) to {max(ratios.values()):.3f}"
@@ -276,7 +280,7 @@ def summary() -> str:
             worst_paired = min(paired, key=paired.get)
             measured += (f" as ratios of medians; paired medians {min(paired.values()):.3f} (batch {worst_paired})"
                          f" to {max(paired.values()):.3f}")
-        row("adaptive >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
+        row(f"{what} >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
     if (r := _load("serve")) is not None:
         ratios = {lv: row_["adaptive_over_best"] for lv, row_ in r["results"].items()}
         worst = min(ratios, key=ratios.get)
@@ -314,7 +318,8 @@ def build() -> str:
     if first_spec is not None:
         out += costs_table(first_spec)
     for name, fn in (("plans", plans), ("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep),
-                     ("serve", serve), ("structured", structured)):
+                     ("sweep_eagle", functools.partial(sweep, image="sweep_eagle")), ("serve", serve),
+                     ("structured", structured)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)

@@ -3,6 +3,10 @@
     python -m bench spec                       # code workload, batch 1, greedy
     python -m bench spec --workload edit       # n-gram friendly edit workload
     python -m bench spec --costs-only          # verify-pass / draft-step timings and c
+    python -m bench spec --methods draft eagle hybrid-eagle --ks 3 5   # the EAGLE-3 head beside the draft
+
+"eagle" and "hybrid-eagle" (prompt lookup, else the head) run on a second engine with the same
+target and the EAGLE-3 head of --eagle, interleaved with the others; its c is the head's.
 
 Every configuration runs in one engine (reconfigured between runs, same weights), the
 configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
@@ -62,6 +66,18 @@ def measure_costs(llm, batch_sizes=(1, 16), max_t: int = 9, context: int = 128, 
 
 
 COSTS = "forward costs"  # the interleaved cost measurement among the configurations
+EAGLE_COSTS = "eagle forward costs"
+EAGLE_METHODS = {"eagle": "eagle", "hybrid-eagle": "hybrid"}  # bench name -> speculative_method on the head's engine
+
+
+def eagle_engine(args, use: bool):
+    """The engine with the EAGLE-3 head (same target, same plan option), or None."""
+    if not use:
+        return None
+    from engine import LLM
+
+    return LLM(model=args.target, draft_model=args.eagle, forward_plan=args.forward_plan, use_speculative_decoding=True,
+               speculative_method="eagle", max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
 
 
 def interleaved_costs(rows: list[dict]) -> dict:
@@ -93,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--costs-only", action="store_true")
     add_model_options(ap)
+    ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head for the eagle methods")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -100,9 +117,13 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
               use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
+    llm_eagle = eagle_engine(args, any(m in EAGLE_METHODS for m in args.methods))
     costs = measure_costs(llm)
+    if llm_eagle is not None:
+        costs["eagle"] = measure_costs(llm_eagle, batch_sizes=(1,))["1"]
     for b, row in costs.items():
-        print(f"batch {b}: target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
+        print(f"{'eagle head, batch 1' if b == 'eagle' else f'batch {b}'}: "
+              f"target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
               "verify T/T1: " + " ".join(f"{t}:{r:.2f}" for t, r in row["verify_ratio"].items()))
     if args.costs_only:
         write("spec_costs", {"costs": costs}, llm)
@@ -110,16 +131,17 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.workload, args.prompts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
     configs: dict[str, dict] = {"plain": PLAIN}
+    engines = {"plain": llm}
     for m in args.methods:
-        for k in args.ks:
-            configs[f"{m}/K={k}"] = fixed(m, k)
-        configs[f"{m}/adaptive"] = adaptive(m, max(args.ks))
+        method, engine = EAGLE_METHODS.get(m, m), llm_eagle if m in EAGLE_METHODS else llm
+        for name, cfg in [*((f"{m}/K={k}", fixed(method, k)) for k in args.ks), (f"{m}/adaptive", adaptive(method, max(args.ks)))]:
+            configs[name], engines[name] = cfg, engine
 
-    def run(cfg):
+    def run(name, cfg):
         def go():
-            llm.engine.reconfigure_speculation(**cfg)
+            engines[name].engine.reconfigure_speculation(**cfg)
             t0 = time.perf_counter()
-            outs, phase_seconds = generate_each(llm, prompts, params)
+            outs, phase_seconds = generate_each(engines[name], prompts, params)
             dt = time.perf_counter() - t0
             n = sum(len(o.token_ids) for o in outs)
             drafted = sum(o.num_draft_tokens for o in outs)
@@ -138,14 +160,20 @@ def main(argv: list[str] | None = None) -> None:
     # the batch-1 forward costs are re-measured between the configurations of every repeat: the
     # theory's c and verify costs come from the same stretch of time as the speeds they judge
     # (one measurement at the start can catch a slow moment of a shared host)
-    variants = {COSTS: forward_costs, **{name: run(cfg) for name, cfg in configs.items()}}
+    variants = {COSTS: forward_costs, **{name: run(name, cfg) for name, cfg in configs.items()}}
+    if llm_eagle is not None:
+        variants[EAGLE_COSTS] = lambda: measure_costs(llm_eagle, batch_sizes=(1,), repeats=9)["1"]
     runs = interleave(variants, args.repeats, f"{args.workload} configs")
     in_run = interleaved_costs(runs.pop(COSTS))
+    in_run_eagle = interleaved_costs(runs.pop(EAGLE_COSTS)) if llm_eagle is not None else None
     plain = summarize(runs["plain"], "tok_s")["median"]
     reference = runs["plain"][0]["tokens"]
     c = in_run["c"]["median"]
     print(f"batch 1, measured between configurations: c = {c:.3f} (range {in_run['c']['min']:.3f} to "
           f"{in_run['c']['max']:.3f}), target T=1 {in_run['target_T1']:.2f} ms, draft step {in_run['draft_T1']:.2f} ms")
+    if in_run_eagle is not None:
+        print(f"eagle head: c = {in_run_eagle['c']['median']:.3f} (range {in_run_eagle['c']['min']:.3f} to "
+              f"{in_run_eagle['c']['max']:.3f}), head step {in_run_eagle['draft_T1']:.2f} ms")
     table = {}
     for name, rs in runs.items():
         s = summarize(rs, "tok_s")
@@ -160,12 +188,14 @@ def main(argv: list[str] | None = None) -> None:
                  if args.temperature == 0 else None,
                  # median over repeats of each phase's milliseconds per generated token
                  "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
-        if alpha is not None and configs[name].get("spec_policy") == "fixed" and name.startswith("draft"):
-            entry["theoretical_speedup"] = theoretical(alpha_token, k, c)
+        model_costs = in_run_eagle if name.startswith("eagle") else in_run if name.startswith("draft") else None
+        if alpha is not None and configs[name].get("spec_policy") == "fixed" and model_costs is not None:
+            entry["theoretical_speedup"] = theoretical(alpha_token, k, model_costs["c"]["median"])
             entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
-            verify_cost = in_run["verify_ratio"].get(k + 1)
+            verify_cost = model_costs["verify_ratio"].get(k + 1)
             if verify_cost is not None:
-                entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, c, verify_cost)
+                entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, model_costs["c"]["median"],
+                                                                       verify_cost)
                 entry["measured_over_theoretical_verify_cost"] = \
                     entry["speedup"] / entry["theoretical_speedup_verify_cost"]
         table[name] = entry
@@ -175,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "results": table}, llm)
+        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle,
+        "results": table}, llm)
     print(f"wrote {path}")
 
 

@@ -2,6 +2,7 @@
 concurrent requests, and which K the adaptive policy picked at each batch size.
 
     python -m bench sweep [--batches 1 2 4 8 16 32 64] [--tokens 64] [--repeats 3]
+    python -m bench sweep --method eagle      # the EAGLE-3 head (embedded:eagle3) instead of the draft
 
 All requests of a run are submitted at once (distinct held-out prompts: code, then edit) and
 the engine steps until all finish. Throughput at batch B (`tok_s`) is decode throughput while
@@ -26,13 +27,11 @@ from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, 
 from bench.workloads import load_prompts
 from engine.request import PHASES
 
-VARIANTS = {
-    "plain": PLAIN,
-    "draft K=1": fixed("draft", 1),
-    "draft K=2": fixed("draft", 2),
-    "draft K=4": fixed("draft", 4),
-    "draft adaptive": adaptive("draft"),
-}
+
+def method_variants(method: str) -> dict[str, dict]:
+    """Plain, fixed K = 1, 2, 4 and adaptive speculation by `method` ("draft" or "eagle")."""
+    return {"plain": PLAIN, **{f"{method} K={k}": fixed(method, k) for k in (1, 2, 4)},
+            f"{method} adaptive": adaptive(method)}
 
 
 def run_batch(llm, prompts: list[str], params) -> dict:
@@ -81,7 +80,13 @@ def run_batch(llm, prompts: list[str], params) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = parser("sweep", __doc__, tokens=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
+                    help="the model proposer (eagle: --draft defaults to the embedded EAGLE-3 head)")
     args = ap.parse_args(argv)
+    if args.method == "eagle" and args.draft == "embedded:draft":
+        args.draft = "embedded:eagle3"
+    VARIANTS = method_variants(args.method)
+    ADAPTIVE = f"{args.method} adaptive"
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     if max(args.batches) > len(pool):
         raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
     llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
-              use_speculative_decoding=True,
+              use_speculative_decoding=True, speculative_method=args.method,
               max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -103,9 +108,9 @@ def main(argv: list[str] | None = None) -> None:
                 return run_batch(llm, prompts, params)
             return go
 
-        variants = {name: variant(cfg) for name, cfg in VARIANTS.items()}
-        variants["plain"]()  # warm-up
-        runs = interleave(variants, args.repeats, f"batch {b}")
+        runs_of = {name: variant(cfg) for name, cfg in VARIANTS.items()}
+        runs_of["plain"]()  # warm-up
+        runs = interleave(runs_of, args.repeats, f"batch {b}")
         plain = summarize(runs["plain"], "tok_s")["median"]
         row = {}
         for name, rs in runs.items():
@@ -123,22 +128,22 @@ def main(argv: list[str] | None = None) -> None:
                          "k_steps": {str(k): n for k, n in sorted(ks.items())},
                          "identical_to_plain": statistics.fmean(
                              a == b for r in rs for a, b in zip(r["tokens"], runs["plain"][0]["tokens"]))}
-        best_fixed = max((n for n in row if n != "draft adaptive"), key=lambda n: row[n]["tok_s"]["median"])
-        row["adaptive_vs_best"] = row["draft adaptive"]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
+        best_fixed = max((n for n in row if n != ADAPTIVE), key=lambda n: row[n]["tok_s"]["median"])
+        row["adaptive_vs_best"] = row[ADAPTIVE]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
         # paired: each repeat's adaptive run over the same repeat's run of that best variant (the
         # two ran minutes apart, not a whole sweep apart), so slow drifts of the host cancel
         row["adaptive_vs_best_paired"] = summarize(
-            [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs["draft adaptive"], runs[best_fixed])], "r")
+            [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs[ADAPTIVE], runs[best_fixed])], "r")
         row["best_fixed"] = best_fixed
-        best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != "draft adaptive")
-        row["adaptive_vs_best_end_to_end"] = row["draft adaptive"]["tok_s_end_to_end"]["median"] / best_e2e
+        best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != ADAPTIVE)
+        row["adaptive_vs_best_end_to_end"] = row[ADAPTIVE]["tok_s_end_to_end"]["median"] / best_e2e
         results[str(b)] = row
         print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
               + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
               f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row['draft adaptive']['k_steps']}")
-    path = write("sweep", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
+    path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
                            "variants": VARIANTS, "results": results}, llm)
     print(f"wrote {path}")
 

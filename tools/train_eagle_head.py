@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -100,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = np.fromfile(rows_path, dtype=np.uint16) if rows_path else np.zeros(0, np.uint16)
     d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"])
-    window = args.seq + args.ttt_steps
+    window = args.seq  # chains: the first seq - ttt_steps positions
     batches = mixed_batches(args.work, rows_path, batch=args.batch, generated=args.batch // 2, seq=window) \
         if rows_path else None
     val_stream = np.fromfile(args.work / "tokens" / "val.u16", dtype=np.uint16)
