@@ -62,7 +62,8 @@ class ModelRunner:
         logits, features = forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,
                                                    all_logits=all_logits)  # features [B, T, F]
         for i, (r, c, s) in enumerate(zip(reqs, chunks, starts)):
-            self.kv.features.append(r.request_id, s, features[i, :len(c)])
+            if r.params.spec_length != 0:  # a request that opted out never drafts: nothing to keep
+                self.kv.features.append(r.request_id, s, features[i, :len(c)])
         return logits
 
 
