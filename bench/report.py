@@ -252,8 +252,17 @@ def summary() -> str:
         if ratios:
             extra = f" (bound with the measured verify cost: {min(with_verify):.0%} to {max(with_verify):.0%})" \
                 if with_verify else ""
-            row("measured >= 90% of the theoretical speedup (Thm 3.8, draft, fixed K)",
+            row("measured >= 90% of the theoretical speedup (Thm 3.8, draft and eagle, fixed K)",
                 f"{min(ratios):.0%} to {max(ratios):.0%}{extra}", min(ratios) >= 0.9)
+        if "eagle/adaptive" in res:
+            alpha = max(e["alpha_per_token"] for n, e in res.items() if n.startswith("eagle/K="))
+            row("EAGLE-3 head: per-token α >= 0.88 (batch 1, greedy, code)", f"{alpha:.3f}", alpha >= 0.88)
+            for name, goal in (("eagle", 2.5), ("hybrid-eagle", 2.8)):
+                adaptive = res[f"{name}/adaptive"]["speedup"]
+                row(f"batch 1, greedy, code: {name} adaptive >= {goal}x plain", f"{adaptive:.2f}x", adaptive >= goal)
+    if (warm := _load("spec_code_t0.8")) is not None and "eagle/adaptive" in warm["results"]:
+        adaptive = warm["results"]["eagle/adaptive"]["speedup"]
+        row("batch 1, temperature 0.8, code: eagle adaptive >= 1.8x plain", f"{adaptive:.2f}x", adaptive >= 1.8)
     if edit is not None:
         name, best = _best(edit["results"], "ngram/")
         adaptive = edit["results"]["ngram/adaptive"]["speedup"]

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
               + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
               f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
-              f"adaptive K steps {row['draft adaptive']['k_steps']}")
+              f"adaptive K steps {row[ADAPTIVE]['k_steps']}")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
                            "variants": VARIANTS, "results": results}, llm)
     print(f"wrote {path}")

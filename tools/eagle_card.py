@@ -68,8 +68,9 @@ def measure(models: Path, prompts: list[str]) -> dict:
     for name, llm in engines.items():
         ms = statistics.median(times[name]) * 1e3
         figures[name] = {"ms_per_token": ms, "c": ms / target_ms, "by_k": acceptance_by_k(llm, prompts),
-                         "parameters": sum(t.numel() for t in llm.engine.draft_model._weights()
-                                           if t is not llm.engine.draft_model.embed or name == "draft")}
+                         # the head's own: its shared embedding is the target's
+                         "parameters": llm.engine.draft_model.num_parameters
+                         - (llm.engine.draft_model.embed.numel() if name == "eagle3" else 0)}
     return figures
 
 
@@ -105,7 +106,7 @@ def plot(log: list[dict], out_png: Path) -> None:
 
 
 def card(f: dict, log: list[dict], config: dict) -> str:
-    from engine.model.plan import summary
+    from engine.model.plan import label
 
     flags = [x for x in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if x in f["cpu_flags"]]
     last = [r for r in log if "val_agree" in r][-1] if any("val_agree" in r for r in log) else {}
@@ -125,7 +126,7 @@ def card(f: dict, log: list[dict], config: dict) -> str:
              "at temperature 1 (Σ min(p, q)): " + ", ".join(f"{a:.3f}" for a in last.get("val_accept", [])) + ".", "",
              "![training](loss_curves.png)", "",
              f"## Speculation figures (our engine, this machine: {f['cpu']} [{', '.join(flags)}], 2 cores; "
-             f"forward plan {summary(f['forward_plan'])})", "",
+             "forward plan " + ", ".join(f"{role}: {label(p)}" for role, p in f["forward_plan"].items()) + ")", "",
              f"Greedy, 96 new tokens, {f['prompts']} validation prompts, fixed K. α: accepted ÷ (accepted + "
              "rejections); by position: share of rounds that proposed a j-th token in which it was accepted; "
              "tokens per round include the target's own token; c: proposer ÷ target time per token, batch 1 "
@@ -149,9 +150,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", type=Path, default=REPO / "models")
     ap.add_argument("--log", type=Path, default=Path.home() / ".cache" / "specserve-recipe" / "eagle3" / "log.jsonl")
+    ap.add_argument("--card-only", action="store_true", help="rewrite README.md from the saved measurements.json")
     args = ap.parse_args()
     head = args.models / "eagle3"
     prompts = [json.loads(x)["prompt"] for x in (REPO / "bench" / "data" / "code_val_prompts.jsonl").read_text().splitlines()]
+    if args.card_only:
+        log = [json.loads(x) for x in (head / "training_log.jsonl").read_text().splitlines()]
+        figures = json.loads((head / "measurements.json").read_text())
+        (head / "README.md").write_text(card(figures, log, json.loads((head / "config.json").read_text())))
+        return
     log = [json.loads(x) for x in args.log.read_text().splitlines()]
     (head / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log if "val_agree" in r))
     plot(log, head / "loss_curves.png")

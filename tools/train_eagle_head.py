@@ -113,6 +113,9 @@ def main() -> None:
                                target_cfg["num_key_value_heads"], target_cfg.get("head_dim") or H // target_cfg["num_attention_heads"],
                                args.draft_vocab, H, target_cfg["rms_norm_eps"],
                                (target_cfg.get("rope_parameters") or target_cfg).get("rope_theta", 10000.0))
+    with torch.no_grad():  # warm start: the target's own output layer and final norm (the head predicts into its space)
+        head.lm_head.weight.copy_(target.lm_head.weight[d2t])
+        head.norm.copy_(target.model.norm.weight)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     rng = np.random.default_rng(5)
     step, elapsed = 0, 0.0

@@ -61,6 +61,9 @@ class Eagle3Head(Transformer):
         self.identity_vocab = draft_to_target.numel() == target_vocab and bool(
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
 
+    def _weights(self) -> list[torch.Tensor]:
+        return super()._weights() + [self.fc, self.hidden_norm]
+
     def _pack_for_cpu(self) -> None:
         super()._pack_for_cpu()
         self.fc = torch.ops.mkldnn._reorder_linear_weight(self.fc)
