@@ -49,26 +49,16 @@ def test_default_llm_uses_the_shipped_pair_with_speculation():
     assert len(out.token_ids) == 32 and out.num_draft_tokens > 0 and out.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
-def test_shipped_pair_speculative_greedy_equals_plain(method):
+@pytest.mark.parametrize("proposer,method", [("draft", "draft"), ("draft", "ngram"), ("draft", "hybrid"),
+                                             ("eagle3", "eagle"), ("eagle3", "hybrid")])
+def test_shipped_pair_speculative_greedy_equals_plain(proposer, method):
+    """The shipped draft, and the shipped EAGLE-3 head (models/eagle3, the published layout)."""
     common = dict(model="embedded:target", dtype="float32", max_seq_len=512, max_batch_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plain = [o.token_ids for o in LLM(**common).generate(PROMPTS, params)]
-    spec = LLM(**common, draft_model="embedded:draft", use_speculative_decoding=True, speculative_method=method,
-               spec_policy="fixed", spec_length=5)
-    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
-    assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == plain
-
-
-@pytest.mark.parametrize("method", ["eagle", "hybrid"])
-def test_shipped_eagle3_head_speculative_greedy_equals_plain(method):
-    """The shipped EAGLE-3 head (models/eagle3, the published layout) on the shipped target."""
-    common = dict(model="embedded:target", dtype="float32", max_seq_len=512, max_batch_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(**common).generate(PROMPTS, params)]
-    spec = LLM(**common, draft_model="embedded:eagle3", use_speculative_decoding=True, speculative_method=method,
+    spec = LLM(**common, draft_model=f"embedded:{proposer}", use_speculative_decoding=True, speculative_method=method,
                spec_policy="fixed", spec_length=5)
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == plain
     assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == plain
-    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert method == "ngram" or sum(o.num_accepted_tokens for o in outs) > 0
