@@ -3,7 +3,7 @@ states the target's passes captured at positions the proposer's head has not con
 
 Contract:
 - `append(request_id, start, rows)`: rows [n, F] are the features of target positions
-  start..start+n-1. A request's rows are contiguous; a start that does not continue them (a
+  start..start+n-1. At most `max_pending` rows are kept per request (the oldest go first). A request's rows are contiguous; a start that does not continue them (a
   first pass after a prefix-cache hit or after capture was off) begins a new run, and the run's
   `origin` says where, so the head knows its own positions restart there.
 - `truncate_to(request_id, length)` drops rows at positions >= length (rejected verify tokens).
@@ -36,15 +36,25 @@ class PendingFeatures:
     rows: torch.Tensor  # [n, F] features of target positions start..start+n-1
 
 
+MAX_PENDING = 512  # rows kept per request; past it the oldest go and the reader starts over (memory bound)
+
+
 class FeatureCache:
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self._runs: dict[str, FeatureRun] = {}
+        self.max_pending = max_pending
 
     def append(self, request_id: str, start: int, rows: torch.Tensor) -> None:
+        """rows are copied: a view would keep the whole pass's features alive."""
         run = self._runs.get(request_id)
         if run is None or run.end != start:
             run = self._runs[request_id] = FeatureRun(origin=start, start=start)
-        run.rows.append(rows)
+        run.rows.append(rows.clone())
+        if run.end - run.start > self.max_pending:  # keep the newest rows as a new run
+            end = run.end
+            newest = torch.cat(run.rows)[-self.max_pending:]
+            self._runs[request_id] = FeatureRun(origin=end - self.max_pending, start=end - self.max_pending,
+                                                rows=[newest])
 
     def truncate_to(self, request_id: str, length: int) -> None:
         run = self._runs.get(request_id)
@@ -55,11 +65,20 @@ class FeatureCache:
             if pos + r.shape[0] <= length:
                 keep.append(r)
             elif pos < length:
-                keep.append(r[:length - pos])
+                keep.append(r[:length - pos].clone())
             pos += r.shape[0]
         run.rows = keep
         if run.start > length:  # nothing left to read and the head is past it: start over there
             self._runs.pop(request_id)
+
+    def end(self, request_id: str) -> int | None:
+        """The target position after the request's last row (None: no run)."""
+        run = self._runs.get(request_id)
+        return None if run is None else run.end
+
+    def clear(self) -> None:
+        """Forgets every request's rows (capture stopped: what is kept would go stale)."""
+        self._runs.clear()
 
     def pending(self, request_id: str) -> int:
         run = self._runs.get(request_id)

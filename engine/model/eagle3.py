@@ -39,7 +39,7 @@ def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs the head reads: the checkpoint's choice, else EAGLE-3's
     default low / middle / high (2, L // 2, L - 3)."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    ids = tuple(ids) if ids else (2, target_layers // 2, target_layers - 3)
+    ids = tuple(sorted(ids)) if ids else (2, target_layers // 2, target_layers - 3)  # fused in layer order
     if len(ids) != 3 or not all(0 <= i < target_layers for i in ids):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)}: need three layers of the target's {target_layers}")
     return ids
@@ -47,12 +47,13 @@ def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
 
 class Eagle3Head(Transformer):
     """The head's forward over its own KV pool (one layer). `forward` (the Transformer interface,
-    used to time passes) feeds zero features; the proposer calls `step`."""
+    used to time passes) feeds zero target features; the proposer calls `step`."""
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
                  target_vocab: int, aux: tuple[int, ...], max_positions: int):
         self.fc = fc  # [hidden, 3 * target hidden]
+        self.feature_width = fc.shape[1]
         self.hidden_norm = hidden_norm  # [hidden]
         self.draft_to_target = draft_to_target  # [draft_vocab] target id of each draft id
         self.target_vocab = target_vocab
@@ -71,7 +72,7 @@ class Eagle3Head(Transformer):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = torch.zeros(*input_ids.shape, self.shape.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = torch.zeros(*input_ids.shape, self.feature_width, dtype=self.dtype, device=self.device)
         return self.step(input_ids, position_ids, kv, hidden, logits_index)[0]
 
     @torch.inference_mode()
@@ -114,24 +115,35 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"EAGLE-3 head {path}: no model.safetensors or pytorch_model.bin")
 
 
+def _check_fit(path: Path, cfg: dict, w: dict[str, torch.Tensor], t: ModelShape) -> None:
+    """ValueError naming what of the head's config does not fit this reader or the target."""
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in cfg]
+    if missing or cfg.get("norm_before_residual") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"EAGLE-3 head {path}: config.json " + (f"lacks {', '.join(missing)}" if missing else
+                         "asks for norm_before_residual or biases, which this reader does not implement"))
+    hidden, vocab = cfg["hidden_size"], cfg.get("vocab_size", t.vocab_size)
+    problems = []
+    if vocab != t.vocab_size:
+        problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
+    if cfg.get("target_hidden_size", hidden) != t.hidden_size:
+        problems.append(f"target_hidden_size {cfg.get('target_hidden_size', hidden)} != the target's hidden_size "
+                        f"{t.hidden_size}")
+    if "embed_tokens.weight" not in w and hidden != t.hidden_size:
+        problems.append(f"hidden_size {hidden} != the target's {t.hidden_size} (the head shares its embedding)")
+    if problems:
+        raise ValueError(f"EAGLE-3 head {path} does not fit target model: " + "; ".join(problems))
+
+
 def load_eagle3(path: Path, target: Transformer, max_positions: int) -> Eagle3Head:
     """The head at `path` for `target` (sharing its embedding, in its dtype, on its device);
     ValueError names what does not match the target."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
+    w = _read_tensors(path)
+    _check_fit(path, cfg, w, target.shape)
     t = target.shape
     hidden, vocab = cfg["hidden_size"], cfg.get("vocab_size", t.vocab_size)
     draft_vocab = cfg.get("draft_vocab_size") or vocab
-    problems = []
-    if vocab != t.vocab_size:
-        problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
-    if cfg.get("target_hidden_size", hidden) != t.hidden_size:
-        problems.append(f"target_hidden_size {cfg.get('target_hidden_size', hidden)} != the target's hidden_size {t.hidden_size}")
-    w = _read_tensors(path)
-    if "embed_tokens.weight" not in w and hidden != t.hidden_size:
-        problems.append(f"hidden_size {hidden} != the target's {t.hidden_size} (the head shares its embedding)")
-    if problems:
-        raise ValueError(f"EAGLE-3 head {path} does not fit target model: " + "; ".join(problems))
     dtype, device = target.dtype, target.device
 
     def get(name: str) -> torch.Tensor:
@@ -157,9 +169,12 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int) -> Eagle3He
         raise ValueError(f"EAGLE-3 head {path}: attention input {layer.qkv.shape[1]} (want 2 x {hidden}) or fc "
                          f"{tuple(fc.shape)} (want ({hidden}, {3 * t.hidden_size})) does not match")
     offsets = w.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
-    d2t = offsets + torch.arange(draft_vocab, device=device)  # [draft_vocab] target ids
-    if offsets.numel() != draft_vocab or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
-        raise ValueError(f"EAGLE-3 head {path}: d2t must map {draft_vocab} draft ids into the target's {vocab}")
+    d2t = offsets + torch.arange(draft_vocab, device=device) if offsets.shape == (draft_vocab,) else None
+    lm_head = w.get("lm_head.weight")
+    if d2t is None or int(d2t.max()) >= vocab or int(d2t.min()) < 0 or lm_head is None \
+            or lm_head.shape != (draft_vocab, hidden):
+        raise ValueError(f"EAGLE-3 head {path}: d2t and lm_head.weight must cover draft_vocab_size {draft_vocab} "
+                         f"draft ids (hidden {hidden}) mapped into the target's {vocab}")
     embed = get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
     return Eagle3Head(shape, embed, layer, get(m + "hidden_norm.weight"), fc, get("norm.weight"), get("lm_head.weight"),
                       d2t, vocab, aux_layers(cfg, t.num_layers), max_positions)

@@ -44,6 +44,10 @@ class EagleProposer:
         return [self.features.pending(r.request_id) for r in requests]
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        # a request drafts only when the features reach its last computed position (after capture was
+        # off, its next target pass starts them again)
+        ks = [k if self.features.end(r.request_id) == self.kv.computed(r) and self.features.pending(r.request_id)
+              else 0 for r, k in zip(requests, ks)]
         return propose_rows(requests, ks, self.name, functools.partial(self._draft, with_q=with_q))
 
     def _draft(self, reqs: list[Request], ks: list[int], with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -61,9 +65,7 @@ class EagleProposer:
         """Feeds each request's pending features; its last logits [N, V] and pre-norm outputs [N, H]."""
         chunks, features, starts = [], [], []
         for r, n in zip(reqs, lengths):
-            pending = self.features.take(r.request_id)
-            if pending is None:  # nothing new since the last round: should not happen (a step always adds one)
-                raise RuntimeError(f"request {r.request_id}: no target features to draft from")
+            pending = self.features.take(r.request_id)  # propose() checked there are some
             if pending.start - pending.origin != n:  # a new run (capture was off for a while): the head restarts
                 self.kv.draft.truncate_to(self.kv.draft_slot(r), 0)
                 self.features.restart(r.request_id, pending.start)

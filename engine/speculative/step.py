@@ -72,8 +72,11 @@ class SpeculativeDecoder:
 
     def _capture_features(self) -> None:
         """The target's passes keep the features an EAGLE-3 head reads while one may propose."""
-        uses_head = isinstance(self.draft, EagleProposer) and self.settings.speculative_method in ("eagle", "hybrid")
+        uses_head = isinstance(self.draft, EagleProposer) and self.settings.use_speculative_decoding \
+            and self.settings.speculative_method in ("eagle", "hybrid")
         self.runner.capture = self.draft.head.aux_layers if uses_head else ()
+        if not uses_head and self.kv.features is not None:
+            self.kv.features.clear()
 
     def tokens_per_round(self) -> int:
         """KV tokens a request's decode round may write: K + 1."""

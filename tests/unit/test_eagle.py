@@ -154,6 +154,17 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     with pytest.raises(ValueError, match="speculative_method='eagle'"):
         LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
             speculative_method="eagle")
+    target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
+    bad = tmp_path / "bad"
+    w = make_eagle3_head(bad, tiny_model[0], aux=AUX)
+    c = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**c, "norm_before_residual": True}))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        load_eagle3(bad, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "draft_vocab_size": c["draft_vocab_size"] - 1}))
+    with pytest.raises(ValueError, match="d2t and lm_head.weight"):
+        load_eagle3(bad, target, 64)
+    assert w["fc.weight"].shape[1] == 3 * cfg["hidden_size"]
 
 
 def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():
@@ -173,6 +184,11 @@ def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():
     assert (got.origin, got.start) == (20, 20)
     cache.free("a")
     assert cache.pending("a") == 0
+    small = FeatureCache(max_pending=4)  # past the bound, the newest rows start a new run
+    small.append("b", 0, rows[:3])
+    small.append("b", 3, rows[3:6])
+    got = small.take("b")
+    assert (got.origin, got.start) == (2, 2) and torch.equal(got.rows, rows[2:6])
 
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
@@ -201,15 +217,20 @@ def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, 
               speculative_method="eagle", spec_policy="fixed", spec_length=3, dtype="float32",
               max_seq_len=160, max_batch_size=8)
     engine = llm.engine
-    ids = [engine.add_request(p, greedy()) for p in PROMPTS]
-    outputs: dict[str, list[int]] = {i: [] for i in ids}
+    ids = [engine.add_request(p, greedy()) for p in PROMPTS[:4]]
+    outputs: dict[str, list[int]] = {}
     for step in range(200):
         if step == 3:
             engine.reconfigure_speculation(speculative_method="ngram")  # the target stops keeping features
+            ids += [engine.add_request(p, greedy()) for p in PROMPTS[4:]]  # prefilled with no features kept
         if step == 6:
             engine.reconfigure_speculation(speculative_method="eagle")  # the head starts over where they resume
+        if step == 8:
+            engine.reconfigure_speculation(use_speculative_decoding=False)  # features are dropped
+        if step == 10:
+            engine.reconfigure_speculation(use_speculative_decoding=True)
         for out in engine.step():
-            outputs[out.request_id].append(out.token_id)
+            outputs.setdefault(out.request_id, []).append(out.token_id)
         if not engine.has_unfinished_requests():
             break
     assert [outputs[i] for i in ids] == reference
