@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head for the shipped target and write it to models/eagle3 (published layout).
 
-    python tools/train_eagle_head.py                    # resumable; ~75 min on 2 CPU cores
+    python tools/train_eagle_head.py                    # resumable; ~50 min on 2 CPU cores (750 steps)
     nohup python tools/train_eagle_head.py > eagle.log 2>&1 &
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pair.eagle_head import TrainableEagle3Head, cosine_lr, default_aux_layers, step_weights  # noqa: E402
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
+from pair.train import apply_update, resume  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("recipe.eagle")
@@ -74,13 +75,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "specserve-recipe")
     ap.add_argument("--target", type=Path, default=REPO / "models" / "target")
     ap.add_argument("--out", type=Path, default=REPO / "models" / "eagle3")
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=750)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--ttt-steps", type=int, default=5)
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--generations", type=int, default=1536, help="target-written rows (0: corpus only)")
+    ap.add_argument("--generations", type=int, default=512, help="target-written rows (0: corpus only)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and export) after this long")
     args = ap.parse_args()
@@ -118,14 +119,9 @@ def main() -> None:
         head.norm.copy_(target.model.norm.weight)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     rng = np.random.default_rng(5)
-    step, elapsed = 0, 0.0
     ckpt = work / "ckpt.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        rng.bit_generator.state = state["rng"]
-        step, elapsed = state["step"], state["elapsed"]
+    step, elapsed = resume(ckpt, head, opt, rng)
+    if step:
         log.info("resumed at step %d (%.0f s trained)", step, elapsed)
     log.info("head: %.2fM parameters; aux layers %s; %d steps of %d x %d, rollout %d", sum(
         p.numel() for p in head.parameters()) / 1e6, aux, args.steps, args.batch, args.seq, args.ttt_steps)
@@ -144,10 +140,7 @@ def main() -> None:
             ids = torch.from_numpy(np.stack([stream[s:s + window] for s in starts]).astype(np.int64))
         feats, embeds, logits = target_pass(target, ids, aux)
         loss, agree, accept = rollout_loss(head, feats, embeds, logits, d2t, args.ttt_steps, weights)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        apply_update(loss, head, opt)
         step += 1
         elapsed += time.monotonic() - t0
         bar.update(1)
@@ -165,7 +158,7 @@ def main() -> None:
         out_of_time = args.max_minutes is not None and time.monotonic() - started > 60 * args.max_minutes
         if time.monotonic() - last_ckpt > 300 or step == args.steps or out_of_time:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+            torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
                         "rng": rng.bit_generator.state}, tmp)
             tmp.replace(ckpt)
             last_ckpt = time.monotonic()

@@ -136,6 +136,26 @@ def _truncate_log(path: Path, step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
+def apply_update(loss: torch.Tensor, model, opt) -> None:
+    """One optimizer step on `loss`, gradients clipped to norm 1."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def resume(ckpt_path: Path, model, opt, rng: np.random.Generator) -> tuple[int, float]:
+    """Restores model, optimizer and data RNG from a checkpoint of these training loops; returns
+    (step, seconds trained), (0, 0.0) when there is none."""
+    if not ckpt_path.exists():
+        return 0, 0.0
+    state = torch.load(ckpt_path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    rng.bit_generator.state = state["rng"]
+    return state["step"], state["elapsed"]
+
+
 def _save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -167,14 +187,9 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay, fused=True)
     rng = np.random.default_rng(cfg.seed)
-    step, elapsed = 0, 0.0
     ckpt_path = out / "ckpt.pt"
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        rng.bit_generator.state = state["rng"]
-        step, elapsed = state["step"], state["elapsed"]
+    step, elapsed = resume(ckpt_path, model, opt, rng)
+    if step:
         log.info("%s: resumed at step %d (%.0f s trained)", cfg.name, step, elapsed)
         _truncate_log(out / "log.jsonl", step)
     n_params = sum(p.numel() for p in model.parameters())
@@ -201,10 +216,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
                     t_logp = teacher(input_ids=ids).logits.float().log_softmax(-1)
                 loss = F.kl_div(logits.float().log_softmax(-1).flatten(0, 1), t_logp.flatten(0, 1),
                                 log_target=True, reduction="batchmean")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        apply_update(loss, model, opt)
         step += 1
         elapsed += time.monotonic() - t0
         bar.update(1)
