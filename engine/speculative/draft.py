@@ -8,20 +8,18 @@ k - 1 one-token steps; each part's time goes to the cost model through the obser
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
-from engine import host_sync
 from engine.kv import KVManager
-from engine.model.passes import forward_chunks, width_groups
+from engine.model.passes import forward_chunks
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import draft_tokens, propose_rows
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows
+from engine.speculative.proposer import Proposal
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -69,24 +67,13 @@ class DraftModelProposer:
         logits [N, V] at each request's last token."""
         starts = [self.kv.draft_len(r) for r in reqs]
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
-        long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
-        short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
         logits = torch.empty(len(reqs), self.vocab_size, device=self.model.device)  # [N, V]
-        t0 = t1 = time.perf_counter()
-        if long_rows:
-            for group in width_groups([len(chunks[i]) for i in long_rows]):  # prefill-like: bounded padding
-                self._feed(reqs, [long_rows[g] for g in group], chunks, starts, logits)
-            host_sync.wait(self.model.device)  # no read follows: the clock must see the device's work
-            t1 = time.perf_counter()
-            self.observer.observe_catch_up(sum(len(chunks[i]) for i in long_rows), t1 - t0)
-        if short_rows:
-            self._feed(reqs, short_rows, chunks, starts, logits)
-            host_sync.wait(self.model.device)
-            self.observer.observe_draft_first(len(reqs), time.perf_counter() - t1)
+        catch_up_rows([len(c) for c in chunks], functools.partial(self._feed, reqs, chunks, starts, logits),
+                      self.observer, self.model.device)
         return logits
 
-    def _feed(self, reqs: list[Request], rows: list[int], chunks: list[list[int]], starts: list[int],
-              logits: torch.Tensor) -> None:
+    def _feed(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], logits: torch.Tensor,
+              rows: list[int]) -> None:
         logits[rows] = self._forward([reqs[i] for i in rows], [chunks[i] for i in rows], [starts[i] for i in rows])
 
     def _step(self, reqs: list[Request], rows: list[int], last: list[int]) -> torch.Tensor:

@@ -12,10 +12,11 @@ import torch
 
 from engine import host_sync
 from engine.grammar import GrammarMatcher, mask_rows
+from engine.model.passes import width_groups
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
-from engine.speculative.proposer import Proposal
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 # rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]
 StepFn = Callable[[list[int], list[int]], torch.Tensor]
@@ -34,6 +35,26 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
         return part
     empty = q.new_zeros(len(requests), 1, q.shape[-1]) if q is not None else None  # [N, 1, V]
     return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
+
+
+def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observer: CostObserver,
+                  device: torch.device) -> None:
+    """Runs feed(rows) over every row: rows with more than LONG_CATCH_UP tokens to catch up on in
+    prefill-like passes grouped by width (bounded padding), the others in one pass; each part's
+    time goes to the observer."""
+    long_rows = [i for i, n in enumerate(lengths) if n > LONG_CATCH_UP]
+    short_rows = [i for i, n in enumerate(lengths) if n <= LONG_CATCH_UP]
+    t0 = t1 = time.perf_counter()
+    if long_rows:
+        for group in width_groups([lengths[i] for i in long_rows]):
+            feed([long_rows[g] for g in group])
+        host_sync.wait(device)  # no read follows: the clock must see the device's work
+        t1 = time.perf_counter()
+        observer.observe_catch_up(sum(lengths[i] for i in long_rows), t1 - t0)
+    if short_rows:
+        feed(short_rows)
+        host_sync.wait(device)
+        observer.observe_draft_first(len(lengths), time.perf_counter() - t1)
 
 
 def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, step: StepFn,

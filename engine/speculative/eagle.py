@@ -13,18 +13,16 @@ exact acceptance is unchanged.
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
-from engine import host_sync
 from engine.kv import KVManager
 from engine.model.eagle3 import Eagle3Head
-from engine.model.passes import pass_inputs, width_groups
+from engine.model.passes import pass_inputs
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import draft_tokens, propose_rows
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows
+from engine.speculative.proposer import Proposal
 
 
 class EagleProposer:
@@ -76,22 +74,12 @@ class EagleProposer:
         V, H = self.head.target_vocab, self.head.shape.hidden_size
         logits = torch.empty(len(reqs), V, device=self.head.device)  # [N, V]
         hidden = torch.empty(len(reqs), H, dtype=self.head.dtype, device=self.head.device)  # [N, H]
-        long_rows = [i for i, c in enumerate(chunks) if len(c) > LONG_CATCH_UP]
-        short_rows = [i for i, c in enumerate(chunks) if len(c) <= LONG_CATCH_UP]
-        t0 = t1 = time.perf_counter()
-        if long_rows:
-            for group in width_groups([len(chunks[i]) for i in long_rows]):
-                self._feed(reqs, [long_rows[g] for g in group], chunks, features, starts, logits, hidden)
-            host_sync.wait(self.head.device)
-            t1 = time.perf_counter()
-            self.observer.observe_catch_up(sum(len(chunks[i]) for i in long_rows), t1 - t0)
-        if short_rows:
-            self._feed(reqs, short_rows, chunks, features, starts, logits, hidden)
-            host_sync.wait(self.head.device)
-            self.observer.observe_draft_first(len(reqs), time.perf_counter() - t1)
+        catch_up_rows([len(c) for c in chunks],
+                      functools.partial(self._feed, reqs, chunks, features, starts, logits, hidden),
+                      self.observer, self.head.device)
         return logits, hidden
 
-    def _feed(self, reqs, rows, chunks, features, starts, logits, hidden) -> None:
+    def _feed(self, reqs, chunks, features, starts, logits, hidden, rows: list[int]) -> None:
         logits[rows], hidden[rows] = self._pass([reqs[i] for i in rows], [chunks[i] for i in rows],
                                                 [features[i] for i in rows], [starts[i] for i in rows])
 
