@@ -21,7 +21,7 @@ from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_toke
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
-from engine.model.plan import device_memory, load_planned, summary
+from engine.model.plan import device_memory, load_planned, load_planned_head, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
@@ -115,9 +115,11 @@ class LLMEngine:
                                           config.max_seq_len, explicit["target"])
         self.forward_plan = {"target": target_plan.as_dict()}
         draft = None
-        if draft_path is not None and is_eagle3(draft_path):  # computes as its target does
-            draft = load_eagle3(draft_path, model, config.max_seq_len)
-            self.forward_plan["draft"] = {**dataclasses.asdict(draft.plan), "source": "eagle3 head, as the target"}
+        if draft_path is not None and is_eagle3(draft_path):  # computes in its target's dtype
+            draft, draft_plan = load_planned_head(
+                draft_path, lambda p: load_eagle3(draft_path, model, config.max_seq_len, p.token_step),
+                target_plan.plan.dtype, config.device, config.max_seq_len, explicit["draft"])
+            self.forward_plan["draft"] = draft_plan.as_dict()
         elif draft_path is not None:
             draft, draft_plan = load_planned(draft_path, "draft", config.dtype, config.device, config.max_seq_len,
                                              explicit["draft"])

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from engine.config import ModelPlan
 from engine.kv.protocol import KVView
 from engine.model.rope import Rope
+from engine.model.token_step import TokenStep
 from engine.model.transformer import LayerWeights, ModelShape, Transformer
 
 
@@ -47,23 +48,28 @@ def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
 
 class Eagle3Head(Transformer):
     """The head's forward over its own KV pool (one layer). `forward` (the Transformer interface,
-    used to time passes) feeds zero target features; the proposer calls `step`."""
+    used to time passes) is a draft step from a zero hidden state; the proposer calls `step`. With
+    `plan.token_step`, one-token draft steps of a few sequences run as C calls (token_step.c)."""
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
-                 target_vocab: int, aux: tuple[int, ...], max_positions: int):
+                 target_vocab: int, aux: tuple[int, ...], max_positions: int, plan: ModelPlan):
         self.fc = fc  # [hidden, 3 * target hidden]
         self.feature_width = fc.shape[1]
         self.hidden_norm = hidden_norm  # [hidden]
         self.draft_to_target = draft_to_target  # [draft_vocab] target id of each draft id
         self.target_vocab = target_vocab
         self.aux_layers = aux
-        super().__init__(shape, embed, [layer], final_norm, lm_head, max_positions, ModelPlan(dtype=_dtype_name(embed)))
+        super().__init__(shape, embed, [layer], final_norm, lm_head, max_positions, plan)
         self.identity_vocab = draft_to_target.numel() == target_vocab and bool(
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
 
     def _weights(self) -> list[torch.Tensor]:
         return super()._weights() + [self.fc, self.hidden_norm]
+
+    def _make_token_step(self) -> TokenStep:
+        return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
+                         self.hidden_norm)
 
     def _pack_for_cpu(self) -> None:
         super()._pack_for_cpu()
@@ -72,7 +78,7 @@ class Eagle3Head(Transformer):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = torch.zeros(*input_ids.shape, self.feature_width, dtype=self.dtype, device=self.device)
+        hidden = torch.zeros(*input_ids.shape, self.shape.hidden_size, dtype=self.dtype, device=self.device)
         return self.step(input_ids, position_ids, kv, hidden, logits_index)[0]
 
     @torch.inference_mode()
@@ -83,6 +89,11 @@ class Eagle3Head(Transformer):
         outside the draft vocabulary) [B, (T,) vocab] and the pre-norm output [B, (T,) hidden],
         at logits_index (or every position when None)."""
         B, T = input_ids.shape
+        if T == 1 and self._token_step is not None and hidden.shape[-1] == self.shape.hidden_size \
+                and self._token_step.takes(B, 1, logits_index):
+            logits, h = self._token_step.head_step(input_ids, position_ids, kv, hidden)  # [B, vocab], [B, hidden]
+            return self._target_logits(logits if logits_index is not None else logits[:, None]), \
+                h if logits_index is not None else h[:, None]
         lw = self.layers[0]
         if hidden.shape[-1] != self.shape.hidden_size:
             hidden = self._linear(hidden, self.fc)  # [B, T, hidden]
@@ -95,14 +106,14 @@ class Eagle3Head(Transformer):
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         logits = self._linear(self._rms_norm(h, self.final_norm), self.lm_head).float()  # [B, (T,) draft_vocab]
-        if not self.identity_vocab:
-            full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
-            logits = full.index_copy_(-1, self.draft_to_target, logits)  # [B, (T,) vocab]
-        return logits, h
+        return self._target_logits(logits), h
 
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] over the target vocabulary [..., vocab] (-inf outside)."""
+        if self.identity_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        return full.index_copy_(-1, self.draft_to_target, logits)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -134,9 +145,9 @@ def _check_fit(path: Path, cfg: dict, w: dict[str, torch.Tensor], t: ModelShape)
         raise ValueError(f"EAGLE-3 head {path} does not fit target model: " + "; ".join(problems))
 
 
-def load_eagle3(path: Path, target: Transformer, max_positions: int) -> Eagle3Head:
-    """The head at `path` for `target` (sharing its embedding, in its dtype, on its device);
-    ValueError names what does not match the target."""
+def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step: bool = False) -> Eagle3Head:
+    """The head at `path` for `target` (sharing its embedding, in its dtype, on its device), its
+    draft steps on the token step if asked; ValueError names what does not match the target."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     w = _read_tensors(path)
@@ -177,4 +188,5 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int) -> Eagle3He
                          f"draft ids (hidden {hidden}) mapped into the target's {vocab}")
     embed = get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
     return Eagle3Head(shape, embed, layer, get(m + "hidden_norm.weight"), fc, get("norm.weight"), get("lm_head.weight"),
-                      d2t, vocab, aux_layers(cfg, t.num_layers), max_positions)
+                      d2t, vocab, aux_layers(cfg, t.num_layers), max_positions,
+                      ModelPlan(str(dtype).removeprefix("torch."), token_step=token_step))

@@ -10,12 +10,14 @@ candidate (the asked-for dtype, float32 where that does not pack), unmeasured (p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,13 +84,35 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
             explicit = dataclasses.replace(explicit, dtype="float32")
         return load_model(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
     options = candidates(role, dtype, device, read_shape(path))  # the first: the asked-for dtype where it runs well
+    load = functools.partial(load_model, path, device=device, max_positions=max_positions)
+    return _choose(path, role, dtype, device, options, load, max_positions)
+
+
+def load_planned_head(path: Path, load: Callable[[ModelPlan], Transformer], dtype: str, device: str,
+                      max_positions: int, explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
+    """An EAGLE-3 head, computing in its target's `dtype`: its plan only says whether its draft
+    steps take the token step (explicit, or measured as a draft's are)."""
+    if explicit is not None:
+        plan = dataclasses.replace(explicit, dtype=dtype)
+        return load(plan), PlanChoice(plan, "explicit")
+    options = [ModelPlan(dtype)]
+    if device == "cpu" and dtype != "float16" and TokenStep.runs(read_shape(path)):
+        options.append(ModelPlan(dtype, token_step=True))
+    return _choose(path, "draft", dtype, device, options, load, max_positions, cache_role="eagle3")
+
+
+def _choose(path: Path, role: str, dtype: str, device: str, options: list[ModelPlan],
+            load: Callable[[ModelPlan], Transformer], max_positions: int,
+            cache_role: str | None = None) -> tuple[Transformer, PlanChoice]:
+    """The model loaded with the fastest of `options` for `role` (cached; unmeasured when only one
+    option runs or the candidates do not fit in memory together)."""
     if len(options) == 1 or not _fits_in_memory(path, len(options)):
-        return load_model(path, options[0], device, max_positions), PlanChoice(options[0], "unmeasured")
-    cache = _cache_file(path, role, dtype, device)
+        return load(options[0]), PlanChoice(options[0], "unmeasured")
+    cache = _cache_file(path, cache_role or role, dtype, device)
     cached = _read_cache(cache)
     if cached is not None and cached.plan in options:
-        return load_model(path, cached.plan, device, max_positions), cached
-    models = {label(p): load_model(path, p, device, max_positions) for p in options}
+        return load(cached.plan), cached
+    models = {label(p): load(p) for p in options}
     shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
     ms = measure(models, shapes, max_positions, all_logits=role == "target")
     costs = relative_costs(ms, SCENARIOS[role])

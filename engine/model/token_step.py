@@ -1,6 +1,7 @@
 """A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c): each
 writes its K/V through the pass's view before the next reads it, so a short chunk gives the batched
-forward's K/V and logits up to rounding. Only a draft uses it: its rounding may differ between passes.
+forward's K/V and logits up to rounding. An EAGLE-3 head's draft steps run the same way (`head_step`).
+Only proposers use it: their rounding may differ between passes.
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("head_rows", ctypes.c_int64), ("kv_rows", ctypes.c_int64), ("max_keys", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
                 ("kv_kind", ctypes.c_int64), ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
 class TokenStep:
     """The C step's model struct, pointing at the weights (kept alive here) of a float32 or bf16 CPU
     model, whose dtype the KV cache shares (a float32 model's matmuls read bf16 copies when its
-    weights' values are all bf16); ValueError where it cannot run."""
+    weights' values are all bf16); ValueError where it cannot run. `hidden_norm`: an EAGLE-3 head's."""
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor):
+                 cos: torch.Tensor, sin: torch.Tensor, hidden_norm: torch.Tensor | None = None):
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in lw.tensors()]
         self._kernels = one_sequence.load()
         if not self.runs(shape) or any(t.device.type != "cpu" or t.dtype != embed.dtype for t in tensors) \
@@ -71,7 +72,7 @@ class TokenStep:
             kv_kind=int(WeightKind.BF16 if self.dtype == torch.bfloat16 else WeightKind.F32),
             embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
             final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
-            scratch=None)
+            scratch=None, hidden_norm=None if hidden_norm is None else self._held(hidden_norm.float().contiguous()))
         floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
         self._vocab_size = shape.vocab_size
@@ -105,27 +106,47 @@ class TokenStep:
         B, T = input_ids.shape
         if logits_index is None and T != 1:
             raise ValueError("TokenStep computes every position only for one-token passes")
+        lasts = [0] * B if logits_index is None else logits_index.tolist()
+        ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, lasts)
+        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
+        for b in range(B):
+            for t in range(lasts[b] + 1):
+                out = logits[b].data_ptr() if t == lasts[b] else None
+                _check(self._kernels.token_step(ctypes.byref(self._model), ids[b][t], positions[b][t], rows[b * T + t],
+                                                *keys[b], out, torch.get_num_threads()), positions[b][t])
+        return logits if logits_index is not None else logits.view(B, 1, self._vocab_size)
+
+    def head_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An EAGLE-3 head's one-token pass (input_ids, position_ids [B, 1]) fed its previous outputs
+        hidden [B, 1, hidden]: logits [B, vocab] float32 and this step's outputs [B, hidden]."""
+        B = input_ids.shape[0]
+        ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, [0] * B)
+        state = hidden.reshape(B, -1).to(torch.float32, copy=True)  # [B, hidden]: in, then out
+        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
+        for b in range(B):
+            _check(self._kernels.eagle_step(ctypes.byref(self._model), ids[b][0], positions[b][0], rows[b], *keys[b],
+                                            state[b].data_ptr(), logits[b].data_ptr(), torch.get_num_threads()),
+                   positions[b][0])
+        return logits, state.to(hidden.dtype)
+
+    def _bind(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, lasts: list[int]):
+        """Points the C model at the view's storage; the pass's ids and positions [B][T], write rows
+        [B * T] and each sequence's (key rows pointer, first key row)."""
         storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]
         if storage.dtype != self.dtype or not storage.is_contiguous() or storage.device.type != "cpu":
             raise ValueError(f"TokenStep needs a contiguous {self.dtype} CPU KV storage")
-        lasts = [0] * B if logits_index is None else logits_index.tolist()
-        ids, positions, write_rows = input_ids.tolist(), position_ids.tolist(), kv.write_rows.tolist()
-        if max(positions[b][lasts[b]] for b in range(B)) >= self._model.max_keys:
+        ids, positions = input_ids.tolist(), position_ids.tolist()
+        if max(positions[b][t] for b, t in enumerate(lasts)) >= self._model.max_keys:
             raise ValueError(f"position exceeds the model's {self._model.max_keys} positions")
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
-        model = ctypes.byref(self._model)
-        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
-        read_rows = None if kv.read_rows is None else kv.read_rows.to(torch.int64).contiguous()  # [B, L]
-        threads = torch.get_num_threads()
-        for b in range(B):
-            if read_rows is None:  # one sequence whose keys are one slice of storage
-                key_rows, first = None, kv.read_slice.start
-            else:
-                key_rows, first = read_rows[b].data_ptr(), 0
-            for t in range(lasts[b] + 1):
-                out = logits[b].data_ptr() if t == lasts[b] else None
-                if self._kernels.token_step(model, ids[b][t], positions[b][t], write_rows[b * T + t], key_rows,
-                                            first, out, threads):
-                    raise ValueError(f"token_step rejected position {positions[b][t]} / row {write_rows[b * T + t]}")
-        return logits if logits_index is not None else logits.view(B, 1, self._vocab_size)
+        if kv.read_rows is None:  # one sequence whose keys are one slice of storage
+            return ids, positions, kv.write_rows.tolist(), [(None, kv.read_slice.start)]
+        self._key_rows = kv.read_rows.to(torch.int64).contiguous()  # [B, L], alive while the pass runs
+        return ids, positions, kv.write_rows.tolist(), [(r.data_ptr(), 0) for r in self._key_rows]
+
+
+def _check(status: int, position: int) -> None:
+    if status:
+        raise ValueError(f"token step rejected position {position} (or its KV row)")

@@ -175,8 +175,7 @@ class Transformer:
         self.cos, self.sin = shape.rope.tables(max_positions, self.dtype, self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
         self.num_parameters = sum(t.numel() for t in self._weights())
-        self._token_step = TokenStep(shape, embed, layers, final_norm, self.lm_head, self.cos, self.sin) \
-            if plan.token_step else None
+        self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
         self._linear = F.linear
@@ -185,6 +184,9 @@ class Transformer:
             if self.device.type == "cuda" else contextlib.nullcontext
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
+
+    def _make_token_step(self) -> TokenStep:
+        return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin)
 
     def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.tensors()]

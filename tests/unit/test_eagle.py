@@ -92,14 +92,15 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tiny_model, fmt, backend):
+@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
+def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tiny_model, fmt, backend, token_step):
     vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
     w = make_eagle3_head(tmp_path, tiny_model[0], seed=1, aux=AUX, draft_vocab=list(range(0, vocab, 2)), fmt=fmt)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert is_eagle3(tmp_path) and not is_eagle3(tiny_model[0])
     target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
-    head = load_eagle3(tmp_path, target, 64)
-    assert head.aux_layers == tuple(AUX)
+    head = load_eagle3(tmp_path, target, 64, token_step)  # token_step: the one-token steps below are C calls
+    assert head.aux_layers == tuple(AUX) and head.plan.token_step == token_step
     pool = pool_for(head, max_slots=2, max_seq_len=64, backend=backend, block_size=4)
     slot = pool.allocate_slot([])[0]
     g = torch.Generator().manual_seed(0)
@@ -194,11 +195,13 @@ def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, method, policy):
+@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
+def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, method, policy, token_step):
     llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
               speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
-              enable_prefix_caching=backend == "paged")
+              enable_prefix_caching=backend == "paged", forward_plan={"draft": {"token_step": token_step}})
+    assert llm.engine.forward_plan["draft"]["token_step"] == token_step
     alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
     batched = llm.generate(PROMPTS, greedy())  # paged: prompts now hit the prefix cache
     assert [o.token_ids for o in alone] == reference
@@ -234,3 +237,17 @@ def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, 
         if not engine.has_unfinished_requests():
             break
     assert [outputs[i] for i in ids] == reference
+
+
+def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, head_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("engine.model.plan.cache_dir", lambda: tmp_path)  # nothing cached: measured now
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+              speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
+    plans = llm.engine.forward_plan
+    assert plans["draft"]["source"] == "measured"
+    assert set(plans["draft"]["ms"]) == {"float32", "float32+token_step"}
+    assert plans["draft"]["dtype"] == plans["target"]["dtype"]  # the head computes as its target
+    again = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+                speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
+    assert again.engine.forward_plan["draft"]["source"] == "cached"
+    assert again.engine.forward_plan["draft"]["token_step"] == plans["draft"]["token_step"]

@@ -42,6 +42,11 @@ class OneSequenceKernels:
         self.token_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self.token_step.restype = ctypes.c_int
+        # eagle_step(model*, token, pos, write_row, key_rows*, first_key_row, hidden*, logits*, threads)
+        self.eagle_step = lib.eagle_step
+        self.eagle_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.eagle_step.restype = ctypes.c_int
         self.token_step_scratch_floats = lib.token_step_scratch_floats
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64

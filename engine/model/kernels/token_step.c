@@ -1,4 +1,5 @@
-/* One token through a whole Llama, on CPU: a draft model's step over one sequence.
+/* One token through a whole Llama, on CPU: a draft model's step over one sequence; and one token
+ * through an EAGLE-3 head (eagle_step), whose one layer attends over [embedding, hidden state].
  *
  * Why: a small draft's torch step is mostly dispatch cost of ~100 eager operations
  * (docs/performance-notes.md#draft-token-step). Here the whole step is one call: the matmuls are
@@ -48,6 +49,7 @@ typedef struct {
     const void *embed;        /* [vocab, hidden] */
     const float *cos, *sin;   /* [max_positions, head_dim] */
     const float *final_norm;  /* [hidden] */
+    const float *hidden_norm; /* [hidden]: an EAGLE-3 head's norm of the fed-back hidden state (else NULL) */
     Weight lm_head;           /* [head_rows, hidden] */
     const StepLayer *layer;   /* [layers] */
     void *kv;
@@ -56,7 +58,7 @@ typedef struct {
 
 int64_t token_step_scratch_floats(const StepModel *m, int64_t max_keys) {
     int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return 3 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys;
+    return 4 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys;
 }
 
 static inline float lanes_total(__m256 v) {
@@ -146,42 +148,79 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
     }
 }
 
+/* One decoder layer l over one token: x [width] is its normed attention input, h [hidden] the
+ * residual stream (updated in place); writes the token's K/V at write_row and attends to keys 0..pos. */
+static void decoder_layer(const StepModel *m, int64_t l, float *h, const float *x, int64_t width, int64_t pos,
+                          int64_t write_row, const int64_t *key_rows, int64_t first_key_row, int threads) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads;
+    float *tmp = m->scratch + 3 * H, *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
+    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *normed = m->scratch + H;
+    const StepLayer *lw = &m->layer[l];
+    const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
+    matmul(m, lw->qkv, x, qkv, (Hq + 2 * Hkv) * D, width, threads);
+    for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
+    for (int64_t j = 0; j < Hkv; j++) {
+        store(m->kv, m->kv_kind, kv_at(m, l, 0, j, write_row), qkv + (Hq + j) * D, D);
+        store(m->kv, m->kv_kind, kv_at(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D);
+    }
+    attend(m, l, qkv, attn, scores, pos + 1, key_rows, first_key_row, threads);
+    matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
+    for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+    rms_norm(h, lw->mlp_norm, normed, H, m->eps);
+    matmul(m, lw->gate_up, normed, gu, 2 * I, H, threads);
+    for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[I + i];
+    matmul(m, lw->down, act, tmp, H, I, threads);
+    for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+}
+
+static int bad_args(const StepModel *m, int64_t pos, int64_t write_row) {
+    return pos < 0 || pos + 1 > m->max_keys || write_row < 0 || write_row >= m->kv_rows || m->kv_heads <= 0 ||
+           m->heads % m->kv_heads != 0 || m->head_dim % 8 != 0;
+}
+
+/* logits [head_rows] of the residual stream h (through the final norm and lm_head) */
+static void output_layer(const StepModel *m, const float *h, float *logits, int threads) {
+    float *normed = m->scratch + m->hidden;
+    rms_norm(h, m->final_norm, normed, m->hidden, m->eps);
+    matmul(m, m->lm_head, normed, logits, m->head_rows, m->hidden, threads);
+}
+
+/* the embedding row of `token` as float32 into out [hidden] */
+static void embed_row(const StepModel *m, int64_t token, float *out) {
+    for (int64_t i = 0; i < m->hidden; i += 8) _mm256_storeu_ps(out + i, load8(m->embed, m->kv_kind, token * m->hidden + i));
+}
+
 /* Runs `token` at position `pos`: writes its K/V at write_row, attends to keys 0..pos.
  * logits: NULL skips the output layer (a token of a chunk before its last); otherwise
  * [head_rows] scores.
  * Returns 0, or -1 if an argument is out of range. */
 int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
                int64_t first_key_row, float *logits, int threads) {
-    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int64_t Hq = m->heads, Hkv = m->kv_heads, n_keys = pos + 1;
-    if (pos < 0 || n_keys > m->max_keys || write_row < 0 || write_row >= m->kv_rows || Hkv <= 0 || Hq % Hkv != 0 ||
-        D % 8 != 0)
-        return -1;
-    float *h = m->scratch, *x = h + H, *tmp = x + H;
-    float *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
-    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I;
-    for (int64_t i = 0; i < H; i += 8) _mm256_storeu_ps(h + i, load8(m->embed, m->kv_kind, token * H + i));
-    const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
+    if (bad_args(m, pos, write_row)) return -1;
+    float *h = m->scratch, *x = h + m->hidden;
+    embed_row(m, token, h);
     for (int64_t l = 0; l < m->layers; l++) {
-        const StepLayer *lw = &m->layer[l];
-        rms_norm(h, lw->attn_norm, x, H, m->eps);
-        matmul(m, lw->qkv, x, qkv, (Hq + 2 * Hkv) * D, H, threads);
-        for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
-        for (int64_t j = 0; j < Hkv; j++) {
-            store(m->kv, m->kv_kind, kv_at(m, l, 0, j, write_row), qkv + (Hq + j) * D, D);
-            store(m->kv, m->kv_kind, kv_at(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D);
-        }
-        attend(m, l, qkv, attn, scores, n_keys, key_rows, first_key_row, threads);
-        matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
-        for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
-        rms_norm(h, lw->mlp_norm, x, H, m->eps);
-        matmul(m, lw->gate_up, x, gu, 2 * I, H, threads);
-        for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[I + i];
-        matmul(m, lw->down, act, tmp, H, I, threads);
-        for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+        rms_norm(h, m->layer[l].attn_norm, x, m->hidden, m->eps);
+        decoder_layer(m, l, h, x, m->hidden, pos, write_row, key_rows, first_key_row, threads);
     }
-    if (logits == NULL) return 0;
-    rms_norm(h, m->final_norm, x, H, m->eps);
-    matmul(m, m->lm_head, x, logits, m->head_rows, H, threads);
+    if (logits != NULL) output_layer(m, h, logits, threads);
+    return 0;
+}
+
+/* An EAGLE-3 head's step: its layer's attention input is [norm(embedding of token), hidden_norm(hidden)]
+ * (2 hidden wide) and its residual the hidden state. hidden [hidden] float32 is the previous step's
+ * pre-norm output on entry and this step's on return; logits [head_rows]. Returns 0, or -1. */
+int eagle_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
+               int64_t first_key_row, float *hidden, float *logits, int threads) {
+    const int64_t H = m->hidden;
+    if (bad_args(m, pos, write_row) || m->hidden_norm == NULL || m->layers != 1) return -1;
+    float *h = m->scratch, *x = h + H, *embedded = x + 2 * H;
+    embed_row(m, token, embedded);
+    rms_norm(embedded, m->layer[0].attn_norm, x, H, m->eps);
+    rms_norm(hidden, m->hidden_norm, x + H, H, m->eps);
+    memcpy(h, hidden, H * sizeof(float));
+    decoder_layer(m, 0, h, x, 2 * H, pos, write_row, key_rows, first_key_row, threads);
+    memcpy(hidden, h, H * sizeof(float));
+    output_layer(m, h, logits, threads);
     return 0;
 }
