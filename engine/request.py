@@ -46,7 +46,7 @@ class SpecStats:
         return sum(self.accepted_per_round) / proposed if proposed else None
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field-by-field equality (the scheduler's lists)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -23,10 +23,11 @@ class FeatureRun:
     origin: int  # target position of the run's first row ever (the head's position 0)
     start: int  # target position of the first pending row
     rows: list[torch.Tensor] = field(default_factory=list)  # pending rows, each [n, F], in order
+    count: int = 0  # pending rows in all
 
     @property
     def end(self) -> int:
-        return self.start + sum(r.shape[0] for r in self.rows)
+        return self.start + self.count
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ class FeatureCache:
         if run is None or run.end != start:
             run = self._runs[request_id] = FeatureRun(origin=start, start=start)
         run.rows.append(rows.clone())
-        if run.end - run.start > self.max_pending:  # keep the newest rows as a new run
+        run.count += rows.shape[0]
+        if run.count > self.max_pending:  # keep the newest rows as a new run
             end = run.end
             newest = torch.cat(run.rows)[-self.max_pending:]
-            self._runs[request_id] = FeatureRun(origin=end - self.max_pending, start=end - self.max_pending,
-                                                rows=[newest])
+            self._runs[request_id] = FeatureRun(end - self.max_pending, end - self.max_pending, [newest], self.max_pending)
 
     def truncate_to(self, request_id: str, length: int) -> None:
         run = self._runs.get(request_id)
@@ -68,6 +69,7 @@ class FeatureCache:
                 keep.append(r[:length - pos].clone())
             pos += r.shape[0]
         run.rows = keep
+        run.count = sum(r.shape[0] for r in keep)
         if run.start > length:  # nothing left to read and the head is past it: start over there
             self._runs.pop(request_id)
 
@@ -82,7 +84,7 @@ class FeatureCache:
 
     def pending(self, request_id: str) -> int:
         run = self._runs.get(request_id)
-        return 0 if run is None else run.end - run.start
+        return 0 if run is None else run.count
 
     def take(self, request_id: str) -> PendingFeatures | None:
         run = self._runs.get(request_id)
@@ -90,7 +92,7 @@ class FeatureCache:
             return None
         rows = run.rows[0] if len(run.rows) == 1 else torch.cat(run.rows)
         out = PendingFeatures(run.origin, run.start, rows)
-        run.start, run.rows = run.end, []
+        run.start, run.rows, run.count = run.end, [], 0
         return out
 
     def restart(self, request_id: str, origin: int) -> None:
