@@ -1,7 +1,11 @@
 """Train an EAGLE-3 head for the shipped target and write it to models/eagle3 (published layout).
 
     python tools/train_eagle_head.py                    # resumable; ~50 min on 2 CPU cores (750 steps)
+    python tools/train_eagle_head.py --steps 1500       # then on to 1,500 (~50 min more)
     nohup python tools/train_eagle_head.py > eagle.log 2>&1 &
+
+The shipped head is those two commands in turn: 750 steps on one cosine schedule, then resumed to
+1,500 with the schedule stretched to the new length (the learning rate rises again at step 750).
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
 target's features (inputs of layers 2, L/2, L-3) and its distributions computed on the fly with
