@@ -128,13 +128,15 @@ def ours_variant(llm, spec: dict, prompts: list, params) -> Callable[[], dict]:
     return go
 
 
-def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int = 4):
+def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int = 4,
+               speculative_method: str = "draft"):
     """Our engine with both models for side-by-side comparisons (prefix caching off: repeats of
-    the same prompt must not get cheaper)."""
+    the same prompt must not get cheaper). speculative_method "eagle" when `draft` is an EAGLE-3 head."""
     from engine import LLM
 
     return LLM(model=target, draft_model=draft, use_speculative_decoding=True, max_batch_size=max_batch_size,
-               max_seq_len=1024, enable_prefix_caching=False, forward_plan=forward_plan)
+               max_seq_len=1024, enable_prefix_caching=False, forward_plan=forward_plan,
+               speculative_method=speculative_method)
 
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:

@@ -1,6 +1,6 @@
 """Peers on the very same weights: transformers `generate` (plain, assisted, prompt lookup) vs our engine.
 
-    python -m bench peers [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3]
+    python -m bench peers [--workload code edit] [--prompts 8] [--tokens 96] [--repeats 3] [--eagle embedded:eagle3]
 
 Batch 1, greedy, the shipped bf16 pair. Our engine runs its forward plan (measured on this host);
 transformers computes in the dtype our target's plan chose (on a CPU without bf16 matmul kernels,
@@ -9,7 +9,9 @@ Every variant decodes the same token-id prompts with
 EOS ignored (transformers: eos_token_id=None), so each produces exactly `tokens` new tokens; the
 variants are interleaved and repeated, medians reported. `same_as_plain` compares each variant's
 tokens with the same library's plain greedy run (ours: exact; transformers' assisted paths may
-differ from its own plain run by bf16 rounding of batched vs single-token passes).
+differ from its own plain run by bf16 rounding of batched vs single-token passes). Our eagle rows
+run on a second engine with the same target and the EAGLE-3 head of --eagle (transformers has no
+EAGLE-3 path, so those rows have no transformers counterpart).
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ OURS_VARIANTS = {
     "ours ngram (adaptive)": adaptive("ngram"),
     "ours hybrid (adaptive)": adaptive("hybrid"),
 }
+OURS_EAGLE_VARIANTS = {  # on the engine whose model proposer is the EAGLE-3 head
+    "ours eagle (adaptive)": adaptive("eagle"),
+    "ours hybrid-eagle (adaptive)": adaptive("hybrid"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("peers", __doc__, tokens=96, workloads=True).parse_args(argv)
+    ap = parser("peers", __doc__, tokens=96, workloads=True)
+    ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head for the eagle rows ('' for none)")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -44,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
 
     target_dir, draft_dir = resolve_model_path(args.target), resolve_model_path(args.draft)
     llm = batch1_llm(str(target_dir), str(draft_dir), args.forward_plan)
+    llm_eagle = batch1_llm(str(target_dir), str(resolve_model_path(args.eagle)), args.forward_plan,
+                           speculative_method="eagle") if args.eagle else None
     dtype = llm.engine.model.dtype  # what our target computes the bf16 pair in here
     hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
@@ -71,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
             return go
 
         variants = {name: ours_variant(llm, cfg, prompts, params) for name, cfg in OURS_VARIANTS.items()}
+        if llm_eagle is not None:
+            variants.update({name: ours_variant(llm_eagle, cfg, prompts, params)
+                             for name, cfg in OURS_EAGLE_VARIANTS.items()})
         variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
         for fn in variants.values():  # warm-up: kernels, prefix-free caches
             fn()
