@@ -70,8 +70,10 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     steps, t0 = 0, time.perf_counter()
     try:
         while True:
-            logits = mask_rows(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
-            drawn = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active))
+            logits, stuck = _masked(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
+            drawn = logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active)  # [N]
+            drawn = host_sync.read(drawn if stuck is None else drawn.masked_fill(stuck, -1))
+            active = [i for i in active if drawn[i] >= 0]
             for i in active:
                 tokens[i].append(drawn[i])
             active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
@@ -88,6 +90,17 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     if steps:
         observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
     return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
+
+
+def _masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] under the rows' grammars, and which rows [N] have no token left the proposer can
+    propose (a reduced draft vocabulary the grammar excludes): those stop drafting; their logits
+    become finite so their discarded draw stays a number."""
+    masked = mask_rows(logits, grammars)
+    if masked is logits:
+        return logits, None
+    stuck = ~masked.isfinite().any(dim=-1)  # [N]
+    return masked.masked_fill(stuck[:, None], 0.0), stuck
 
 
 def _walk(grammar: GrammarMatcher | None, token: int, walked: list[int], row: int) -> bool:

@@ -251,3 +251,41 @@ def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, 
                 speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
     assert again.engine.forward_plan["draft"]["source"] == "cached"
     assert again.engine.forward_plan["draft"]["token_step"] == plans["draft"]["token_step"]
+
+
+class _AllowOnly:
+    """A grammar stub: only `ids` are allowed, at every position."""
+
+    terminated = False
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for i in self.ids:
+            bitmask[row, i // 32] |= 1 << (i % 32)
+
+    def accept(self, token: int) -> bool:
+        return token in self.ids
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
+def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row_drafting():
+    """A reduced draft vocabulary (ids 0..31 of 64) under a grammar that allows only ids 40 and 41:
+    the head can propose nothing there, so the row drafts nothing and its q stays a distribution;
+    the unconstrained row drafts as usual."""
+    from types import SimpleNamespace
+
+    from engine.speculative.drafting import draft_tokens
+
+    logits = torch.full((2, 64), float("-inf"))  # [N, V]
+    logits[:, :32] = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    reqs = [SimpleNamespace(grammar=g, params=SamplingParams(temperature=1.0), all_token_ids=[3],
+                            generator=torch.Generator().manual_seed(i)) for i, g in enumerate([_AllowOnly([40, 41]), None])]
+    observer = SimpleNamespace(observe_draft_step=lambda *a: None)
+    tokens, q = draft_tokens(reqs, [3, 3], logits, True, lambda rows, last: logits[rows], observer)
+    assert tokens[0] == [] and len(tokens[1]) == 3 and all(t < 32 for t in tokens[1])
+    assert torch.isfinite(q).all() and torch.allclose(q.sum(-1), torch.ones(2, q.shape[1]))
