@@ -16,7 +16,7 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig, with_embedde
 from engine.faults import is_device_fault
 from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
-from engine.kv.features import FeatureCache
+from engine.kv.features import MAX_PENDING, FeatureCache
 from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3
 from engine.model.loader import read_shape, resolve_model_path
@@ -97,10 +97,13 @@ class LLMEngine:
 
     def _kv_blocks(self, free_bytes: int) -> int | None:
         """Blocks per pool: num_kv_blocks if given, else what kv_cache_memory_fraction of the free
-        memory holds for both models (slotted pools: checked to fit, one block per slot)."""
+        memory holds for both models, less a head's pending features (slotted pools: checked to
+        fit, one block per slot)."""
         c = self.config
         if c.num_kv_blocks is not None and c.kv_cache_backend == "paged":
             return c.num_kv_blocks
+        if isinstance(self.draft_model, Eagle3Head):  # target features a head has yet to read, at their bound
+            free_bytes -= c.max_batch_size * MAX_PENDING * self.draft_model.feature_width * self.model.dtype.itemsize
         models = [m for m in (self.model, self.draft_model) if m is not None]
         per_token = kv_bytes_per_token([m.shape for m in models], [m.dtype.itemsize for m in models])
         blocks = pool_blocks(free_bytes, c.kv_cache_memory_fraction, per_token, c.block_size, c.max_batch_size,

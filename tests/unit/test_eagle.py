@@ -289,3 +289,23 @@ def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row
     tokens, q = draft_tokens(reqs, [3, 3], logits, True, lambda rows, last: logits[rows], observer)
     assert tokens[0] == [] and len(tokens[1]) == 3 and all(t < 32 for t in tokens[1])
     assert torch.isfinite(q).all() and torch.allclose(q.sum(-1), torch.ones(2, q.shape[1]))
+
+
+def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir):
+    """With an EAGLE-3 head, the KV pools get the fraction of what is free after the features the
+    head may have pending (max_batch_size requests x MAX_PENDING rows x 3H) are set aside."""
+    from engine import EngineConfig, LLMEngine
+    from engine.kv.features import MAX_PENDING
+    from engine.kv.sizing import kv_bytes_per_token
+
+    def engine(free: int) -> LLMEngine:
+        config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(head_dir), dtype="float32",
+                                          use_speculative_decoding=True, speculative_method="eagle",
+                                          max_batch_size=4, max_seq_len=256, block_size=16, forward_plan="torch",
+                                          kv_cache_memory_fraction=0.5)
+        return LLMEngine(config, free_memory=lambda device: free)
+
+    roomy = engine(10**12)
+    per_token = kv_bytes_per_token([roomy.model.shape, roomy.draft_model.shape], [4, 4])
+    features = 4 * MAX_PENDING * roomy.draft_model.feature_width * 4
+    assert engine(features + 2 * 40 * 16 * per_token).config.num_kv_blocks == 40
