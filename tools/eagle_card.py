@@ -116,8 +116,9 @@ def card(f: dict, log: list[dict], config: dict) -> str:
              f"{config['eagle_config']['eagle_aux_hidden_state_layer_ids']} and the embedding of the next token "
              "(shared with the target) and proposes over "
              f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens.", "",
-             "Reproduce: `python tools/train_eagle_head.py` (needs the corpus of `tools/make_default_pair.py`; "
-             "resumable), then `python tools/eagle_card.py` (this card).", "",
+             "Reproduce: the commands at the top of `tools/train_eagle_head.py` (750 steps, then resumed to 1,500 "
+             "and to 2,250; needs the corpus of `tools/make_default_pair.py`), then `python tools/eagle_card.py` "
+             "(this card).", "",
              "## Training", "",
              f"{log[-1]['step']} steps of 8 windows of 256 tokens (half the target's own generations, half corpus "
              f"windows), a {len(log[-1]['agree'])}-step training-time-test rollout per position, "

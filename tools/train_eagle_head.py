@@ -2,10 +2,12 @@
 
     python tools/train_eagle_head.py                    # resumable; ~50 min on 2 CPU cores (750 steps)
     python tools/train_eagle_head.py --steps 1500       # then on to 1,500 (~50 min more)
+    python tools/train_eagle_head.py --steps 2250       # then on to 2,250 (~50 min more)
     nohup python tools/train_eagle_head.py > eagle.log 2>&1 &
 
-The shipped head is those two commands in turn: 750 steps on one cosine schedule, then resumed to
-1,500 with the schedule stretched to the new length (the learning rate rises again at step 750).
+The shipped head is those three commands in turn: 750 steps on one cosine schedule, then resumed
+twice, each time with the schedule stretched to the new length (the learning rate rises again at
+steps 750 and 1,500; agreement dips for ~100 steps, then passes where it was).
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
 target's features (inputs of layers 2, L/2, L-3) and its distributions computed on the fly with
