@@ -95,9 +95,7 @@ def load_planned_head(path: Path, load: Callable[[ModelPlan], Transformer], dtyp
     if explicit is not None:
         plan = dataclasses.replace(explicit, dtype=dtype)
         return load(plan), PlanChoice(plan, "explicit")
-    options = [ModelPlan(dtype)]
-    if device == "cpu" and dtype != "float16" and TokenStep.runs(read_shape(path)):
-        options.append(ModelPlan(dtype, token_step=True))
+    options = [p for p in candidates("draft", dtype, device, read_shape(path)) if p.dtype == dtype] or [ModelPlan(dtype)]
     return _choose(path, "draft", dtype, device, options, load, max_positions, cache_role="eagle3")
 
 

@@ -109,11 +109,12 @@ class TokenStep:
         lasts = [0] * B if logits_index is None else logits_index.tolist()
         ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, lasts)
         logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
+        model, threads = ctypes.byref(self._model), torch.get_num_threads()
         for b in range(B):
             for t in range(lasts[b] + 1):
                 out = logits[b].data_ptr() if t == lasts[b] else None
-                _check(self._kernels.token_step(ctypes.byref(self._model), ids[b][t], positions[b][t], rows[b * T + t],
-                                                *keys[b], out, torch.get_num_threads()), positions[b][t])
+                _check(self._kernels.token_step(model, ids[b][t], positions[b][t], rows[b * T + t], *keys[b], out,
+                                                threads), positions[b][t])
         return logits if logits_index is not None else logits.view(B, 1, self._vocab_size)
 
     def head_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
@@ -124,10 +125,10 @@ class TokenStep:
         ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, [0] * B)
         state = hidden.reshape(B, -1).to(torch.float32, copy=True)  # [B, hidden]: in, then out
         logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
+        model, threads = ctypes.byref(self._model), torch.get_num_threads()
         for b in range(B):
-            _check(self._kernels.eagle_step(ctypes.byref(self._model), ids[b][0], positions[b][0], rows[b], *keys[b],
-                                            state[b].data_ptr(), logits[b].data_ptr(), torch.get_num_threads()),
-                   positions[b][0])
+            _check(self._kernels.eagle_step(model, ids[b][0], positions[b][0], rows[b], *keys[b], state[b].data_ptr(),
+                                            logits[b].data_ptr(), threads), positions[b][0])
         return logits, state.to(hidden.dtype)
 
     def _bind(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, lasts: list[int]):

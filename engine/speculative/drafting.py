@@ -73,7 +73,8 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
             logits, stuck = _masked(logits, [grammars[i] if i in active else None for i in range(len(reqs))])
             drawn = logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, active)  # [N]
             drawn = host_sync.read(drawn if stuck is None else drawn.masked_fill(stuck, -1))
-            active = [i for i in active if drawn[i] >= 0]
+            if stuck is not None:
+                active = [i for i in active if drawn[i] >= 0]
             for i in active:
                 tokens[i].append(drawn[i])
             active = [i for i in active if len(tokens[i]) < ks[i] and _walk(grammars[i], drawn[i], walked, i)]
