@@ -1,10 +1,11 @@
 """Before/after of a change: the default engine of two source trees, run in alternating processes.
 
     git worktree add /tmp/before <rev>
-    python tools/before_after.py --before /tmp/before --after . --repeats 3 [--temperature 0.8]
+    python tools/before_after.py --before /tmp/before --after . --repeats 3 [--temperature 0.8] [--method eagle]
 
-Each process loads one tree's default engine (`LLM()`, the embedded pair, batch up to 16) and
-times plain decoding, draft K = 5 and the adaptive draft, hybrid and n-gram settings at batch 1
+Each process loads one tree's default engine (`LLM()`, the embedded pair, batch up to 16; with
+--method eagle the embedded EAGLE-3 head instead of the draft model) and times plain decoding,
+K = 5 and the adaptive model proposer, hybrid and n-gram settings at batch 1
 (4 code prompts one at a time, 96 tokens) and batch 16 (16 prompts together, 64 tokens); the
 trees alternate, so the host's drift hits both. Prints after / before per setting (median and
 range of the per-repeat ratios) and writes them as JSON.
@@ -25,12 +26,14 @@ def spec(method: str, k: int, policy: str) -> dict:
     return {"use_speculative_decoding": True, "speculative_method": method, "spec_length": k, "spec_policy": policy}
 
 
-SETTINGS = {"plain": {"use_speculative_decoding": False}, "draft K=5": spec("draft", 5, "fixed"),
-            "draft adaptive": spec("draft", 8, "adaptive"), "hybrid adaptive": spec("hybrid", 8, "adaptive"),
+def settings_of(method: str) -> dict[str, dict]:
+    """Plain, K = 5 and adaptive by the model proposer `method`, hybrid and n-gram adaptive."""
+    return {"plain": {"use_speculative_decoding": False}, f"{method} K=5": spec(method, 5, "fixed"),
+            f"{method} adaptive": spec(method, 8, "adaptive"), "hybrid adaptive": spec("hybrid", 8, "adaptive"),
             "ngram adaptive": spec("ngram", 8, "adaptive")}
 
 
-def run_tree(tree: str, temperature: float = 0.0) -> dict[str, float]:
+def run_tree(tree: str, temperature: float = 0.0, method: str = "draft") -> dict[str, float]:
     """tok/s of every setting at batch 1 and 16 in this process, on `tree`'s engine."""
     sys.path.insert(0, tree)
     import torch
@@ -39,13 +42,14 @@ def run_tree(tree: str, temperature: float = 0.0) -> dict[str, float]:
     from bench.workloads import load_prompts
     from engine import LLM, SamplingParams
 
-    llm = LLM(max_batch_size=16, max_seq_len=1024, enable_prefix_caching=False)
+    head = {"draft_model": "embedded:eagle3", "speculative_method": "eagle"} if method == "eagle" else {}
+    llm = LLM(max_batch_size=16, max_seq_len=1024, enable_prefix_caching=False, **head)
     engine = llm.engine
     tok = engine.tokenizer
     b1 = [tok.encode(p) for p in load_prompts("code", 4)]
     b16 = [tok.encode(p) for p in (load_prompts("code") + load_prompts("edit"))[:16]]
     out = {}
-    for name, settings in SETTINGS.items():
+    for name, settings in settings_of(method).items():
         if hasattr(engine, "reconfigure_speculation"):
             engine.reconfigure_speculation(**settings)
         else:  # trees from before SpecConfig
@@ -70,10 +74,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="before_after.json")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (seeded)")
+    ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
+                    help="the model proposer: the embedded draft model, or the embedded EAGLE-3 head")
     ap.add_argument("--one-tree", help=argparse.SUPPRESS)  # internal: run one tree, print JSON
     args = ap.parse_args()
     if args.one_tree:
-        print(json.dumps(run_tree(args.one_tree, args.temperature)))
+        print(json.dumps(run_tree(args.one_tree, args.temperature, args.method)))
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from serve_app.kernel_caches import bound_kernel_caches
@@ -84,7 +90,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name, tree in trees.items():
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--before", "-", "--after", "-",
-                                   "--one-tree", tree, "--temperature", str(args.temperature)], capture_output=True, text=True, cwd="/", check=True)
+                                   "--one-tree", tree, "--temperature", str(args.temperature), "--method", args.method], capture_output=True, text=True, cwd="/", check=True)
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(rep, name, {k: round(v) for k, v in runs[name][-1].items()}, flush=True)
     result = {}

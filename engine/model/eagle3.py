@@ -49,7 +49,7 @@ def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
 class Eagle3Head(Transformer):
     """The head's forward over its own KV pool (one layer). `forward` (the Transformer interface,
     used to time passes) is a draft step from a zero hidden state; the proposer calls `step`. With
-    `plan.token_step`, one-token draft steps of a few sequences run as C calls (token_step.c)."""
+    `plan.token_step`, passes of a few tokens run as C calls (token_step.c)."""
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
@@ -89,14 +89,12 @@ class Eagle3Head(Transformer):
         outside the draft vocabulary) [B, (T,) vocab] and the pre-norm output [B, (T,) hidden],
         at logits_index (or every position when None)."""
         B, T = input_ids.shape
-        if T == 1 and self._token_step is not None and hidden.shape[-1] == self.shape.hidden_size \
-                and self._token_step.takes(B, 1, logits_index):
-            logits, h = self._token_step.head_step(input_ids, position_ids, kv, hidden)  # [B, vocab], [B, hidden]
-            return self._target_logits(logits if logits_index is not None else logits[:, None]), \
-                h if logits_index is not None else h[:, None]
-        lw = self.layers[0]
         if hidden.shape[-1] != self.shape.hidden_size:
             hidden = self._linear(hidden, self.fc)  # [B, T, hidden]
+        if self._token_step is not None and self._token_step.takes(B, T, logits_index):
+            logits, h = self._token_step.head_pass(input_ids, position_ids, kv, hidden, logits_index)
+            return self._target_logits(logits), h
+        lw = self.layers[0]
         x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm),
                        self._rms_norm(hidden, self.hidden_norm)], dim=-1)  # [B, T, 2 * hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)

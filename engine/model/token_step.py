@@ -1,7 +1,8 @@
-"""A draft model's narrow passes as whole-model C calls, one token at a time (token_step.c): each
-writes its K/V through the pass's view before the next reads it, so a short chunk gives the batched
-forward's K/V and logits up to rounding. An EAGLE-3 head's draft steps run the same way (`head_step`).
-Only proposers use it: their rounding may differ between passes.
+"""A draft model's narrow passes as whole-model C calls (token_step.c): the pass's rows (a few
+tokens of one or more sequences) go through each matmul together, every row writes its K/V through
+the pass's view before any attends, so a pass gives the torch forward's K/V and logits up to
+rounding. An EAGLE-3 head's passes run the same way (`head_pass`). Only proposers use it: their
+rounding may differ between passes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
 
-TOKEN_STEP_MAX_TOKENS = 3  # passes computing at most this many tokens run as token steps (performance-notes)
+TOKEN_STEP_MAX_ROWS = 8  # passes computing at most this many tokens run as C calls (performance-notes)
 
 
 class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind
@@ -34,7 +35,13 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kind", ctypes.c_int64),
                 ("kv_kind", ctypes.c_int64), ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
-                ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+                ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+                ("max_rows", ctypes.c_int64)]
+
+
+class _Row(ctypes.Structure):  # token_step.c's StepRow
+    _fields_ = [("token", ctypes.c_int64), ("pos", ctypes.c_int64), ("write_row", ctypes.c_int64),
+                ("first_key_row", ctypes.c_int64), ("key_rows", ctypes.c_void_p)]
 
 
 class TokenStep:
@@ -72,7 +79,8 @@ class TokenStep:
             kv_kind=int(WeightKind.BF16 if self.dtype == torch.bfloat16 else WeightKind.F32),
             embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
             final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
-            scratch=None, hidden_norm=None if hidden_norm is None else self._held(hidden_norm.float().contiguous()))
+            scratch=None, hidden_norm=None if hidden_norm is None else self._held(hidden_norm.float().contiguous()),
+            max_rows=TOKEN_STEP_MAX_ROWS)
         floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
         self._vocab_size = shape.vocab_size
@@ -90,64 +98,72 @@ class TokenStep:
 
     @staticmethod
     def takes(batch: int, width: int, logits_index: torch.Tensor | None) -> bool:
-        """Whether a pass of `batch` x `width` query rows computes at most TOKEN_STEP_MAX_TOKENS
-        tokens (each sequence's up to logits_index[b]; every row when it is None, which needs
-        width 1)."""
+        """Whether a pass of `batch` x `width` query rows computes at most TOKEN_STEP_MAX_ROWS tokens
+        (each sequence's up to logits_index[b]; every row when it is None)."""
         if logits_index is None:
-            return width == 1 and batch <= TOKEN_STEP_MAX_TOKENS
-        return batch <= TOKEN_STEP_MAX_TOKENS and batch + int(logits_index.sum()) <= TOKEN_STEP_MAX_TOKENS
+            return batch * width <= TOKEN_STEP_MAX_ROWS
+        return batch + int(logits_index.sum()) <= TOKEN_STEP_MAX_ROWS
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None) -> torch.Tensor:
         """As Transformer.forward for a pass over B sequences of T query rows, computing only each
-        sequence's tokens up to logits_index[b] (all T rows are real when it is None, which
-        then needs T == 1). Returns logits [B, vocab] (or [B, 1, vocab] when logits_index is
-        None), float32."""
+        sequence's tokens up to logits_index[b] (all T rows are real when it is None). Returns
+        logits [B, vocab] (or [B, T, vocab] when logits_index is None), float32."""
         B, T = input_ids.shape
-        if logits_index is None and T != 1:
-            raise ValueError("TokenStep computes every position only for one-token passes")
-        lasts = [0] * B if logits_index is None else logits_index.tolist()
-        ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, lasts)
-        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
-        model, threads = ctypes.byref(self._model), torch.get_num_threads()
-        for b in range(B):
-            for t in range(lasts[b] + 1):
-                out = logits[b].data_ptr() if t == lasts[b] else None
-                _check(self._kernels.token_step(model, ids[b][t], positions[b][t], rows[b * T + t], *keys[b], out,
-                                                threads), positions[b][t])
-        return logits if logits_index is not None else logits.view(B, 1, self._vocab_size)
+        rows, outs = self._rows(input_ids, position_ids, kv, logits_index)
+        logits = torch.empty(len(outs), self._vocab_size, dtype=torch.float32)  # [B or B * T, vocab]
+        out_rows = torch.tensor(outs, dtype=torch.int64)
+        _check(self._kernels.token_rows(ctypes.byref(self._model), rows, len(rows), out_rows.data_ptr(), len(outs),
+                                        logits.data_ptr(), torch.get_num_threads()))
+        return logits if logits_index is not None else logits.view(B, T, self._vocab_size)
 
-    def head_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An EAGLE-3 head's one-token pass (input_ids, position_ids [B, 1]) fed its previous outputs
-        hidden [B, 1, hidden]: logits [B, vocab] float32 and this step's outputs [B, hidden]."""
-        B = input_ids.shape[0]
-        ids, positions, rows, keys = self._bind(input_ids, position_ids, kv, [0] * B)
-        state = hidden.reshape(B, -1).to(torch.float32, copy=True)  # [B, hidden]: in, then out
-        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab]
-        model, threads = ctypes.byref(self._model), torch.get_num_threads()
-        for b in range(B):
-            _check(self._kernels.eagle_step(model, ids[b][0], positions[b][0], rows[b], *keys[b], state[b].data_ptr(),
-                                            logits[b].data_ptr(), threads), positions[b][0])
-        return logits, state.to(hidden.dtype)
+    def head_pass(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, hidden: torch.Tensor,
+                  logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An EAGLE-3 head's pass (input_ids, position_ids [B, T]) fed hidden states [B, T, hidden]
+        (fused target features, or its previous outputs): logits float32 and the pass's outputs in
+        hidden's dtype, [B, vocab] and [B, hidden] at logits_index (every row, [B, T, ...], when None)."""
+        B, T = input_ids.shape
+        rows, outs = self._rows(input_ids, position_ids, kv, logits_index)
+        counts = [T] * B if logits_index is None else [i + 1 for i in logits_index.tolist()]
+        state = torch.cat([hidden[b, :n] for b, n in enumerate(counts)]).to(torch.float32).contiguous()  # [rows, H]
+        logits = torch.empty(len(outs), self._vocab_size, dtype=torch.float32)  # [B or B * T, vocab]
+        out_rows = torch.tensor(outs, dtype=torch.int64)
+        _check(self._kernels.eagle_rows(ctypes.byref(self._model), rows, len(rows), state.data_ptr(),
+                                        out_rows.data_ptr(), len(outs), logits.data_ptr(), torch.get_num_threads()))
+        state = state[out_rows].to(hidden.dtype)  # [B or B * T, hidden]
+        if logits_index is None:
+            return logits.view(B, T, -1), state.view(B, T, -1)
+        return logits, state
 
-    def _bind(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, lasts: list[int]):
-        """Points the C model at the view's storage; the pass's ids and positions [B][T], write rows
-        [B * T] and each sequence's (key rows pointer, first key row)."""
+    def _rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+              logits_index: torch.Tensor | None) -> tuple[ctypes.Array, list[int]]:
+        """Points the C model at the view's storage; the pass's rows (each sequence's tokens up to
+        logits_index[b], every row when None) and the indices among them whose logits are wanted."""
+        B, T = input_ids.shape
+        counts = [T] * B if logits_index is None else [i + 1 for i in logits_index.tolist()]
+        if sum(counts) > TOKEN_STEP_MAX_ROWS:
+            raise ValueError(f"TokenStep takes passes of at most {TOKEN_STEP_MAX_ROWS} rows, got {sum(counts)}")
         storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]
         if storage.dtype != self.dtype or not storage.is_contiguous() or storage.device.type != "cpu":
             raise ValueError(f"TokenStep needs a contiguous {self.dtype} CPU KV storage")
-        ids, positions = input_ids.tolist(), position_ids.tolist()
-        if max(positions[b][t] for b, t in enumerate(lasts)) >= self._model.max_keys:
+        ids, positions, write_rows = input_ids.tolist(), position_ids.tolist(), kv.write_rows.tolist()
+        if max(positions[b][n - 1] for b, n in enumerate(counts)) >= self._model.max_keys:
             raise ValueError(f"position exceeds the model's {self._model.max_keys} positions")
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
         if kv.read_rows is None:  # one sequence whose keys are one slice of storage
-            return ids, positions, kv.write_rows.tolist(), [(None, kv.read_slice.start)]
-        self._key_rows = kv.read_rows.to(torch.int64).contiguous()  # [B, L], alive while the pass runs
-        return ids, positions, kv.write_rows.tolist(), [(r.data_ptr(), 0) for r in self._key_rows]
+            keys = [(None, kv.read_slice.start)]
+        else:
+            self._key_rows = kv.read_rows.to(torch.int64).contiguous()  # [B, L], alive while the pass runs
+            keys = [(r.data_ptr(), 0) for r in self._key_rows]
+        rows, outs = [], []
+        for b, n in enumerate(counts):
+            key_rows, first = keys[b]
+            rows += [_Row(ids[b][t], positions[b][t], write_rows[b * T + t], first, key_rows) for t in range(n)]
+            outs += range(len(rows) - n, len(rows)) if logits_index is None else [len(rows) - 1]
+        return (_Row * len(rows))(*rows), outs
 
 
-def _check(status: int, position: int) -> None:
+def _check(status: int) -> None:
     if status:
-        raise ValueError(f"token step rejected position {position} (or its KV row)")
+        raise ValueError("token step rejected a position or KV row of its pass")

@@ -99,23 +99,28 @@ def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tin
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert is_eagle3(tmp_path) and not is_eagle3(tiny_model[0])
     target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
-    head = load_eagle3(tmp_path, target, 64, token_step)  # token_step: the one-token steps below are C calls
+    head = load_eagle3(tmp_path, target, 64, token_step)  # token_step: the passes below are C calls
     assert head.aux_layers == tuple(AUX) and head.plan.token_step == token_step
+    passes = []  # shapes of the passes that ran as C calls
+    if token_step:
+        original = head._token_step.head_pass
+        head._token_step.head_pass = lambda ids, *rest: passes.append(tuple(ids.shape)) or original(ids, *rest)
     pool = pool_for(head, max_slots=2, max_seq_len=64, backend=backend, block_size=4)
     slot = pool.allocate_slot([])[0]
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (14,), generator=g).tolist()
-    features = torch.randn(10, 3 * cfg["hidden_size"], generator=g)  # [10, 3H]
-    x = pass_inputs(head, pool, [slot], [tokens[:10]], [0])  # positions 0..9 from target features
-    logits, out = head.step(x.ids, x.positions, x.view, features[None], None)  # [1, 10, V], [1, 10, H]
+    tokens = torch.randint(0, vocab, (10,), generator=g).tolist()
+    features = torch.randn(6, 3 * cfg["hidden_size"], generator=g)  # [6, 3H]
+    x = pass_inputs(head, pool, [slot], [tokens[:6]], [0])  # positions 0..5 from target features
+    logits, out = head.step(x.ids, x.positions, x.view, features[None], None)  # [1, 6, V], [1, 6, H]
     inputs = list(features)
     got_logits, got_out = [logits[0]], [out[0]]
-    for j in range(10, 14):  # then one-token steps on the head's own output, as drafting does
+    for j in range(6, 10):  # then one-token steps on the head's own output, as drafting does
         inputs.append(got_out[-1][-1])
         x = pass_inputs(head, pool, [slot], [[tokens[j]]], [j])
         logits, out = head.step(x.ids, x.positions, x.view, got_out[-1][-1:][None], x.last)  # [1, V], [1, H]
         got_logits.append(logits)
         got_out.append(out)
+    assert passes == ([(1, 6)] + [(1, 1)] * 4 if token_step else [])
     want_logits, want_out = reference_head(w, cfg, target.embed, tokens, inputs)
     got_logits, got_out = torch.cat(got_logits), torch.cat(got_out)
     assert torch.equal(torch.isinf(got_logits), torch.isinf(want_logits))

@@ -9,7 +9,7 @@ from engine.config import EngineConfig, ModelPlan
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
-from engine.model.token_step import WeightKind
+from engine.model.token_step import TOKEN_STEP_MAX_ROWS, WeightKind
 from tests.helpers import make_model, pool_for
 
 needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
@@ -18,8 +18,9 @@ needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU 
 def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Three sequences prefilled together, then one-token steps of the first (past its third
     16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
-    sequences stepping together, and a 4-token chunk (too wide for token steps). Returns each
-    pass's logits, the KV storage before the 4-token chunk and after it."""
+    sequences stepping together, two sequences taking 3-token chunks together, and a chunk one
+    token wider than token steps take. Returns each pass's logits, the KV storage before the
+    widest chunk and after it."""
     pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
     torch.manual_seed(1)
     ids = torch.randint(0, model.shape.vocab_size, (3, 80)).tolist()
@@ -30,8 +31,10 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
     out.append(forward_chunks(model, pool, slots[:1], [ids[0][52:55]], [52]))  # [1, vocab]
     for i in range(40, 44):
         out.append(forward_chunks(model, pool, slots[1:], [ids[1][i:i + 1], ids[2][i:i + 1]], [i, i]))  # [2, vocab]
+    out.append(forward_chunks(model, pool, slots[1:], [ids[1][44:47], ids[2][44:47]], [44, 44]))  # [2, vocab]
     before_wide = pool.storage.clone()
-    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:59]], [55]))  # [1, vocab]
+    wide = 55 + TOKEN_STEP_MAX_ROWS + 1
+    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:wide]], [55]))  # [1, vocab]
     return out, before_wide, pool.storage
 
 
@@ -41,8 +44,8 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
                                             ("bfloat16", "bfloat16")])
 def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights, compute):
     """Logits and the K/V left in the pool agree with the torch forward to the compute dtype's
-    rounding (a bf16 model keeps a bf16 KV cache); passes of at most three tokens run as token
-    steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
+    rounding (a bf16 model keeps a bf16 KV cache); passes of at most TOKEN_STEP_MAX_ROWS tokens
+    run as token steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
     make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
     reference = load_model(tmp_path, ModelPlan(compute), "cpu", 256)
     stepped = load_model(tmp_path, ModelPlan(compute, token_step=True), "cpu", 256)
@@ -60,8 +63,8 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
     step.forward = counted
     want, want_kv, want_end = _passes(tmp_path, reference, backend)
     got, got_kv, got_end = _passes(tmp_path, stepped, backend)
-    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps
-    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4
+    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps, the two 3-token chunks
+    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4 + [(2, 3)]
     if compute == "float32":
         torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
         for w, g in zip(want, got):

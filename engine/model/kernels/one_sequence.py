@@ -28,7 +28,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 class OneSequenceKernels:
-    """The compiled kernels: the matmul for float32 and bfloat16 weights, and the token step."""
+    """The compiled kernels: the matmul for float32 and bfloat16 weights, and the token step's passes."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.f32 = lib.one_sequence_f32
@@ -37,16 +37,16 @@ class OneSequenceKernels:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
-        # token_step(model*, token, pos, write_row, key_rows*, first_key_row, logits*, threads)
-        self.token_step = lib.token_step
-        self.token_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        # token_rows(model*, rows*, n, out_rows*, n_out, logits*, threads)
+        self.token_rows = lib.token_rows
+        self.token_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self.token_rows.restype = ctypes.c_int
+        # eagle_rows(model*, rows*, n, hidden*, out_rows*, n_out, logits*, threads)
+        self.eagle_rows = lib.eagle_rows
+        self.eagle_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self.token_step.restype = ctypes.c_int
-        # eagle_step(model*, token, pos, write_row, key_rows*, first_key_row, hidden*, logits*, threads)
-        self.eagle_step = lib.eagle_step
-        self.eagle_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        self.eagle_step.restype = ctypes.c_int
+        self.eagle_rows.restype = ctypes.c_int
         self.token_step_scratch_floats = lib.token_step_scratch_floats
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64

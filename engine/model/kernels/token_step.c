@@ -1,9 +1,13 @@
-/* One token through a whole Llama, on CPU: a draft model's step over one sequence; and one token
- * through an EAGLE-3 head (eagle_step), whose one layer attends over [embedding, hidden state].
+/* A few tokens through a whole Llama, on CPU: a draft model's pass over a few rows (one or more
+ * tokens of one or more sequences); and the same through an EAGLE-3 head (eagle_rows), whose one
+ * layer attends over [embedding, hidden state].
  *
  * Why: a small draft's torch step is mostly dispatch cost of ~100 eager operations
- * (docs/performance-notes.md#draft-token-step). Here the whole step is one call: the matmuls are
- * one_sequence.c's kernel with M = 1, attention and the rest loops over head or hidden vectors.
+ * (docs/performance-notes.md#draft-token-step). Here the whole pass is one call: the matmuls are
+ * one_sequence.c's kernel with M = the pass's rows (each weight streamed once; each row's products
+ * are the same bits whatever M is), attention and the rest loops over rows, heads or vectors.
+ * Every row writes its K/V before any row attends, so rows of one sequence (consecutive
+ * positions) see each other as a causal pass does.
  *
  * A draft's rounding may differ from its batched passes (only the target's verify pass and the
  * rejection sampler decide the output), so nothing here needs to match torch bit for bit; the
@@ -54,11 +58,42 @@ typedef struct {
     const StepLayer *layer;   /* [layers] */
     void *kv;
     float *scratch;           /* see token_step_scratch_floats */
+    int64_t max_rows;         /* the most rows a pass may have (the scratch is sized for it) */
 } StepModel;
 
+/* One row of a pass: a token at position pos, its K/V written at write_row; it attends to key
+ * positions 0..pos, at rows key_rows[j] (or first_key_row + j when key_rows is NULL). */
+typedef struct {
+    int64_t token, pos, write_row, first_key_row;
+    const int64_t *key_rows;
+} StepRow;
+
+/* The scratch, per row: residual h [hidden], attention input x [2 hidden], qkv, attn, tmp, normed
+ * [hidden], gate_up [2 intermediate], act [intermediate]; then scores [heads, max_keys]. */
+typedef struct {
+    float *h, *x, *qkv, *attn, *tmp, *normed, *gu, *act, *scores;
+} Scratch;
+
+static int64_t qkv_width(const StepModel *m) { return (m->heads + 2 * m->kv_heads) * m->head_dim; }
+
 int64_t token_step_scratch_floats(const StepModel *m, int64_t max_keys) {
-    int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    return 4 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->intermediate + m->heads * max_keys;
+    const int64_t H = m->hidden, I = m->intermediate;
+    return m->max_rows * (6 * H + qkv_width(m) + m->heads * m->head_dim + 3 * I) + m->heads * max_keys;
+}
+
+static Scratch scratch_of(const StepModel *m) {
+    const int64_t R = m->max_rows, H = m->hidden;
+    Scratch s;
+    s.h = m->scratch;
+    s.x = s.h + R * H;
+    s.qkv = s.x + R * 2 * H;
+    s.attn = s.qkv + R * qkv_width(m);
+    s.tmp = s.attn + R * m->heads * m->head_dim;
+    s.normed = s.tmp + R * H;
+    s.gu = s.normed + R * H;
+    s.act = s.gu + R * 2 * m->intermediate;
+    s.scores = s.act + R * m->intermediate;
+    return s;
 }
 
 static inline float lanes_total(__m256 v) {
@@ -67,11 +102,13 @@ static inline float lanes_total(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int threads) {
+/* y [rows, n] = x [rows, k] @ w [n, k].T */
+static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int64_t rows,
+                   int threads) {
     if (m->kind == WEIGHTS_BF16)
-        one_sequence_bf16((const uint16_t *)w, x, y, n, k, 1, threads);
+        one_sequence_bf16((const uint16_t *)w, x, y, n, k, rows, threads);
     else
-        one_sequence_f32((const float *)w, x, y, n, k, 1, threads);
+        one_sequence_f32((const float *)w, x, y, n, k, rows, threads);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -148,41 +185,61 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
     }
 }
 
-/* One decoder layer l over one token: x [width] is its normed attention input, h [hidden] the
- * residual stream (updated in place); writes the token's K/V at write_row and attends to keys 0..pos. */
-static void decoder_layer(const StepModel *m, int64_t l, float *h, const float *x, int64_t width, int64_t pos,
-                          int64_t write_row, const int64_t *key_rows, int64_t first_key_row, int threads) {
+/* Decoder layer l over a pass's n rows: x [n, width] is their normed attention input (row stride
+ * width), s.h [n, hidden] their residual streams (updated in place). Every row's K/V is written
+ * before any row attends. */
+static void decoder_layer(const StepModel *m, int64_t l, const Scratch *s, int64_t width, const StepRow *rows,
+                          int64_t n, int threads) {
     const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads;
-    float *tmp = m->scratch + 3 * H, *qkv = tmp + H, *attn = qkv + (Hq + 2 * Hkv) * D;
-    float *gu = attn + Hq * D, *act = gu + 2 * I, *scores = act + I, *normed = m->scratch + H;
+    const int64_t Q = qkv_width(m), A = Hq * D;
     const StepLayer *lw = &m->layer[l];
-    const float *cos = m->cos + pos * D, *sin = m->sin + pos * D;
-    matmul(m, lw->qkv, x, qkv, (Hq + 2 * Hkv) * D, width, threads);
-    for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
-    for (int64_t j = 0; j < Hkv; j++) {
-        store(m->kv, m->kv_kind, kv_at(m, l, 0, j, write_row), qkv + (Hq + j) * D, D);
-        store(m->kv, m->kv_kind, kv_at(m, l, 1, j, write_row), qkv + (Hq + Hkv + j) * D, D);
+    matmul(m, lw->qkv, s->x, s->qkv, Q, width, n, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float *qkv = s->qkv + r * Q;
+        const float *cos = m->cos + rows[r].pos * D, *sin = m->sin + rows[r].pos * D;
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
+        for (int64_t j = 0; j < Hkv; j++) {
+            store(m->kv, m->kv_kind, kv_at(m, l, 0, j, rows[r].write_row), qkv + (Hq + j) * D, D);
+            store(m->kv, m->kv_kind, kv_at(m, l, 1, j, rows[r].write_row), qkv + (Hq + Hkv + j) * D, D);
+        }
     }
-    attend(m, l, qkv, attn, scores, pos + 1, key_rows, first_key_row, threads);
-    matmul(m, lw->o, attn, tmp, H, Hq * D, threads);
-    for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
-    rms_norm(h, lw->mlp_norm, normed, H, m->eps);
-    matmul(m, lw->gate_up, normed, gu, 2 * I, H, threads);
-    for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[I + i];
-    matmul(m, lw->down, act, tmp, H, I, threads);
-    for (int64_t i = 0; i < H; i++) h[i] += tmp[i];
+    for (int64_t r = 0; r < n; r++)
+        attend(m, l, s->qkv + r * Q, s->attn + r * A, s->scores, rows[r].pos + 1, rows[r].key_rows,
+               rows[r].first_key_row, threads);
+    matmul(m, lw->o, s->attn, s->tmp, H, A, n, threads);
+    for (int64_t i = 0; i < n * H; i++) s->h[i] += s->tmp[i];
+    for (int64_t r = 0; r < n; r++) rms_norm(s->h + r * H, lw->mlp_norm, s->normed + r * H, H, m->eps);
+    matmul(m, lw->gate_up, s->normed, s->gu, 2 * I, H, n, threads);
+    for (int64_t r = 0; r < n; r++) {
+        const float *gate = s->gu + r * 2 * I, *up = gate + I;
+        float *act = s->act + r * I;
+        for (int64_t i = 0; i < I; i++) act[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    }
+    matmul(m, lw->down, s->act, s->tmp, H, I, n, threads);
+    for (int64_t i = 0; i < n * H; i++) s->h[i] += s->tmp[i];
 }
 
-static int bad_args(const StepModel *m, int64_t pos, int64_t write_row) {
-    return pos < 0 || pos + 1 > m->max_keys || write_row < 0 || write_row >= m->kv_rows || m->kv_heads <= 0 ||
-           m->heads % m->kv_heads != 0 || m->head_dim % 8 != 0;
+/* -1 if a pass's rows or outputs are out of range, else 0 */
+static int bad_args(const StepModel *m, const StepRow *rows, int64_t n, const int64_t *out_rows, int64_t n_out) {
+    if (n < 1 || n > m->max_rows || n_out < 0 || n_out > n || m->kv_heads <= 0 || m->heads % m->kv_heads != 0 ||
+        m->head_dim % 8 != 0)
+        return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (rows[r].pos < 0 || rows[r].pos + 1 > m->max_keys || rows[r].write_row < 0 ||
+            rows[r].write_row >= m->kv_rows)
+            return -1;
+    for (int64_t j = 0; j < n_out; j++)
+        if (out_rows[j] < 0 || out_rows[j] >= n) return -1;
+    return 0;
 }
 
-/* logits [head_rows] of the residual stream h (through the final norm and lm_head) */
-static void output_layer(const StepModel *m, const float *h, float *logits, int threads) {
-    float *normed = m->scratch + m->hidden;
-    rms_norm(h, m->final_norm, normed, m->hidden, m->eps);
-    matmul(m, m->lm_head, normed, logits, m->head_rows, m->hidden, threads);
+/* logits [n_out, head_rows] of rows out_rows' residual streams (through the final norm and lm_head) */
+static void output_layer(const StepModel *m, const Scratch *s, const int64_t *out_rows, int64_t n_out,
+                         float *logits, int threads) {
+    const int64_t H = m->hidden;
+    if (n_out == 0) return;
+    for (int64_t j = 0; j < n_out; j++) rms_norm(s->h + out_rows[j] * H, m->final_norm, s->normed + j * H, H, m->eps);
+    matmul(m, m->lm_head, s->normed, logits, m->head_rows, H, n_out, threads);
 }
 
 /* the embedding row of `token` as float32 into out [hidden] */
@@ -190,37 +247,41 @@ static void embed_row(const StepModel *m, int64_t token, float *out) {
     for (int64_t i = 0; i < m->hidden; i += 8) _mm256_storeu_ps(out + i, load8(m->embed, m->kv_kind, token * m->hidden + i));
 }
 
-/* Runs `token` at position `pos`: writes its K/V at write_row, attends to keys 0..pos.
- * logits: NULL skips the output layer (a token of a chunk before its last); otherwise
- * [head_rows] scores.
+/* A pass of n rows through the model (rows of one sequence consecutive, in position order);
+ * logits [n_out, head_rows] of the rows out_rows (n_out 0: no output layer).
  * Returns 0, or -1 if an argument is out of range. */
-int token_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
-               int64_t first_key_row, float *logits, int threads) {
-    if (bad_args(m, pos, write_row)) return -1;
-    float *h = m->scratch, *x = h + m->hidden;
-    embed_row(m, token, h);
+int token_rows(const StepModel *m, const StepRow *rows, int64_t n, const int64_t *out_rows, int64_t n_out,
+               float *logits, int threads) {
+    if (bad_args(m, rows, n, out_rows, n_out)) return -1;
+    const Scratch s = scratch_of(m);
+    const int64_t H = m->hidden;
+    for (int64_t r = 0; r < n; r++) embed_row(m, rows[r].token, s.h + r * H);
     for (int64_t l = 0; l < m->layers; l++) {
-        rms_norm(h, m->layer[l].attn_norm, x, m->hidden, m->eps);
-        decoder_layer(m, l, h, x, m->hidden, pos, write_row, key_rows, first_key_row, threads);
+        for (int64_t r = 0; r < n; r++) rms_norm(s.h + r * H, m->layer[l].attn_norm, s.x + r * H, H, m->eps);
+        decoder_layer(m, l, &s, H, rows, n, threads);
     }
-    if (logits != NULL) output_layer(m, h, logits, threads);
+    output_layer(m, &s, out_rows, n_out, logits, threads);
     return 0;
 }
 
-/* An EAGLE-3 head's step: its layer's attention input is [norm(embedding of token), hidden_norm(hidden)]
- * (2 hidden wide) and its residual the hidden state. hidden [hidden] float32 is the previous step's
- * pre-norm output on entry and this step's on return; logits [head_rows]. Returns 0, or -1. */
-int eagle_step(const StepModel *m, int64_t token, int64_t pos, int64_t write_row, const int64_t *key_rows,
-               int64_t first_key_row, float *hidden, float *logits, int threads) {
+/* An EAGLE-3 head's pass: its layer's attention input is [norm(embedding of token), hidden_norm(hidden)]
+ * (2 hidden wide) and its residual the hidden state. hidden [n, hidden] float32 holds each row's
+ * hidden state on entry (the target's fused features, or the head's previous output) and its
+ * pre-norm output on return; logits [n_out, head_rows] of rows out_rows. Returns 0, or -1. */
+int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, const int64_t *out_rows,
+               int64_t n_out, float *logits, int threads) {
     const int64_t H = m->hidden;
-    if (bad_args(m, pos, write_row) || m->hidden_norm == NULL || m->layers != 1) return -1;
-    float *h = m->scratch, *x = h + H, *embedded = x + 2 * H;
-    embed_row(m, token, embedded);
-    rms_norm(embedded, m->layer[0].attn_norm, x, H, m->eps);
-    rms_norm(hidden, m->hidden_norm, x + H, H, m->eps);
-    memcpy(h, hidden, H * sizeof(float));
-    decoder_layer(m, 0, h, x, 2 * H, pos, write_row, key_rows, first_key_row, threads);
-    memcpy(hidden, h, H * sizeof(float));
-    output_layer(m, h, logits, threads);
+    if (bad_args(m, rows, n, out_rows, n_out) || m->hidden_norm == NULL || m->layers != 1) return -1;
+    const Scratch s = scratch_of(m);
+    for (int64_t r = 0; r < n; r++) {
+        float *x = s.x + r * 2 * H;
+        embed_row(m, rows[r].token, s.tmp);
+        rms_norm(s.tmp, m->layer[0].attn_norm, x, H, m->eps);
+        rms_norm(hidden + r * H, m->hidden_norm, x + H, H, m->eps);
+    }
+    memcpy(s.h, hidden, n * H * sizeof(float));
+    decoder_layer(m, 0, &s, 2 * H, rows, n, threads);
+    memcpy(hidden, s.h, n * H * sizeof(float));
+    output_layer(m, &s, out_rows, n_out, logits, threads);
     return 0;
 }
