@@ -104,7 +104,7 @@ class ModelPlan:
 
     dtype: DType = "bfloat16"  # weights, activations and KV cache
     one_sequence_kernel: bool = False  # target only: passes over one sequence on the hand-written matmul
-    token_step: bool = False  # draft only: passes of at most 3 tokens as whole-model C calls
+    token_step: bool = False  # draft only: passes of at most 8 tokens as whole-model C calls
 
     def __post_init__(self) -> None:
         check_choice("forward_plan dtype", self.dtype, get_args(DType))

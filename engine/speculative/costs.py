@@ -109,17 +109,17 @@ class CostObserver(Protocol):
     """Where proposers and the step report what their passes took."""
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None: ...
-    def observe_draft_first(self, batch: int, seconds: float) -> None: ...
+    def observe_draft_first(self, batch: int, width: int, seconds: float) -> None: ...
     def observe_draft_step(self, batch: int, seconds: float) -> None: ...
     def observe_catch_up(self, tokens: int, seconds: float) -> None: ...
 
 
 class MeasuredCosts:
-    """Costs for the policy: target forward by (B, T); a round's first draft pass by B (it
-    catches up on the tokens the draft has not seen, usually one or two per sequence, and gives
-    the first proposal) and each further one-token draft step by B; long (prefill-like) draft
-    catch-ups per token; and a step's time outside the passes by (B, K) (paid once per step, so
-    it favours longer rounds)."""
+    """Costs for the policy: target forward by (B, T); a round's first draft pass by (B, width)
+    (it catches up on the tokens the proposer has not seen, `width` for the longest row, and
+    gives the first proposal) and each further one-token draft step by B; long (prefill-like)
+    draft catch-ups per token; and a step's time outside the passes by (B, K) (paid once per
+    step, so it favours longer rounds)."""
 
     STALE_WEIGHT = 0.05  # least weight of a time in a line fit (calibrated, never measured since)
 
@@ -134,8 +134,8 @@ class MeasuredCosts:
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
 
-    def observe_draft_first(self, batch: int, seconds: float) -> None:
-        self.draft_first.observe(batch, 1, seconds)
+    def observe_draft_first(self, batch: int, width: int, seconds: float) -> None:
+        self.draft_first.observe(batch, width, seconds)
 
     def observe_draft_step(self, batch: int, seconds: float) -> None:
         self.draft.observe(batch, 1, seconds)
@@ -155,10 +155,11 @@ class MeasuredCosts:
         return [self.other.estimate(batch, 0) or 0.0] + self.other.fitted(batch, range(1, k_max + 1),
                                                                         self.STALE_WEIGHT, 0.0)
 
-    def draft_times(self, rows: int) -> tuple[float, float]:
-        """A round's first draft pass and each further step over `rows` sequences (0 until measured)."""
+    def draft_times(self, rows: int, k_max: int) -> tuple[list[float], float]:
+        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1 (on a fitted
+        line) and each further one-token step (0 until measured)."""
         step = self.draft.estimate(rows, 1) or 0.0
-        return self.draft_first.estimate(rows, 1) or step, step
+        return self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, step), step
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
@@ -183,8 +184,8 @@ CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's 
 def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
               max_tokens: int, max_batch: int, repeats: int = 3) -> None:
     """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
-    first, catching up on two tokens, and a one-token step) at power-of-two batch sizes up to
-    max_batch, each sequence over CALIBRATION_CONTEXT keys (fewer where the pools are smaller).
+    first, catching up on 1, 2 and max_tokens tokens, and a one-token step) at power-of-two batch
+    sizes up to max_batch, each sequence over CALIBRATION_CONTEXT keys (fewer where the pools are smaller).
     Each shape runs once untimed first (its first call pays one-off costs a policy must not
     mistake for the steady cost); the median of `repeats` is recorded."""
     pools = [target[1]] + ([draft[1]] if draft is not None else [])
@@ -195,7 +196,8 @@ def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft
         for t in range(1, max_tokens + 1):
             costs.observe_target(b, t, _median_pass(*target, b, t, context, repeats, all_logits=t > 1))
         if draft is not None:
-            costs.observe_draft_first(b, _median_pass(*draft, b, 2, context, repeats))
+            for width in sorted({1, 2, max_tokens}):
+                costs.observe_draft_first(b, width, _median_pass(*draft, b, width, context, repeats))
             costs.observe_draft_step(b, _median_pass(*draft, b, 1, context, repeats))
         if b >= max_batch:
             return

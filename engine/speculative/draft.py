@@ -40,6 +40,7 @@ def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: s
 class DraftModelProposer:
     name = "draft"
     runs_model = True
+    catch_up = "own"
 
     def __init__(self, model: Transformer, kv: KVManager, observer: CostObserver, vocab_size: int):
         self.model = model

@@ -54,7 +54,7 @@ def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observe
     if short_rows:
         feed(short_rows)
         host_sync.wait(device)
-        observer.observe_draft_first(len(lengths), time.perf_counter() - t1)
+        observer.observe_draft_first(len(short_rows), max(lengths[i] for i in short_rows), time.perf_counter() - t1)
 
 
 def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, step: StepFn,

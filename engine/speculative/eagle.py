@@ -28,6 +28,7 @@ from engine.speculative.proposer import Proposal
 class EagleProposer:
     name = "eagle"
     runs_model = True
+    catch_up = "round"
 
     def __init__(self, head: Eagle3Head, kv: KVManager, observer: CostObserver):
         self.head = head

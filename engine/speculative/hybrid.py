@@ -14,6 +14,7 @@ class HybridProposer:
     def __init__(self, lookup: Proposer, model: Proposer):
         self.lookup = lookup
         self.model = model
+        self.catch_up = model.catch_up
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         found = self.lookup.propose(requests, ks, with_q)

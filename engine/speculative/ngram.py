@@ -34,6 +34,7 @@ def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int,
 class NgramProposer:
     name = "ngram"
     runs_model = False
+    catch_up = "own"
 
     def __init__(self, vocab_size: int, device, max_n: int, min_n: int, one_token_match_max: int):
         self.vocab_size = vocab_size

@@ -6,11 +6,12 @@ verify passes stop being free; the model, probes and hysteresis: docs/performanc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from engine.speculative.costs import MeasuredCosts
+from engine.speculative.proposer import CatchUp
 
 Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
 
@@ -107,6 +108,31 @@ def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     return curve
 
 
+def first_pass_widths(curves: list[list[float]], k_max: int, catch_up: CatchUp) -> list[float]:
+    """Expected width (tokens of its longest row) of a round's first draft pass after rounds at
+    K = 0..k_max, from each request's curve (curve[t] - curve[t - 1] is the chance it accepts at
+    least t; a curve ends at its request's cap). "round": a + 1 tokens a row, so the longest is at
+    least t + 1 unless no row accepts t or more; "own": 2 tokens where a row accepted all it proposed."""
+    def none_reach(t_of: Callable[[list[float]], int]) -> float:  # P(no row accepts at least t_of(curve))
+        out = 1.0
+        for c in curves:
+            t = t_of(c)
+            out *= 1.0 - (c[t] - c[t - 1] if 0 < t < len(c) else 0.0)
+        return out
+    if catch_up == "round":
+        widths = [1.0]
+        for t in range(1, k_max + 1):
+            widths.append(widths[-1] + 1.0 - none_reach(lambda c, t=t: t))
+        return widths
+    return [1.0] + [2.0 - none_reach(lambda c, k=k: min(k, len(c) - 1)) for k in range(1, k_max + 1)]
+
+
+def _at(values: list[float], x: float) -> float:
+    """values (at 0, 1, ...) linearly interpolated at x in [0, len - 1]."""
+    i = min(int(x), len(values) - 2)
+    return values[i] + (values[i + 1] - values[i]) * (x - i)
+
+
 @dataclass(frozen=True)
 class Choice:
     k: int
@@ -129,13 +155,16 @@ class SpecPolicy:
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
 
-    def _step_seconds(self, k: int, batch: int, draft_rows: int | None, verify: float, other: float) -> float:
-        """A step's time at K = k: its draft passes, its verify pass and the rest."""
+    def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
+        """A step's time at K = 0..k_max: its draft passes (the first at the expected width
+        widths[k]), its verify pass and the rest."""
+        verify, other = self.costs.verify_times(batch, k_max), self.costs.other_times(batch, k_max)
         draft_rows = batch if draft_rows is None else draft_rows
-        if k == 0 or not draft_rows:
-            return verify + other
-        first, step = self.costs.draft_times(draft_rows)
-        return first + (k - 1) * step + verify + other
+        if not draft_rows:
+            return [v + o for v, o in zip(verify, other)]
+        first, step = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w
+        return [verify[0] + other[0]] + [_at(first, widths[k] - 1) + (k - 1) * step + verify[k] + other[k]
+                                         for k in range(1, k_max + 1)]
 
     def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], seconds: float,
                  catch_up_tokens: int = 0) -> float:
@@ -150,10 +179,11 @@ class SpecPolicy:
         return tokens / seconds
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
-               catch_up_tokens: int = 0) -> Choice:
+               catch_up_tokens: int = 0, catch_up: CatchUp = "own") -> Choice:
         """alphas: estimated acceptance per request (a rate, or rates by position); k_caps: most
         each may propose; draft_rows: how many a model drafts (None = all, 0 = a lookup);
-        catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose."""
+        catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose;
+        catch_up: what the model proposer's first pass feeds (proposer.CatchUp)."""
         batch = len(alphas)
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:
             return Choice(0, "disabled_batch_size", {})
@@ -162,9 +192,8 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
-        verify, other = self.costs.verify_times(batch, k_max), self.costs.other_times(batch, k_max)
-        seconds = [self._step_seconds(k, batch, draft_rows, verify[k], other[k]) for k in range(k_max + 1)]
         curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
+        seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(curves, k_max, catch_up))
         scores = {k: self._goodput(k, curves, k_caps, seconds[k], catch_up_tokens) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)

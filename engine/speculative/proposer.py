@@ -6,13 +6,19 @@ token was drawn from q; q's quality decides speed, never the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from engine.request import Request
 
 LONG_CATCH_UP = 4  # a proposer more than this many tokens behind feeds them in a prefill-like pass
+
+# What a model proposer's first pass of a round feeds each row in steady state: every token the
+# last round produced ("round": an EAGLE head, which reads the target's features of them, a + 1
+# tokens) or only those it did not draft itself ("own": a draft model, 1 token, 2 after a full
+# acceptance). The policy prices the first pass by the width this implies for each K.
+CatchUp = Literal["round", "own"]
 
 
 @dataclass
@@ -54,6 +60,7 @@ def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -
 class Proposer(Protocol):
     name: str
     runs_model: bool  # proposing runs model passes (the policy prices them); False: a lookup
+    catch_up: CatchUp  # what its first pass of a round feeds (for a lookup: "own", never priced)
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         """Up to ks[i] tokens for requests[i] (ks[i] may be 0); q [N, K, V] when with_q."""

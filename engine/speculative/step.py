@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         behind = 0
         if self.proposer.runs_model and self.policy.mode == "adaptive":
             behind = sum(n for n in self.proposer.lag(reqs) if n > LONG_CATCH_UP)
-        choice = self.policy.choose(rates, caps, draft_rows, behind)
+        choice = self.policy.choose(rates, caps, draft_rows, behind, self.proposer.catch_up)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)

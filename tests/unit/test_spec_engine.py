@@ -211,7 +211,7 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
     llm = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive")
     eng = llm.engine
-    eng.speculation.policy.choose = lambda alphas, caps, draft_rows=None, catch_up_tokens=0: Choice(2, "probe", {})
+    eng.speculation.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     speculating_rows = []
     while eng.has_unfinished_requests():
@@ -232,8 +232,8 @@ class RecordingObserver:
     def observe_target(self, batch, tokens, seconds):
         self.seen.append(("target", batch, tokens))
 
-    def observe_draft_first(self, batch, seconds):
-        self.seen.append(("first", batch))
+    def observe_draft_first(self, batch, width, seconds):
+        self.seen.append(("first", batch, width))
 
     def observe_draft_step(self, batch, seconds):
         self.seen.append(("step", batch))
@@ -262,7 +262,7 @@ def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, t
     assert draft.lag([req]) == [2]
     observer.seen.clear()
     steady = draft.propose([req], [2], with_q=True)
-    assert observer.seen == [("first", 1), ("step", 1)]
+    assert observer.seen == [("first", 1, 2), ("step", 1)]  # one row, two tokens wide
     assert steady.q.shape == (1, 2, eng.model.shape.vocab_size)
     assert draft.lag([req]) == [-1]  # the first proposal's K/V is written (the last one's never is)
 

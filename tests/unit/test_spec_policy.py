@@ -6,7 +6,8 @@ import pytest
 
 from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit
 from engine.speculative.ngram import ngram_propose
-from engine.speculative.policy import AcceptanceByPosition, SpecPolicy, expected_tokens
+from engine.speculative.policy import (AcceptanceByPosition, SpecPolicy, expected_tokens, expected_tokens_curve,
+                                      first_pass_widths)
 
 
 class MemoryBoundCosts:
@@ -24,8 +25,8 @@ class MemoryBoundCosts:
     def draft_first_time(self, batch):
         return self.draft_time(batch)
 
-    def draft_times(self, batch):
-        return self.draft_first_time(batch), self.draft_time(batch)
+    def draft_times(self, batch, k_max):
+        return [self.draft_first_time(batch)] * (k_max + 1), self.draft_time(batch)
 
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
@@ -290,6 +291,38 @@ def test_the_first_draft_pass_is_paid_once_per_round():
     assert choice.k > averaged.k
 
 
+def test_first_pass_widths_follow_what_the_proposer_feeds():
+    """One request: a head feeding the round's tokens ("round") has a first pass as wide as the
+    tokens a round yields, E(K); a draft model ("own") feeds 1, or 2 after a full acceptance.
+    Many requests: the longest row sets the width, so it nears K + 1 (round) or 2 (own)."""
+    one = [expected_tokens_curve(0.7, 6)]
+    assert first_pass_widths(one, 6, "round") == pytest.approx([expected_tokens(0.7, k) for k in range(7)])
+    assert first_pass_widths(one, 6, "own") == pytest.approx([1.0] + [1 + 0.7 ** k for k in range(1, 7)])
+    many = [expected_tokens_curve(0.7, 6)] * 64
+    assert first_pass_widths(many, 6, "round") == pytest.approx([1.0 + k for k in range(7)], abs=0.01)
+    assert first_pass_widths(many, 6, "own")[1:] == pytest.approx([2.0] * 6, abs=0.01)
+    capped = [expected_tokens_curve(0.9, 2)]  # a request that may propose 2: no wider than 3
+    assert first_pass_widths(capped, 6, "round")[2:] == pytest.approx([1 + 0.9 + 0.81] * 5)
+    assert first_pass_widths([expected_tokens_curve(0.9, 0)], 3, "own") == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_a_first_pass_that_grows_with_the_round_moves_the_policy_to_a_smaller_k():
+    """An EAGLE head's first pass feeds every token of the last round: priced at its expected
+    width, longer rounds cost more than a draft model's fixed-width first pass, and K falls."""
+    class WidthBoundFirstPass(MemoryBoundCosts):
+        def draft_times(self, batch, k_max):  # 1 ms plus 0.5 ms per token of the widest row
+            return [1e-3 + 0.5e-3 * w for w in range(1, k_max + 2)], 0.5e-3
+
+    costs = WidthBoundFirstPass()
+    own = SpecPolicy(costs, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.8] * 4, [100] * 4)
+    rnd = SpecPolicy(costs, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.8] * 4, [100] * 4,
+                                                                                   catch_up="round")
+    assert 0 < rnd.k < own.k
+    width = first_pass_widths([expected_tokens_curve(0.8, 8)] * 4, 8, "round")[3]
+    seconds = 1e-3 + 0.5e-3 * width + 2 * 0.5e-3 + costs.verify_times(4, 8)[3]
+    assert rnd.goodput[3] == pytest.approx(4 * expected_tokens(0.8, 3) / seconds)
+
+
 def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     """Speculation slightly ahead of plain decoding is taken when the draft is current, and when
     it is behind but the requests have many tokens left to spread its catch-up over; not when
@@ -311,7 +344,7 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     near_end = choose([40] * 8, 8 * 300)
     assert near_end.k == 0
     tokens = 8 * expected_tokens(0.7, k)
-    step = costs.draft_times(8)[1] * k + costs.verify_times(8, k)[k]
+    step = costs.draft_times(8, k)[1] * k + costs.verify_times(8, k)[k]
     charged = costs.catch_up_time(8 * 300) / (8 * 41 / tokens)
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
 
