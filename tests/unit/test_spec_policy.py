@@ -6,8 +6,13 @@ import pytest
 
 from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit
 from engine.speculative.ngram import ngram_propose
-from engine.speculative.policy import (AcceptanceByPosition, SpecPolicy, expected_tokens, expected_tokens_curve,
-                                      first_pass_widths)
+from engine.speculative.policy import (
+    AcceptanceByPosition,
+    SpecPolicy,
+    expected_tokens,
+    expected_tokens_curve,
+    first_pass_widths,
+)
 
 
 class MemoryBoundCosts:

@@ -150,6 +150,7 @@ class EvenTokensDraft:
 
     name = "even"
     runs_model = True
+    catch_up = "own"
 
     def __init__(self, engine):
         self.inner = engine.speculation.draft
