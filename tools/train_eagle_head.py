@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pair.eagle_head import TrainableEagle3Head, cosine_lr, default_aux_layers, step_weights  # noqa: E402
+from pair.eagle_head import TrainableEagle3Head, cosine_lr, load_exported, recipe_aux_layers, step_weights  # noqa: E402
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.train import apply_update, resume  # noqa: E402
 
@@ -88,7 +88,16 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--generations", type=int, default=512, help="target-written rows (0: corpus only)")
+    ap.add_argument("--extra-generations", type=int, default=0,
+                    help="rows of a second target-written set (new prompts, two thirds greedy)")
+    ap.add_argument("--generated-per-batch", type=int, default=None, help="rows of a batch the target wrote "
+                    "(default: half the batch)")
+    ap.add_argument("--run", default="eagle3", help="checkpoint and log folder under --work (one per run)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--aux-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="target layers whose inputs the head reads, e.g. 1,4,7 (default: recipe_aux_layers)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start a new run from an exported head's weights (fc slices taken in order: low, mid, high)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and export) after this long")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -96,19 +105,22 @@ def main() -> None:
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
-    work = args.work / "eagle3"
+    work = args.work / args.run
     work.mkdir(parents=True, exist_ok=True)
     target_cfg = json.loads((args.target / "config.json").read_text())
-    aux = default_aux_layers(target_cfg["num_hidden_layers"])
+    aux = args.aux_layers or recipe_aux_layers(target_cfg["num_hidden_layers"])
     stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
     rows_path = generate_rows(args.work, args.target, n_rows=args.generations, seed=23, name="generations_eagle",
                               sampled_every=2) if args.generations else None
+    extra_path = generate_rows(args.work, args.target, n_rows=args.extra_generations, seed=31,
+                               name="generations_eagle2", sampled_every=3) if args.extra_generations else None
     torch.set_num_threads(args.threads)
-    rows = np.fromfile(rows_path, dtype=np.uint16) if rows_path else np.zeros(0, np.uint16)
+    written = [p for p in (rows_path, extra_path) if p]
+    rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
     d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"])
     window = args.seq  # chains: the first seq - ttt_steps positions
-    batches = mixed_batches(args.work, rows_path, batch=args.batch, generated=args.batch // 2, seq=window) \
-        if rows_path else None
+    generated = args.batch // 2 if args.generated_per_batch is None else args.generated_per_batch
+    batches = mixed_batches(args.work, written, batch=args.batch, generated=generated, seq=window) if written else None
     val_stream = np.fromfile(args.work / "tokens" / "val.u16", dtype=np.uint16)
     vrng = np.random.default_rng(99)
     val = torch.from_numpy(np.stack([val_stream[s:s + window] for s in
@@ -127,6 +139,9 @@ def main() -> None:
     rng = np.random.default_rng(5)
     ckpt = work / "ckpt.pt"
     step, elapsed = resume(ckpt, head, opt, rng)
+    if not step and args.init_from:
+        load_exported(head, args.init_from, d2t)
+        log.info("weights from %s", args.init_from)
     if step:
         log.info("resumed at step %d (%.0f s trained)", step, elapsed)
     log.info("head: %.2fM parameters; aux layers %s; %d steps of %d x %d, rollout %d", sum(

@@ -177,9 +177,11 @@ def host_info() -> dict:
 
 
 def _cache_file(path: Path, role: str, dtype: str, device: str) -> Path:
-    """Named by the host, torch, role, dtype, device and the model (its config and weight files)."""
+    """Named by the host, torch, the kernels' build, role, dtype, device and the model (its config and
+    weight files)."""
     weights = [(p.name, p.stat().st_size) for p in sorted(Path(path).glob("*.safetensors"))]
-    key = {"version": PLAN_VERSION, "host": host_info(), "torch": torch.__version__, "role": role, "dtype": dtype,
+    key = {"version": PLAN_VERSION, "host": host_info(), "torch": torch.__version__,
+           "kernels": one_sequence.build_digest(), "role": role, "dtype": dtype,
            "device": device, "model": {"config": (Path(path) / "config.json").read_text(), "weights": weights}}
     return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
 

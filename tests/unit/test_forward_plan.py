@@ -58,6 +58,11 @@ def test_a_plan_is_measured_once_per_fingerprint_then_cached(tmp_path, tok_dir, 
     assert as_target.source == "measured" and len(measured) == 2
     _, explicit = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128, ModelPlan("float32"))
     assert explicit.source == "explicit" and explicit.plan == ModelPlan("float32") and len(measured) == 2
+    # another build of the kernels (changed sources or flags) measures again
+    from engine.model.kernels import one_sequence
+    monkeypatch.setattr(one_sequence, "build_digest", lambda: "another-build")
+    _, rebuilt = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
+    assert rebuilt.source == "measured" and len(measured) == 3
 
 
 def test_the_engine_reports_its_plan_and_takes_explicit_ones(tiny_model, tiny_draft):

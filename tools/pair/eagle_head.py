@@ -27,6 +27,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+# published tensor name -> this module's state_dict key
+_EXPORTED = {"fc.weight": "fc.weight", "midlayer.hidden_norm.weight": "hidden_norm",
+             "midlayer.input_layernorm.weight": "input_norm", "midlayer.self_attn.q_proj.weight": "q.weight",
+             "midlayer.self_attn.k_proj.weight": "k.weight", "midlayer.self_attn.v_proj.weight": "v.weight",
+             "midlayer.self_attn.o_proj.weight": "o.weight", "midlayer.post_attention_layernorm.weight": "post_norm",
+             "midlayer.mlp.gate_proj.weight": "gate.weight", "midlayer.mlp.up_proj.weight": "up.weight",
+             "midlayer.mlp.down_proj.weight": "down.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
+
+
 class TrainableEagle3Head(nn.Module):
     def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                  draft_vocab: int, target_hidden: int, eps: float, rope_theta: float):
@@ -108,21 +117,8 @@ class TrainableEagle3Head(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         t2d = torch.zeros(vocab_size, dtype=torch.bool)
         t2d[d2t] = True
-        w = {
-            "fc.weight": self.fc.weight,
-            "midlayer.hidden_norm.weight": self.hidden_norm,
-            "midlayer.input_layernorm.weight": self.input_norm,
-            "midlayer.self_attn.q_proj.weight": self.q.weight,
-            "midlayer.self_attn.k_proj.weight": self.k.weight,
-            "midlayer.self_attn.v_proj.weight": self.v.weight,
-            "midlayer.self_attn.o_proj.weight": self.o.weight,
-            "midlayer.post_attention_layernorm.weight": self.post_norm,
-            "midlayer.mlp.gate_proj.weight": self.gate.weight,
-            "midlayer.mlp.up_proj.weight": self.up.weight,
-            "midlayer.mlp.down_proj.weight": self.down.weight,
-            "norm.weight": self.norm,
-            "lm_head.weight": self.lm_head.weight,
-        }
+        state = self.state_dict()
+        w = {name: state[key] for name, key in _EXPORTED.items()}
         tensors = {n: t.detach().to(dtype).contiguous() for n, t in w.items()}
         tensors["d2t"] = (d2t - torch.arange(d2t.numel())).to(torch.int64)
         tensors["t2d"] = t2d
@@ -154,9 +150,30 @@ class TrainableEagle3Head(nn.Module):
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high choice: the inputs of layers 2, L // 2 and L - 3."""
-    return [2, num_layers // 2, num_layers - 3]
+def recipe_aux_layers(num_layers: int) -> list[int]:
+    """Low / middle / high target layers whose inputs the head reads: 1, L // 2 and L - 1.
+
+    EAGLE-3 takes 2, L // 2 and L - 3, which on a 32-layer target reads 28 of its 32 layers' work;
+    on our 8-layer target it would leave the last three unseen. This keeps EAGLE-3's proportions
+    (2/32, 16/32 and 29/32 of 8 layers round to 1, 4 and 7)."""
+    return [1, num_layers // 2, num_layers - 1]
+
+
+def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> None:
+    """Copies the weights of a head exported by `export` (same shapes and draft vocabulary) into
+    `head`, as the start of a new run."""
+    from safetensors.torch import load_file
+
+    w = load_file(str(Path(path) / "model.safetensors"))
+    exported_d2t = w["d2t"] + torch.arange(w["d2t"].numel())
+    if not torch.equal(exported_d2t, d2t):
+        raise ValueError(f"{path}: its draft vocabulary differs from this run's (--draft-vocab)")
+    state = head.state_dict()
+    for name, key in _EXPORTED.items():
+        if w[name].shape != state[key].shape:
+            raise ValueError(f"{path}: {name} is {tuple(w[name].shape)}, this head's is {tuple(state[key].shape)}")
+        state[key] = w[name].float()
+    head.load_state_dict(state)
 
 
 def step_weights(steps: int, decay: float = 0.8) -> list[float]:

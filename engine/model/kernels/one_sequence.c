@@ -31,11 +31,29 @@ static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-/* rows [n0, n1) of y for a group of exactly M rows of x (M a compile-time constant) */
-#define GROUP(WT, NAME, M)                                                                  \
+/* Rows [n0, n1) of y for a group of exactly M rows of x (M a compile-time constant), RW weight
+ * rows at a time: each output's chain of fused multiply-adds is as above, but RW x M chains run
+ * side by side, so a pass of one or two rows is not held to one FMA per FMA latency. */
+#define GROUP(WT, NAME, M, RW)                                                              \
     static void NAME##_##M(const WT *w, const float *x, float *y, int64_t n0, int64_t n1,  \
                            int64_t N, int64_t K) {                                          \
-        for (int64_t n = n0; n < n1; n++) {                                                 \
+        int64_t n = n0;                                                                     \
+        for (; n + RW <= n1; n += RW) {                                                     \
+            __m256 acc[RW][M];                                                              \
+            for (int r = 0; r < RW; r++)                                                    \
+                for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();                \
+            for (int64_t k = 0; k < K; k += 8) {                                            \
+                __m256 xv[M];                                                               \
+                for (int m = 0; m < M; m++) xv[m] = _mm256_loadu_ps(x + m * K + k);         \
+                for (int r = 0; r < RW; r++) {                                              \
+                    __m256 wv = load_##NAME(w + (n + r) * K + k);                           \
+                    for (int m = 0; m < M; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]); \
+                }                                                                           \
+            }                                                                               \
+            for (int r = 0; r < RW; r++)                                                    \
+                for (int m = 0; m < M; m++) y[m * N + n + r] = lanes_sum(acc[r][m]);        \
+        }                                                                                   \
+        for (; n < n1; n++) {                                                               \
             const WT *row = w + n * K;                                                      \
             __m256 acc[M];                                                                  \
             for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                       \
@@ -49,8 +67,8 @@ static inline __m256 load_bf16(const uint16_t *p) {
     }
 
 #define KERNEL(WT, NAME)                                                                     \
-    GROUP(WT, NAME, 1) GROUP(WT, NAME, 2) GROUP(WT, NAME, 3) GROUP(WT, NAME, 4)              \
-    GROUP(WT, NAME, 5) GROUP(WT, NAME, 6) GROUP(WT, NAME, 7) GROUP(WT, NAME, 8)              \
+    GROUP(WT, NAME, 1, 4) GROUP(WT, NAME, 2, 4) GROUP(WT, NAME, 3, 2) GROUP(WT, NAME, 4, 1)  \
+    GROUP(WT, NAME, 5, 1) GROUP(WT, NAME, 6, 1) GROUP(WT, NAME, 7, 1) GROUP(WT, NAME, 8, 1)  \
     typedef void (*NAME##_group)(const WT *, const float *, float *, int64_t, int64_t,       \
                                  int64_t, int64_t);                                          \
     static const NAME##_group NAME##_groups[9] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, \

@@ -91,11 +91,17 @@ def cpuinfo() -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
 
 
+@functools.cache
+def build_digest() -> str:
+    """What the library is built from (sources and flags): it names the build, and forward plans
+    measured with another build are not reused."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
 def _build(compiler: str) -> Path:
     """Compiles the sources into one library named by their hash, written under a temporary name
     and renamed, so concurrent builders never load a half-written file."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"one_sequence-{digest}.so"
+    target = cache_dir() / f"one_sequence-{build_digest()}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
