@@ -10,7 +10,7 @@ twice, each time with the schedule stretched to the new length (the learning rat
 steps 750 and 1,500; agreement dips for ~100 steps, then passes where it was).
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
-target's features (inputs of layers 2, L/2, L-3) and its distributions computed on the fly with
+target's features (inputs of layers 1, L/2 and L-1 by default, --aux-layers) and its distributions computed on the fly with
 transformers' LlamaForCausalLM. Loss: cross-entropy of the head's distribution against the
 target's (restricted to the draft vocabulary) at every step of a training-time-test rollout,
 later steps weighted less. Needs the corpus and tokens of tools/make_default_pair.py in --work.
@@ -30,7 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pair.eagle_head import TrainableEagle3Head, cosine_lr, load_exported, recipe_aux_layers, step_weights  # noqa: E402
+from pair.eagle_head import (  # noqa: E402
+    TrainableEagle3Head,
+    chosen_layers,
+    cosine_lr,
+    exported_vocabulary,
+    load_exported,
+    step_weights,
+)
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.train import apply_update, resume  # noqa: E402
 
@@ -108,7 +115,9 @@ def main() -> None:
     work = args.work / args.run
     work.mkdir(parents=True, exist_ok=True)
     target_cfg = json.loads((args.target / "config.json").read_text())
-    aux = args.aux_layers or recipe_aux_layers(target_cfg["num_hidden_layers"])
+    ckpt = work / "ckpt.pt"
+    saved = torch.load(ckpt, weights_only=False) if ckpt.exists() else {}  # a run resumes on its own layers and vocabulary
+    aux = chosen_layers(args.aux_layers, target_cfg["num_hidden_layers"], saved.get("aux"))
     stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
     rows_path = generate_rows(args.work, args.target, n_rows=args.generations, seed=23, name="generations_eagle",
                               sampled_every=2) if args.generations else None
@@ -117,7 +126,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     written = [p for p in (rows_path, extra_path) if p]
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
-    d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"])
+    if "d2t" in saved:
+        d2t = saved["d2t"]
+    elif args.init_from:
+        d2t = exported_vocabulary(args.init_from)
+    else:
+        d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab,
+                               target_cfg["eos_token_id"])
     window = args.seq  # chains: the first seq - ttt_steps positions
     generated = args.batch // 2 if args.generated_per_batch is None else args.generated_per_batch
     batches = mixed_batches(args.work, written, batch=args.batch, generated=generated, seq=window) if written else None
@@ -137,7 +152,6 @@ def main() -> None:
         head.norm.copy_(target.model.norm.weight)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     rng = np.random.default_rng(5)
-    ckpt = work / "ckpt.pt"
     step, elapsed = resume(ckpt, head, opt, rng)
     if not step and args.init_from:
         load_exported(head, args.init_from, d2t)
@@ -180,6 +194,7 @@ def main() -> None:
         if time.monotonic() - last_ckpt > 300 or step == args.steps or out_of_time:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                        "aux": aux, "d2t": d2t,
                         "rng": rng.bit_generator.state}, tmp)
             tmp.replace(ckpt)
             last_ckpt = time.monotonic()

@@ -19,7 +19,7 @@ from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows
-from engine.speculative.proposer import Proposal
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -41,6 +41,7 @@ class DraftModelProposer:
     name = "draft"
     runs_model = True
     catch_up = "own"
+    long_catch_up = LONG_CATCH_UP
 
     def __init__(self, model: Transformer, kv: KVManager, observer: CostObserver, vocab_size: int):
         self.model = model

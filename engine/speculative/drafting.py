@@ -38,12 +38,12 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
 
 
 def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observer: CostObserver,
-                  device: torch.device) -> None:
-    """Runs feed(rows) over every row: rows with more than LONG_CATCH_UP tokens to catch up on in
+                  device: torch.device, long_after: int = LONG_CATCH_UP) -> None:
+    """Runs feed(rows) over every row: rows with more than `long_after` tokens to catch up on in
     prefill-like passes grouped by width (bounded padding), the others in one pass; each part's
     time goes to the observer."""
-    long_rows = [i for i, n in enumerate(lengths) if n > LONG_CATCH_UP]
-    short_rows = [i for i, n in enumerate(lengths) if n <= LONG_CATCH_UP]
+    long_rows = [i for i, n in enumerate(lengths) if n > long_after]
+    short_rows = [i for i, n in enumerate(lengths) if n <= long_after]
     t0 = t1 = time.perf_counter()
     if long_rows:
         for group in width_groups([lengths[i] for i in long_rows]):

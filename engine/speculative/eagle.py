@@ -22,7 +22,7 @@ from engine.model.passes import pass_inputs
 from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows
-from engine.speculative.proposer import Proposal
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
 class EagleProposer:
@@ -34,6 +34,14 @@ class EagleProposer:
         self.head = head
         self.kv = kv
         self.observer = observer
+        self._round_rows = LONG_CATCH_UP  # the most features the last round left a row (its k + 1)
+
+    @property
+    def long_catch_up(self) -> int:
+        """A row catching up on no more than its last round's tokens is a steady round (its
+        first pass, priced by width); more (plain steps, a lookup's rounds, a new request) is
+        caught up on apart."""
+        return max(LONG_CATCH_UP, self._round_rows)
 
     @property
     def features(self):
@@ -47,7 +55,9 @@ class EagleProposer:
         # off, its next target pass starts them again)
         ks = [k if self.features.end(r.request_id) == self.kv.computed(r) and self.features.pending(r.request_id)
               else 0 for r, k in zip(requests, ks)]
-        return propose_rows(requests, ks, self.name, functools.partial(self._draft, with_q=with_q))
+        proposal = propose_rows(requests, ks, self.name, functools.partial(self._draft, with_q=with_q))
+        self._round_rows = max(ks, default=0) + 1
+        return proposal
 
     def _draft(self, reqs: list[Request], ks: list[int], with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
         lengths = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
@@ -77,7 +87,7 @@ class EagleProposer:
         hidden = torch.empty(len(reqs), H, dtype=self.head.dtype, device=self.head.device)  # [N, H]
         catch_up_rows([len(c) for c in chunks],
                       functools.partial(self._feed, reqs, chunks, features, starts, logits, hidden),
-                      self.observer, self.head.device)
+                      self.observer, self.head.device, self.long_catch_up)
         return logits, hidden
 
     def _feed(self, reqs, chunks, features, starts, logits, hidden, rows: list[int]) -> None:

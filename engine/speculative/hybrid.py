@@ -23,6 +23,10 @@ class HybridProposer:
             return found
         return found.with_rows(rest, self.model.propose([requests[i] for i in rest], [ks[i] for i in rest], with_q))
 
+    @property
+    def long_catch_up(self) -> int:
+        return self.model.long_catch_up
+
     def lag(self, requests: list[Request]) -> list[int]:
         return self.model.lag(requests)
 

@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
-from engine.speculative.proposer import Proposal, one_hot_q
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal, one_hot_q
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int,
@@ -35,6 +35,7 @@ class NgramProposer:
     name = "ngram"
     runs_model = False
     catch_up = "own"
+    long_catch_up = LONG_CATCH_UP  # a lookup never catches up
 
     def __init__(self, vocab_size: int, device, max_n: int, min_n: int, one_token_match_max: int):
         self.vocab_size = vocab_size

@@ -12,7 +12,7 @@ import torch
 
 from engine.request import Request
 
-LONG_CATCH_UP = 4  # a proposer more than this many tokens behind feeds them in a prefill-like pass
+LONG_CATCH_UP = 4  # a draft model more than this many tokens behind feeds them in a prefill-like pass
 
 # What a model proposer's first pass of a round feeds each row in steady state: every token the
 # last round produced ("round": an EAGLE head, which reads the target's features of them, a + 1
@@ -61,6 +61,9 @@ class Proposer(Protocol):
     name: str
     runs_model: bool  # proposing runs model passes (the policy prices them); False: a lookup
     catch_up: CatchUp  # what its first pass of a round feeds (for a lookup: "own", never priced)
+    # rows with more tokens than this to catch up on are fed in prefill-like passes before the
+    # round's first pass, priced apart (the policy's catch_up_tokens); fewer is a steady round
+    long_catch_up: int
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         """Up to ks[i] tokens for requests[i] (ks[i] may be 0); q [N, K, V] when with_q."""

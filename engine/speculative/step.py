@@ -19,7 +19,7 @@ from engine.speculative.eagle import EagleProposer
 from engine.speculative.hybrid import HybridProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, SpecPolicy
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal, Proposer
+from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
 
 
@@ -126,7 +126,7 @@ class SpeculativeDecoder:
         draft_rows = None if self.proposer.runs_model else 0
         behind = 0
         if self.proposer.runs_model and self.policy.mode == "adaptive":
-            behind = sum(n for n in self.proposer.lag(reqs) if n > LONG_CATCH_UP)
+            behind = sum(n for n in self.proposer.lag(reqs) if n > self.proposer.long_catch_up)
         choice = self.policy.choose(rates, caps, draft_rows, behind, self.proposer.catch_up)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":

@@ -314,3 +314,55 @@ def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir)
     per_token = kv_bytes_per_token([roomy.model.shape, roomy.draft_model.shape], [4, 4])
     features = 4 * MAX_PENDING * roomy.draft_model.feature_width * 4
     assert engine(features + 2 * 40 * 16 * per_token).config.num_kv_blocks == 40
+
+
+class _Recorder:
+    """A CostObserver that keeps what each draft pass was reported as."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def observe_target(self, batch, tokens, seconds):
+        pass
+
+    def observe_draft_first(self, batch, width, seconds):
+        self.seen.append(("first", batch, width))
+
+    def observe_draft_step(self, batch, seconds):
+        self.seen.append(("step", batch))
+
+    def observe_catch_up(self, tokens, seconds):
+        self.seen.append(("catch_up", tokens))
+
+
+def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(tiny_model, head_dir, reference):
+    """After a round that accepted all its k proposals the head has k + 1 features to feed: its
+    round's first pass (priced by width), not a long catch-up the policy charges on top. Only the
+    prompt is caught up on apart. (The head runs as usual; its tokens are swapped for the target's
+    own greedy ones so every proposal is accepted.)"""
+    from engine.speculative.policy import Choice
+    from engine.speculative.proposer import Proposal
+
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+              speculative_method="eagle", spec_policy="adaptive", spec_length=5, dtype="float32",
+              max_seq_len=160, max_batch_size=4)
+    spec = llm.engine.speculation
+    head, recorder, behind = spec.proposer, _Recorder(), []
+    head.observer = recorder
+    want, drafting = reference[0], head.propose
+
+    def propose(reqs, ks, with_q):
+        drafted = drafting(reqs, ks, with_q)
+        done = len(reqs[0].output_token_ids)
+        return Proposal([want[done:done + len(drafted.tokens[0])]], drafted.q, drafted.sources)
+
+    def choose(rates, caps, draft_rows, catch_up_tokens, catch_up):
+        behind.append(catch_up_tokens)
+        return Choice(min(5, max(caps)), "policy", {})
+
+    head.propose, spec.policy.choose = propose, choose
+    out = llm.generate(PROMPTS[0], greedy())[0]
+    assert out.token_ids == want and out.num_accepted_tokens == out.num_draft_tokens
+    firsts = [s for s in recorder.seen if s[0] != "step"]  # each round's first pass
+    assert firsts == [("catch_up", len(out.prompt_token_ids))] + [("first", 1, 6)] * 3
+    assert behind == [len(out.prompt_token_ids)] + [0] * 3

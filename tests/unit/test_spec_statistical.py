@@ -154,6 +154,7 @@ class EvenTokensDraft:
 
     def __init__(self, engine):
         self.inner = engine.speculation.draft
+        self.long_catch_up = self.inner.long_catch_up
         self.generator = torch.Generator().manual_seed(0)
 
     def propose(self, requests, ks, with_q) -> Proposal:

@@ -159,14 +159,33 @@ def recipe_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2, num_layers - 1]
 
 
+def chosen_layers(asked: list[int] | None, num_layers: int, resumed: list[int] | None) -> list[int]:
+    """The aux layers of a run: those of the checkpoint it resumes (asking for others is an
+    error), else `asked` or recipe_aux_layers; three distinct layers in 0..L-1, in layer order
+    (the order the engine fuses them in)."""
+    layers = sorted(asked) if asked else resumed or recipe_aux_layers(num_layers)
+    if resumed is not None and layers != resumed:
+        raise ValueError(f"--aux-layers {layers}: the checkpoint being resumed reads layers {resumed}")
+    if len(set(layers)) != 3 or not all(0 <= i < num_layers for i in layers):
+        raise ValueError(f"--aux-layers {layers}: need three distinct layers of the target's 0..{num_layers - 1}")
+    return layers
+
+
+def exported_vocabulary(path: Path) -> torch.Tensor:
+    """d2t (target id of each draft id) of a head exported by `export`."""
+    from safetensors.torch import load_file
+
+    offsets = load_file(str(Path(path) / "model.safetensors"))["d2t"]
+    return offsets + torch.arange(offsets.numel())
+
+
 def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> None:
     """Copies the weights of a head exported by `export` (same shapes and draft vocabulary) into
     `head`, as the start of a new run."""
     from safetensors.torch import load_file
 
     w = load_file(str(Path(path) / "model.safetensors"))
-    exported_d2t = w["d2t"] + torch.arange(w["d2t"].numel())
-    if not torch.equal(exported_d2t, d2t):
+    if not torch.equal(exported_vocabulary(path), d2t):
         raise ValueError(f"{path}: its draft vocabulary differs from this run's (--draft-vocab)")
     state = head.state_dict()
     for name, key in _EXPORTED.items():

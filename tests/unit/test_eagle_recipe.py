@@ -1,0 +1,94 @@
+"""The EAGLE-3 training recipe's head (tools/pair/eagle_head.py) against the engine's reader: a head
+trained by the recipe must draft at serving time exactly as it was trained to (same features,
+same inputs, same positions), and a run resumes only on its own layers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ModelPlan
+from engine.model.eagle3 import load_eagle3
+from engine.model.loader import load_model
+from engine.model.passes import pass_inputs, pool_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from pair.eagle_head import (  # noqa: E402
+    TrainableEagle3Head,
+    chosen_layers,
+    exported_vocabulary,
+    load_exported,
+)
+
+AUX = [0, 1, 1]  # the tiny target's two layers (layer 0's input is the embedding)
+
+
+def _head(cfg: dict, draft_vocab: int, seed: int) -> TrainableEagle3Head:
+    torch.manual_seed(seed)
+    head = TrainableEagle3Head(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                               cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"],
+                               draft_vocab, cfg["hidden_size"], cfg["rms_norm_eps"], 10000.0)
+    with torch.no_grad():  # weights large enough that a wrong wiring shows in the logits
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
+    return head
+
+
+def test_a_recipe_head_drafts_in_the_engine_as_it_was_trained(tmp_path, tiny_model):
+    """Step 1 of the training rollout at every position (target features + the next token) and
+    step 2 of the last chain (the head's own output fed back) give the logits the engine's head
+    gives over the exported checkpoint, catching up on the features then stepping once."""
+    path, hf = tiny_model
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    d2t = torch.arange(0, vocab, 3)  # a reduced draft vocabulary
+    head = _head(cfg, d2t.numel(), seed=4)
+    head.export(tmp_path / "head", d2t, vocab, cfg, AUX, dtype=torch.float32)
+
+    tokens = torch.randint(0, vocab, (1, 14), generator=torch.Generator().manual_seed(1))  # [1, 14]
+    with torch.no_grad():
+        hs = hf(input_ids=tokens, output_hidden_states=True).hidden_states  # hs[i]: the input of layer i
+        features = torch.cat([hs[i] for i in AUX], dim=-1)  # [1, 14, 3H]
+        T = 12
+        step1, step2 = head.rollout(features[:, :T], hs[0][:, 1:], steps=2)  # [1, T, Vd] each
+
+    target = load_model(path, ModelPlan(dtype="float32"), "cpu", 64)
+    served = load_eagle3(tmp_path / "head", target, 64)
+    pool = pool_for(served, max_slots=1, max_seq_len=64, backend="paged", block_size=4)
+    slot = pool.allocate_slot([])[0]
+    ids = tokens[0].tolist()
+    x = pass_inputs(served, pool, [slot], [ids[1:T + 1]], [0])  # position j: features of j, token j + 1
+    logits, out = served.step(x.ids, x.positions, x.view, features[:, :T], None)  # [1, T, V], [1, T, H]
+    torch.testing.assert_close(logits[0][:, d2t], step1[0], rtol=1e-4, atol=1e-4)
+    assert torch.isinf(logits[0][:, 1]).all()  # id 1 is outside the draft vocabulary
+    x = pass_inputs(served, pool, [slot], [[ids[T + 1]]], [T])  # chain T - 1's second step
+    logits, _ = served.step(x.ids, x.positions, x.view, out[:, -1:], x.last)  # [1, V]
+    torch.testing.assert_close(logits[0, d2t], step2[0, T - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_an_exported_head_starts_a_new_run_only_with_its_own_vocabulary(tmp_path, tiny_model):
+    cfg = json.loads((tiny_model[0] / "config.json").read_text())
+    d2t = torch.arange(0, cfg["vocab_size"], 2)
+    trained = _head(cfg, d2t.numel(), seed=2)
+    trained.export(tmp_path, d2t, cfg["vocab_size"], cfg, AUX, dtype=torch.float32)
+    assert torch.equal(exported_vocabulary(tmp_path), d2t)
+    fresh = _head(cfg, d2t.numel(), seed=3)
+    load_exported(fresh, tmp_path, d2t)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        load_exported(fresh, tmp_path, d2t + 1)
+
+
+def test_aux_layers_are_three_distinct_layers_in_order_and_a_resumed_run_keeps_its_own():
+    assert chosen_layers(None, 8, None) == [1, 4, 7]
+    assert chosen_layers([7, 4, 1], 8, None) == [1, 4, 7]  # the order the engine fuses them in
+    assert chosen_layers(None, 8, [2, 4, 5]) == [2, 4, 5]
+    for bad in ([1, 1, 2], [1, 4, 8], [1, 2]):
+        with pytest.raises(ValueError, match="three distinct layers"):
+            chosen_layers(bad, 8, None)
+    with pytest.raises(ValueError, match="resumed reads layers"):
+        chosen_layers([1, 4, 7], 8, [2, 4, 5])
