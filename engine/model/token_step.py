@@ -83,7 +83,7 @@ class TokenStep:
             max_rows=TOKEN_STEP_MAX_ROWS)
         floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
-        self._vocab_size = shape.vocab_size
+        self._vocab_size = lm_head.shape[0]  # the row stride of the logits the C step writes
 
     @staticmethod
     def runs(shape) -> bool:

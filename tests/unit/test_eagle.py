@@ -129,6 +129,36 @@ def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tin
     torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-4)
 
 
+def test_a_head_pass_over_sequences_of_unequal_lengths_is_each_sequence_alone(tmp_path, tiny_model):
+    """One C head pass over two sequences (1 and 3 tokens, padded) gives each sequence's logits
+    and outputs as a pass over it alone does."""
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    make_eagle3_head(tmp_path, tiny_model[0], seed=2, aux=AUX, draft_vocab=list(range(0, vocab, 2)))
+    target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
+    head = load_eagle3(tmp_path, target, 64, token_step=True)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vocab, (2, 9), generator=g).tolist()
+    features = torch.randn(2, 9, head.feature_width, generator=g)  # [2, 9, 3H]
+
+    def run(rows: list[int], chunk: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = pool_for(head, max_slots=2, max_seq_len=64, backend="paged", block_size=4)
+        slots = [pool.allocate_slot([])[0] for _ in rows]
+        x = pass_inputs(head, pool, slots, [tokens[r][:6] for r in rows], [0] * len(rows))
+        head.step(x.ids, x.positions, x.view, features[rows, :6], x.last)  # the same 6-token context
+        x = pass_inputs(head, pool, slots, [tokens[r][c] for r, c in zip(rows, chunk)], [6] * len(rows))
+        width = x.ids.shape[1]
+        h = torch.zeros(len(rows), width, features.shape[-1])
+        for i, (r, c) in enumerate(zip(rows, chunk)):
+            h[i, :c.stop - c.start] = features[r, c]
+        return head.step(x.ids, x.positions, x.view, h, x.last)  # [n, V], [n, H]
+
+    together = run([0, 1], [slice(6, 7), slice(6, 9)])
+    alone = [run([r], [c]) for r, c in ((0, slice(6, 7)), (1, slice(6, 9)))]
+    for i, (logits, out) in enumerate(alone):
+        torch.testing.assert_close(together[0][i], logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together[1][i], out[0], rtol=1e-5, atol=1e-5)
+
+
 def test_target_features_are_the_inputs_of_the_chosen_layers(tiny_model):
     path, hf = tiny_model
     target = load_model(path, ModelPlan(dtype="float32"), "cpu", 64)

@@ -18,9 +18,10 @@ needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU 
 def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Three sequences prefilled together, then one-token steps of the first (past its third
     16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
-    sequences stepping together, two sequences taking 3-token chunks together, and a chunk one
+    sequences stepping together, two sequences taking 3-token chunks together, then 1 and 3 tokens
+    (a padded pass), and a chunk one
     token wider than token steps take. Returns each pass's logits, the KV storage before the
-    widest chunk and after it."""
+    widest chunk and after it (but its scratch row)."""
     pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
     torch.manual_seed(1)
     ids = torch.randint(0, model.shape.vocab_size, (3, 80)).tolist()
@@ -32,10 +33,11 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
     for i in range(40, 44):
         out.append(forward_chunks(model, pool, slots[1:], [ids[1][i:i + 1], ids[2][i:i + 1]], [i, i]))  # [2, vocab]
     out.append(forward_chunks(model, pool, slots[1:], [ids[1][44:47], ids[2][44:47]], [44, 44]))  # [2, vocab]
+    out.append(forward_chunks(model, pool, slots[1:], [ids[1][47:48], ids[2][47:50]], [47, 47]))  # [2, vocab]: 1 + 3 rows
     before_wide = pool.storage.clone()
     wide = 55 + TOKEN_STEP_MAX_ROWS + 1
     out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:wide]], [55]))  # [1, vocab]
-    return out, before_wide, pool.storage
+    return out, before_wide[..., :-1, :], pool.storage[..., :-1, :]  # the last row is scratch: padding writes there
 
 
 @needs_kernels
@@ -63,8 +65,8 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
     step.forward = counted
     want, want_kv, want_end = _passes(tmp_path, reference, backend)
     got, got_kv, got_end = _passes(tmp_path, stepped, backend)
-    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps, the two 3-token chunks
-    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4 + [(2, 3)]
+    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps, the two 3-token chunks, 1 + 3
+    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4 + [(2, 3)] * 2
     if compute == "float32":
         torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
         for w, g in zip(want, got):
