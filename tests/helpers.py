@@ -168,3 +168,22 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
     (path / "config.json").write_text(json.dumps(config))
     return w
+
+
+class RecordingObserver:
+    """A CostObserver that keeps every observation."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def observe_target(self, batch, tokens, seconds):
+        self.seen.append(("target", batch, tokens))
+
+    def observe_draft_first(self, batch, width, seconds):
+        self.seen.append(("first", batch, width))
+
+    def observe_draft_step(self, batch, seconds):
+        self.seen.append(("step", batch))
+
+    def observe_catch_up(self, tokens, seconds):
+        self.seen.append(("catch_up", tokens))

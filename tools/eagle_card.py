@@ -79,6 +79,21 @@ def theory(alpha: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
+RUNS = ("eagle3", "eagle3-r2", "eagle3-r3")  # the shipped head's runs (tools/train_eagle_head.py's commands)
+
+
+def joined_logs(paths: list[Path]) -> list[dict]:
+    """The records of several runs, each continuing the last: steps and training time counted on
+    from where the previous run stopped, each record tagged with its run (0, 1, ...)."""
+    out: list[dict] = []
+    for run, path in enumerate(paths):
+        step0, seconds0 = (out[-1]["step"], out[-1]["elapsed_s"]) if out else (0, 0.0)
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out.append({**r, "run": run, "step": r["step"] + step0, "elapsed_s": r["elapsed_s"] + seconds0})
+    return out
+
+
 def plot(log: list[dict], out_png: Path) -> None:
     import matplotlib
 
@@ -95,7 +110,11 @@ def plot(log: list[dict], out_png: Path) -> None:
     val = [r for r in log if "val_agree" in r]
     for j in range(len(val[0]["val_agree"]) if val else 0):
         b.plot([r["step"] for r in val], [r["val_agree"][j] for r in val], "o-", ms=3, label=f"step {j + 1}")
-    b.set_xlabel("training step")
+    for ax in (a, b):  # where each run after the first started
+        for r0, r1 in zip(log, log[1:]):
+            if r1.get("run", 0) != r0.get("run", 0):
+                ax.axvline(r0["step"], color="grey", ls=":", lw=1)
+    b.set_xlabel("training step (dotted: a new run)")
     b.set_ylabel("argmax agreement with the target")
     b.set_title("validation, by rollout step")
     b.grid(alpha=0.3)
@@ -116,12 +135,14 @@ def card(f: dict, log: list[dict], config: dict) -> str:
              f"{config['eagle_config']['eagle_aux_hidden_state_layer_ids']} and the embedding of the next token "
              "(shared with the target) and proposes over "
              f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens.", "",
-             "Reproduce: the commands at the top of `tools/train_eagle_head.py` (750 steps, then resumed to 1,500 "
-             "and to 2,250; needs the corpus of `tools/make_default_pair.py`), then `python tools/eagle_card.py` "
-             "(this card).", "",
+             "Reproduce: the commands at the top of `tools/train_eagle_head.py` (needs the corpus of "
+             "`tools/make_default_pair.py`), then `python tools/eagle_card.py` (this card).", "",
              "## Training", "",
-             f"{log[-1]['step']} steps of 8 windows of 256 tokens (half the target's own generations, half corpus "
-             f"windows), a {len(log[-1]['agree'])}-step training-time-test rollout per position, "
+             f"{log[-1]['step']} steps in {1 + log[-1].get('run', 0)} runs (ending at steps "
+             + ", ".join(str(r["step"]) for i, r in enumerate(log)
+                         if i == len(log) - 1 or log[i + 1].get("run", 0) != r.get("run", 0))
+             + ") of 8 windows of 256 tokens (sequences the target wrote and corpus windows), a "
+             f"{len(log[-1]['agree'])}-step training-time-test rollout per position, "
              f"{log[-1]['elapsed_s'] / 60:.0f} min on 2 CPU cores. Validation argmax agreement with the target by "
              "rollout step: " + ", ".join(f"{a:.3f}" for a in last.get("val_agree", [])) + "; expected acceptance "
              "at temperature 1 (Σ min(p, q)): " + ", ".join(f"{a:.3f}" for a in last.get("val_accept", [])) + ".", "",
@@ -150,7 +171,9 @@ def card(f: dict, log: list[dict], config: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", type=Path, default=REPO / "models")
-    ap.add_argument("--log", type=Path, default=Path.home() / ".cache" / "specserve-recipe" / "eagle3" / "log.jsonl")
+    work = Path.home() / ".cache" / "specserve-recipe"
+    ap.add_argument("--log", type=Path, nargs="+", default=[work / run / "log.jsonl" for run in RUNS],
+                    help="the training logs of the head's runs, in order")
     ap.add_argument("--card-only", action="store_true", help="rewrite README.md from the saved measurements.json")
     args = ap.parse_args()
     head = args.models / "eagle3"
@@ -160,7 +183,7 @@ def main() -> None:
         figures = json.loads((head / "measurements.json").read_text())
         (head / "README.md").write_text(card(figures, log, json.loads((head / "config.json").read_text())))
         return
-    log = [json.loads(x) for x in args.log.read_text().splitlines()]
+    log = joined_logs(args.log)
     (head / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log if "val_agree" in r))
     plot(log, head / "loss_curves.png")
     figures = measure(args.models, prompts)

@@ -1,16 +1,22 @@
 """Train an EAGLE-3 head for the shipped target and write it to models/eagle3 (published layout).
 
-    python tools/train_eagle_head.py                    # resumable; ~50 min on 2 CPU cores (750 steps)
-    python tools/train_eagle_head.py --steps 1500       # then on to 1,500 (~50 min more)
-    python tools/train_eagle_head.py --steps 2250       # then on to 2,250 (~50 min more)
-    nohup python tools/train_eagle_head.py > eagle.log 2>&1 &
+The shipped head is these five commands in turn (each resumable; nohup ... > eagle.log 2>&1 &):
 
-The shipped head is those three commands in turn: 750 steps on one cosine schedule, then resumed
-twice, each time with the schedule stretched to the new length (the learning rate rises again at
-steps 750 and 1,500; agreement dips for ~100 steps, then passes where it was).
+    python tools/train_eagle_head.py --aux-layers 2,4,5                  # 750 steps, ~50 min on 2 cores
+    python tools/train_eagle_head.py --aux-layers 2,4,5 --steps 1500     # resumed, the schedule stretched
+    python tools/train_eagle_head.py --aux-layers 2,4,5 --steps 2250     # (~50 min each)
+    python tools/train_eagle_head.py --run eagle3-r2 --init-from models/eagle3 --steps 300
+    python tools/train_eagle_head.py --run eagle3-r3 --init-from models/eagle3 --steps 1200 \
+        --lr 5e-4 --extra-generations 2048 --generated-per-batch 6    # ~90 min
+
+Run 1 reads EAGLE-3's own choice of layers (2, L/2, L-3); runs 2 and 3 start from the exported
+head and read layers 1, L/2 and L-1 (the default; why: recipe_aux_layers), fc's three slices
+taken in order. Run 3 adds 2,048 sequences the target wrote (two thirds greedy) and takes 6 of
+each 8 windows from the target's writing. On resuming a run, the learning rate rises again and
+agreement dips for ~100 steps before it passes where it was.
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
-target's features (inputs of layers 1, L/2 and L-1 by default, --aux-layers) and its distributions computed on the fly with
+target's features (inputs of the --aux-layers) and its distributions computed on the fly with
 transformers' LlamaForCausalLM. Loss: cross-entropy of the head's distribution against the
 target's (restricted to the draft vocabulary) at every step of a training-time-test rollout,
 later steps weighted less. Needs the corpus and tokens of tools/make_default_pair.py in --work.

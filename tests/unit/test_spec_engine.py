@@ -9,7 +9,7 @@ import pytest
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import SpecConfig
 from serve_app.cli import build_parser
-from tests.helpers import make_model, make_tokenizer
+from tests.helpers import RecordingObserver, make_model, make_tokenizer
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "import os\nimport sys\n", "for i in range(10):\n"]
 
@@ -221,25 +221,6 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
             speculating_rows.append(stats.batch_size - stats.rows_without_proposal)
     assert speculating_rows and set(speculating_rows) == {1}
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
-
-
-class RecordingObserver:
-    """A CostObserver that keeps every observation."""
-
-    def __init__(self):
-        self.seen: list[tuple] = []
-
-    def observe_target(self, batch, tokens, seconds):
-        self.seen.append(("target", batch, tokens))
-
-    def observe_draft_first(self, batch, width, seconds):
-        self.seen.append(("first", batch, width))
-
-    def observe_draft_step(self, batch, seconds):
-        self.seen.append(("step", batch))
-
-    def observe_catch_up(self, tokens, seconds):
-        self.seen.append(("catch_up", tokens))
 
 
 def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
