@@ -1,0 +1,60 @@
+"""Per-token acceptance of model proposers side by side: greedy, fixed K, the held-out code prompts.
+
+    python tools/head_alpha.py embedded:draft models/eagle3 path/to/another/head [--k 5] [--prompts 8 48]
+
+For each proposer (a draft model or an EAGLE-3 head for the embedded target) and each prompt
+count: α = accepted ÷ (accepted + rejections) over all rounds, and tokens per round (the
+target's own token included). Comparing heads from different training runs on the same prompts
+is what it is for; speed is measured by `python -m bench spec`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.workloads import load_prompts  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model.eagle3 import is_eagle3  # noqa: E402
+from engine.model.loader import resolve_model_path  # noqa: E402
+
+
+def alpha(outputs) -> tuple[float, float]:
+    """(per-token α, tokens per round) over every round of `outputs`."""
+    accepted = rejected = rounds = 0
+    for o in outputs:
+        for a, k in zip(o.accepted_per_round, o.proposed_per_round):
+            accepted, rejected, rounds = accepted + a, rejected + (a < k), rounds + 1
+    return accepted / max(1, accepted + rejected), (accepted + rounds) / max(1, rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("proposers", nargs="+", help="draft models or EAGLE-3 heads (paths or embedded:NAME)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[8, 48])
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    for n in args.prompts:
+        prompts = load_prompts("code", n)
+        for proposer in args.proposers:
+            method = "eagle" if is_eagle3(resolve_model_path(proposer)) else "draft"
+            llm = LLM(draft_model=proposer, speculative_method=method, spec_policy="fixed", spec_length=args.k,
+                      max_batch_size=16)
+            a, per_round = alpha(llm.generate(prompts, params))
+            print(f"{n} prompts, K={args.k}, {proposer}: alpha {a:.3f}, tokens per round {per_round:.2f}", flush=True)
+            del llm
+
+
+if __name__ == "__main__":
+    main()
