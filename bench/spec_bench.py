@@ -77,7 +77,8 @@ def eagle_engine(args, use: bool):
     from engine import LLM
 
     return LLM(model=args.target, draft_model=args.eagle, forward_plan=args.forward_plan, use_speculative_decoding=True,
-               speculative_method="eagle", max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
+               speculative_method="eagle", max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed",
+               enable_prefix_caching=False)
 
 
 def interleaved_costs(rows: list[dict]) -> dict:
@@ -115,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
-              use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len, spec_policy="fixed")
+    llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,  # prefix caching off:
+              use_speculative_decoding=True, max_batch_size=16, max_seq_len=args.max_seq_len,  # every repeat
+              spec_policy="fixed", enable_prefix_caching=False)  # of a prompt is a fresh request
     llm_eagle = eagle_engine(args, any(m in EAGLE_METHODS for m in args.methods))
     costs = measure_costs(llm)
     if llm_eagle is not None:

@@ -51,7 +51,8 @@ def measure(models: Path, prompts: list[str]) -> dict:
 
     torch.set_num_threads(2)
     engines = {name: LLM(model=str(models / "target"), draft_model=str(models / name), use_speculative_decoding=True,
-                         speculative_method=method, max_seq_len=512, max_batch_size=len(prompts))
+                         speculative_method=method, max_seq_len=512, max_batch_size=len(prompts),
+                         enable_prefix_caching=False)  # each K decodes the prompts afresh
                for name, method in (("draft", "draft"), ("eagle3", "eagle"))}
     timed = {"target": engines["draft"].engine.model, "draft": engines["draft"].engine.draft_model,
              "eagle3": engines["eagle3"].engine.draft_model}

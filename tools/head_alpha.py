@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--prompts", type=int, nargs="+", default=[8, 48])
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=16, help="requests decoded together (max_batch_size)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -50,9 +51,9 @@ def main() -> None:
         for proposer in args.proposers:
             method = "eagle" if is_eagle3(resolve_model_path(proposer)) else "draft"
             llm = LLM(draft_model=proposer, speculative_method=method, spec_policy="fixed", spec_length=args.k,
-                      max_batch_size=16)
+                      max_batch_size=args.batch)
             a, per_round = alpha(llm.generate(prompts, params))
-            print(f"{n} prompts, K={args.k}, {proposer}: alpha {a:.3f}, tokens per round {per_round:.2f}", flush=True)
+            print(f"{n} prompts, K={args.k}, batch {args.batch}, {proposer}: alpha {a:.3f}, tokens per round {per_round:.2f}", flush=True)
             del llm
 
 

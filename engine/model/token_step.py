@@ -135,14 +135,42 @@ class TokenStep:
             return logits.view(B, T, -1), state.view(B, T, -1)
         return logits, state
 
+    def greedy(self, first: list[int], kv: KVView, positions: list[int], steps: int, hidden: torch.Tensor | None,
+               draft_to_target: torch.Tensor | None, candidates: int | None = None) -> list[list[int]]:
+        """Greedy drafting in one C call: for each sequence b, `steps` tokens after first[b] (fed at
+        positions[b], each step's argmax over the first `candidates` logits, all by default, fed to
+        the next), as target ids through draft_to_target [draft_vocab] when given. kv: a view of
+        `steps` new positions of each sequence (a pass of [B, steps] tokens). hidden [B, hidden]: an
+        EAGLE-3 head's state for the first step (its outputs after, float32, updated in place); None
+        for a draft model."""
+        B = len(first)
+        if B > TOKEN_STEP_MAX_ROWS:
+            raise ValueError(f"TokenStep.greedy takes at most {TOKEN_STEP_MAX_ROWS} sequences, got {B}")
+        ids = torch.tensor(first, dtype=torch.int64)[:, None].expand(B, steps)  # [B, steps]: only column 0 is read
+        pos = torch.tensor(positions, dtype=torch.int64)[:, None] + torch.arange(steps)  # [B, steps]
+        rows, _ = self._rows(ids, pos, kv, None, max_rows=B * steps)
+        firsts = (_Row * B)(*[rows[b * steps] for b in range(B)])
+        write_rows = torch.tensor([r.write_row for r in rows], dtype=torch.int64)  # [B * steps]
+        tokens = torch.empty(B, steps, dtype=torch.int64)
+        logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab] scratch
+        mapping = None if draft_to_target is None else draft_to_target.to(torch.int64).contiguous()
+        state = None if hidden is None else hidden.data_ptr()
+        if hidden is not None and (hidden.dtype != torch.float32 or not hidden.is_contiguous()):
+            raise ValueError("TokenStep.greedy needs a contiguous float32 hidden state")
+        _check(self._kernels.greedy_rows(ctypes.byref(self._model), firsts, B, state, steps, write_rows.data_ptr(),
+                                         None if mapping is None else mapping.data_ptr(),
+                                         self._vocab_size if candidates is None else candidates, tokens.data_ptr(),
+                                         logits.data_ptr(), torch.get_num_threads()))
+        return tokens.tolist()
+
     def _rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-              logits_index: torch.Tensor | None) -> tuple[ctypes.Array, list[int]]:
+              logits_index: torch.Tensor | None, max_rows: int = TOKEN_STEP_MAX_ROWS) -> tuple[ctypes.Array, list[int]]:
         """Points the C model at the view's storage; the pass's rows (each sequence's tokens up to
         logits_index[b], every row when None) and the indices among them whose logits are wanted."""
         B, T = input_ids.shape
         counts = [T] * B if logits_index is None else [i + 1 for i in logits_index.tolist()]
-        if sum(counts) > TOKEN_STEP_MAX_ROWS:
-            raise ValueError(f"TokenStep takes passes of at most {TOKEN_STEP_MAX_ROWS} rows, got {sum(counts)}")
+        if sum(counts) > max_rows:
+            raise ValueError(f"TokenStep takes passes of at most {max_rows} rows, got {sum(counts)}")
         storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]
         if storage.dtype != self.dtype or not storage.is_contiguous() or storage.device.type != "cpu":
             raise ValueError(f"TokenStep needs a contiguous {self.dtype} CPU KV storage")

@@ -188,6 +188,11 @@ class Transformer:
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin)
 
+    @property
+    def token_step(self) -> TokenStep | None:
+        """The whole-model C step of narrow passes, when the plan has it."""
+        return self._token_step
+
     def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.tensors()]
         return tensors + ([] if self.lm_head is self.embed else [self.lm_head])

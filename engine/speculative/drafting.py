@@ -12,7 +12,10 @@ import torch
 
 from engine import host_sync
 from engine.grammar import GrammarMatcher, mask_rows
-from engine.model.passes import width_groups
+from engine.kv import CachePool
+from engine.model.passes import pass_inputs, width_groups
+from engine.model.token_step import TOKEN_STEP_MAX_ROWS
+from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
@@ -20,6 +23,8 @@ from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 # rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]
 StepFn = Callable[[list[int], list[int]], torch.Tensor]
+# each row's first token, steps -> `steps` greedy tokens after it for every row, all in one call
+GreedyFn = Callable[[list[int], int], list[list[int]]]
 
 
 def propose_rows(requests: list[Request], ks: list[int], name: str,
@@ -35,6 +40,22 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
         return part
     empty = q.new_zeros(len(requests), 1, q.shape[-1]) if q is not None else None  # [N, 1, V]
     return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
+
+
+def token_step_greedy(model: Transformer, pool: CachePool, slots: list[int], hidden: torch.Tensor | None = None,
+                      draft_to_target: torch.Tensor | None = None, candidates: int | None = None) -> GreedyFn | None:
+    """Greedy drafting in one C call a round on `model`'s token step, each slot stepping from its
+    current length (see TokenStep.greedy for hidden, draft_to_target and candidates); None where
+    it does not run (no token step, more rows than it takes)."""
+    step = model.token_step
+    if step is None or len(slots) > TOKEN_STEP_MAX_ROWS:
+        return None
+    starts = [pool.seq_len(s) for s in slots]
+
+    def run(first: list[int], steps: int) -> list[list[int]]:
+        x = pass_inputs(model, pool, slots, [[t] * steps for t in first], starts)
+        return step.greedy(first, x.view, starts, steps, hidden, draft_to_target, candidates)
+    return run
 
 
 def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observer: CostObserver,
@@ -58,10 +79,20 @@ def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observe
 
 
 def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, step: StepFn,
-                 observer: CostObserver) -> tuple[list[list[int]], torch.Tensor | None]:
-    """ks[i] tokens for reqs[i]: the first from `logits` [N, V], the rest from `step`; with q
-    [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it allows (its
-    matcher walks ahead and is rolled back after). The mean step time goes to the observer."""
+                 observer: CostObserver, greedy: GreedyFn | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+    """ks[i] tokens for reqs[i]: the first from `logits` [N, V], the rest from `step`, or all at
+    once from `greedy` (when the proposer has one for these rows) if no row samples or follows a
+    grammar; with q [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it
+    allows (its matcher walks ahead and is rolled back after). The mean step time goes to the
+    observer."""
+    if greedy is not None and not with_q and all(r.grammar is None for r in reqs):
+        first = host_sync.read(logits.argmax(dim=-1))  # [N]
+        steps, t0 = max(ks) - 1, time.perf_counter()
+        if not steps:
+            return [[t] for t in first], None
+        more = greedy(first, steps)
+        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+        return [([t] + rest)[:k] for t, rest, k in zip(first, more, ks)], None
     sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
     tokens: list[list[int]] = [[] for _ in reqs]
     grammars = [r.grammar for r in reqs]

@@ -88,7 +88,8 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
 @needs_kernels
 def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_output_exact(tmp_path, tok_dir):
     """Speculative greedy output with the draft on token steps equals plain greedy output, and
-    the draft's steps did run as token steps (a plan without token_step: they do not)."""
+    the draft's passes did run as token steps, its steps after the first token as one greedy call
+    a round (a plan without token_step: neither)."""
     from engine import LLM, SamplingParams
 
     make_model(tmp_path / "target", tok_dir, seed=1, layers=3)
@@ -103,15 +104,20 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
                   forward_plan={"target": {"dtype": "float32"}, "draft": {"dtype": "float32", "token_step": on}})
         draft = llm.engine.draft_model
         assert (draft._token_step is not None) == on
-        calls = []
+        calls, greedy = [], []
         if on:
             def counted(*args, original=draft._token_step.forward, calls=calls):
                 calls.append(1)
                 return original(*args)
 
+            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.greedy):
+                greedy.append(steps)
+                return original(first, kv, positions, steps, *rest)
+
             draft._token_step.forward = counted
+            draft._token_step.greedy = counted_greedy
         assert [o.token_ids for o in llm.generate(prompts, params)] == plain
-        assert bool(calls) == on
+        assert bool(calls) == on and bool(greedy) == on and set(greedy) <= {1, 2, 3}
 
 
 def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):

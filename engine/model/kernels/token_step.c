@@ -185,15 +185,12 @@ static void attend(const StepModel *m, int64_t l, const float *qkv, float *attn,
     }
 }
 
-/* Decoder layer l over a pass's n rows: x [n, width] is their normed attention input (row stride
- * width), s.h [n, hidden] their residual streams (updated in place). Every row's K/V is written
- * before any row attends. */
-static void decoder_layer(const StepModel *m, int64_t l, const Scratch *s, int64_t width, const StepRow *rows,
-                          int64_t n, int threads) {
-    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads;
-    const int64_t Q = qkv_width(m), A = Hq * D;
-    const StepLayer *lw = &m->layer[l];
-    matmul(m, lw->qkv, s->x, s->qkv, Q, width, n, threads);
+/* The first half of decoder layer l over a pass's n rows: x [n, width] is their normed attention
+ * input (row stride width); their q (roped) goes to s->qkv, their K/V into the cache. */
+static void write_kv(const StepModel *m, int64_t l, const Scratch *s, int64_t width, const StepRow *rows, int64_t n,
+                     int threads) {
+    const int64_t D = m->head_dim, Hq = m->heads, Hkv = m->kv_heads, Q = qkv_width(m);
+    matmul(m, m->layer[l].qkv, s->x, s->qkv, Q, width, n, threads);
     for (int64_t r = 0; r < n; r++) {
         float *qkv = s->qkv + r * Q;
         const float *cos = m->cos + rows[r].pos * D, *sin = m->sin + rows[r].pos * D;
@@ -203,6 +200,14 @@ static void decoder_layer(const StepModel *m, int64_t l, const Scratch *s, int64
             store(m->kv, m->kv_kind, kv_at(m, l, 1, j, rows[r].write_row), qkv + (Hq + Hkv + j) * D, D);
         }
     }
+}
+
+/* The rest of decoder layer l for n rows whose q write_kv left in s->qkv: attention over their
+ * keys, then the MLP; s->h [n, hidden], their residual streams, updated in place. */
+static void finish_layer(const StepModel *m, int64_t l, const Scratch *s, const StepRow *rows, int64_t n,
+                         int threads) {
+    const int64_t H = m->hidden, I = m->intermediate, Q = qkv_width(m), A = m->heads * m->head_dim;
+    const StepLayer *lw = &m->layer[l];
     for (int64_t r = 0; r < n; r++)
         attend(m, l, s->qkv + r * Q, s->attn + r * A, s->scores, rows[r].pos + 1, rows[r].key_rows,
                rows[r].first_key_row, threads);
@@ -219,6 +224,14 @@ static void decoder_layer(const StepModel *m, int64_t l, const Scratch *s, int64
     for (int64_t i = 0; i < n * H; i++) s->h[i] += s->tmp[i];
 }
 
+/* Decoder layer l over a pass's n rows: x [n, width] their normed attention input, s->h [n, hidden]
+ * their residual streams (updated in place). Every row's K/V is written before any row attends. */
+static void decoder_layer(const StepModel *m, int64_t l, const Scratch *s, int64_t width, const StepRow *rows,
+                          int64_t n, int threads) {
+    write_kv(m, l, s, width, rows, n, threads);
+    finish_layer(m, l, s, rows, n, threads);
+}
+
 /* -1 if a pass's rows or outputs are out of range, else 0 */
 static int bad_args(const StepModel *m, const StepRow *rows, int64_t n, const int64_t *out_rows, int64_t n_out) {
     if (n < 1 || n > m->max_rows || n_out < 0 || n_out > n || m->kv_heads <= 0 || m->heads % m->kv_heads != 0 ||
@@ -229,7 +242,7 @@ static int bad_args(const StepModel *m, const StepRow *rows, int64_t n, const in
             rows[r].write_row >= m->kv_rows)
             return -1;
     for (int64_t j = 0; j < n_out; j++)
-        if (out_rows[j] < 0 || out_rows[j] >= n) return -1;
+        if (out_rows[j] < (j ? out_rows[j - 1] + 1 : 0) || out_rows[j] >= n) return -1;  /* increasing */
     return 0;
 }
 
@@ -266,11 +279,13 @@ int token_rows(const StepModel *m, const StepRow *rows, int64_t n, const int64_t
 
 /* An EAGLE-3 head's pass: its layer's attention input is [norm(embedding of token), hidden_norm(hidden)]
  * (2 hidden wide) and its residual the hidden state. hidden [n, hidden] float32 holds each row's
- * hidden state on entry (the target's fused features, or the head's previous output) and its
- * pre-norm output on return; logits [n_out, head_rows] of rows out_rows. Returns 0, or -1. */
+ * hidden state on entry (the target's fused features, or the head's previous output); rows
+ * out_rows (increasing) get their pre-norm output there and their logits [n_out, head_rows]. The
+ * other rows only write their K/V: nothing of theirs past it is read (a catch-up's rows but its
+ * last), so the rest of the layer runs for the out rows alone. Returns 0, or -1. */
 int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, const int64_t *out_rows,
                int64_t n_out, float *logits, int threads) {
-    const int64_t H = m->hidden;
+    const int64_t H = m->hidden, Q = qkv_width(m);
     if (bad_args(m, rows, n, out_rows, n_out) || m->hidden_norm == NULL || m->layers != 1) return -1;
     const Scratch s = scratch_of(m);
     for (int64_t r = 0; r < n; r++) {
@@ -279,9 +294,56 @@ int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden
         rms_norm(s.tmp, m->layer[0].attn_norm, x, H, m->eps);
         rms_norm(hidden + r * H, m->hidden_norm, x + H, H, m->eps);
     }
-    memcpy(s.h, hidden, n * H * sizeof(float));
-    decoder_layer(m, 0, &s, 2 * H, rows, n, threads);
-    memcpy(hidden, s.h, n * H * sizeof(float));
-    output_layer(m, &s, out_rows, n_out, logits, threads);
+    write_kv(m, 0, &s, 2 * H, rows, n, threads);
+    StepRow out[n];
+    for (int64_t j = 0; j < n_out; j++) {  /* the out rows, packed to the front (out_rows[j] >= j) */
+        const int64_t r = out_rows[j];
+        out[j] = rows[r];
+        memmove(s.qkv + j * Q, s.qkv + r * Q, Q * sizeof(float));
+        memcpy(s.h + j * H, hidden + r * H, H * sizeof(float));
+    }
+    finish_layer(m, 0, &s, out, n_out, threads);
+    int64_t packed[n];
+    for (int64_t j = 0; j < n_out; j++) {
+        memcpy(hidden + out_rows[j] * H, s.h + j * H, H * sizeof(float));
+        packed[j] = j;
+    }
+    output_layer(m, &s, packed, n_out, logits, threads);
+    return 0;
+}
+
+/* Greedy drafting as one call: `steps` tokens for each of n sequences, one pass of n rows a step
+ * (an EAGLE-3 head's when hidden is not NULL, else a draft model's). rows[r] is sequence r's first
+ * step: its token (the draft's first proposal), position and keys; step j writes K/V at
+ * write_rows[r * steps + j] for position rows[r].pos + j. A step's tokens are the argmax of its
+ * first `candidates` logits (the lowest id among equal maxima), as target ids through
+ * draft_to_target when it is not NULL; tokens [n, steps]. logits: [n, head_rows] of scratch.
+ * Returns 0, or -1 as the passes do. */
+int greedy_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, int64_t steps,
+                const int64_t *write_rows, const int64_t *draft_to_target, int64_t candidates, int64_t *tokens,
+                float *logits, int threads) {
+    if (n < 1 || n > m->max_rows || steps < 1 || candidates < 1 || candidates > m->head_rows) return -1;
+    StepRow step[n];
+    int64_t out_rows[n];
+    for (int64_t r = 0; r < n; r++) {
+        step[r] = rows[r];
+        out_rows[r] = r;
+    }
+    for (int64_t j = 0; j < steps; j++) {
+        for (int64_t r = 0; r < n; r++) step[r].write_row = write_rows[r * steps + j];
+        int status = hidden ? eagle_rows(m, step, n, hidden, out_rows, n, logits, threads)
+                            : token_rows(m, step, n, out_rows, n, logits, threads);
+        if (status) return status;
+        for (int64_t r = 0; r < n; r++) {
+            const float *row = logits + r * m->head_rows;
+            int64_t best = 0;
+            for (int64_t i = 1; i < candidates; i++)
+                if (row[i] > row[best]) best = i;
+            const int64_t token = draft_to_target ? draft_to_target[best] : best;
+            tokens[r * steps + j] = token;
+            step[r].token = token;
+            step[r].pos += 1;
+        }
+    }
     return 0;
 }
