@@ -80,7 +80,7 @@ def theory(alpha: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-RUNS = ("eagle3", "eagle3-r2", "eagle3-r3")  # the shipped head's runs (tools/train_eagle_head.py's commands)
+RUNS = ("eagle3", "eagle3-r2", "eagle3-r3", "eagle3-r4")  # the shipped head's runs (tools/train_eagle_head.py's commands)
 
 
 def joined_logs(paths: list[Path]) -> list[dict]:

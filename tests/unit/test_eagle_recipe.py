@@ -79,8 +79,20 @@ def test_an_exported_head_starts_a_new_run_only_with_its_own_vocabulary(tmp_path
     fresh = _head(cfg, d2t.numel(), seed=3)
     load_exported(fresh, tmp_path, d2t)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
-    with pytest.raises(ValueError, match="draft vocabulary"):
+    with pytest.raises(ValueError, match="draft vocabulary lacks"):
         load_exported(fresh, tmp_path, d2t + 1)
+
+
+def test_a_smaller_draft_vocabulary_keeps_the_exported_output_rows_of_its_ids(tmp_path, tiny_model):
+    cfg = json.loads((tiny_model[0] / "config.json").read_text())
+    d2t = torch.arange(0, cfg["vocab_size"], 2)
+    trained = _head(cfg, d2t.numel(), seed=2)
+    trained.export(tmp_path, d2t, cfg["vocab_size"], cfg, AUX, dtype=torch.float32)
+    kept = d2t[[0, 3, 5, 9]]  # target ids 0, 6, 10, 18
+    smaller = _head(cfg, kept.numel(), seed=3)
+    load_exported(smaller, tmp_path, kept)
+    assert torch.equal(smaller.lm_head.weight, trained.lm_head.weight[[0, 3, 5, 9]])
+    assert torch.equal(smaller.fc.weight, trained.fc.weight)
 
 
 def test_aux_layers_are_three_distinct_layers_in_order_and_a_resumed_run_keeps_its_own():

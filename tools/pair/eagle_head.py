@@ -180,13 +180,19 @@ def exported_vocabulary(path: Path) -> torch.Tensor:
 
 
 def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> None:
-    """Copies the weights of a head exported by `export` (same shapes and draft vocabulary) into
-    `head`, as the start of a new run."""
+    """Copies the weights of a head exported by `export` into `head`, as the start of a new run.
+    `d2t` is the exported head's draft vocabulary or a part of it (a smaller vocabulary keeps the
+    output rows of its ids)."""
     from safetensors.torch import load_file
 
     w = load_file(str(Path(path) / "model.safetensors"))
-    if not torch.equal(exported_vocabulary(path), d2t):
-        raise ValueError(f"{path}: its draft vocabulary differs from this run's (--draft-vocab)")
+    exported = exported_vocabulary(path)
+    row_of = {int(t): i for i, t in enumerate(exported)}
+    missing = [int(t) for t in d2t if int(t) not in row_of]
+    if missing:
+        raise ValueError(f"{path}: its draft vocabulary lacks {len(missing)} of this run's ids "
+                         f"(e.g. {missing[:3]}; --draft-vocab)")
+    w["lm_head.weight"] = w["lm_head.weight"][torch.tensor([row_of[int(t)] for t in d2t], dtype=torch.long)]
     state = head.state_dict()
     for name, key in _EXPORTED.items():
         if w[name].shape != state[key].shape:
