@@ -110,7 +110,7 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
                 calls.append(1)
                 return original(*args)
 
-            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.greedy):
+            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.greedy, greedy=greedy):
                 greedy.append(steps)
                 return original(first, kv, positions, steps, *rest)
 
