@@ -136,10 +136,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     written = [p for p in (rows_path, extra_path) if p]
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
+    exported = exported_vocabulary(args.init_from) if args.init_from else None
     if "d2t" in saved:
         d2t = saved["d2t"]
-    elif args.init_from and args.draft_vocab >= len(exported_vocabulary(args.init_from)):
-        d2t = exported_vocabulary(args.init_from)
+    elif exported is not None and args.draft_vocab >= len(exported):
+        d2t = exported
     else:  # a fresh head, or a smaller vocabulary than the exported head's: its most frequent ids
         d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab,
                                target_cfg["eos_token_id"])

@@ -146,6 +146,8 @@ class TokenStep:
         B = len(first)
         if B > TOKEN_STEP_MAX_ROWS:
             raise ValueError(f"TokenStep.greedy takes at most {TOKEN_STEP_MAX_ROWS} sequences, got {B}")
+        if hidden is not None and (hidden.dtype != torch.float32 or not hidden.is_contiguous()):
+            raise ValueError("TokenStep.greedy needs a contiguous float32 hidden state")
         ids = torch.tensor(first, dtype=torch.int64)[:, None].expand(B, steps)  # [B, steps]: only column 0 is read
         pos = torch.tensor(positions, dtype=torch.int64)[:, None] + torch.arange(steps)  # [B, steps]
         rows, _ = self._rows(ids, pos, kv, None, max_rows=B * steps)
@@ -155,8 +157,6 @@ class TokenStep:
         logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab] scratch
         mapping = None if draft_to_target is None else draft_to_target.to(torch.int64).contiguous()
         state = None if hidden is None else hidden.data_ptr()
-        if hidden is not None and (hidden.dtype != torch.float32 or not hidden.is_contiguous()):
-            raise ValueError("TokenStep.greedy needs a contiguous float32 hidden state")
         _check(self._kernels.greedy_rows(ctypes.byref(self._model), firsts, B, state, steps, write_rows.data_ptr(),
                                          None if mapping is None else mapping.data_ptr(),
                                          self._vocab_size if candidates is None else candidates, tokens.data_ptr(),

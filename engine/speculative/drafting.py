@@ -45,16 +45,18 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
 def token_step_greedy(model: Transformer, pool: CachePool, slots: list[int], hidden: torch.Tensor | None = None,
                       draft_to_target: torch.Tensor | None = None, candidates: int | None = None) -> GreedyFn | None:
     """Greedy drafting in one C call a round on `model`'s token step, each slot stepping from its
-    current length (see TokenStep.greedy for hidden, draft_to_target and candidates); None where
-    it does not run (no token step, more rows than it takes)."""
+    current length (see TokenStep.greedy for draft_to_target and candidates; hidden [N, hidden], an
+    EAGLE-3 head's state, in any dtype); None where it does not run (no token step, more rows than
+    it takes). Nothing is prepared until the call: a round that samples never makes it."""
     step = model.token_step
     if step is None or len(slots) > TOKEN_STEP_MAX_ROWS:
         return None
-    starts = [pool.seq_len(s) for s in slots]
 
     def run(first: list[int], steps: int) -> list[list[int]]:
+        starts = [pool.seq_len(s) for s in slots]
         x = pass_inputs(model, pool, slots, [[t] * steps for t in first], starts)
-        return step.greedy(first, x.view, starts, steps, hidden, draft_to_target, candidates)
+        state = None if hidden is None else hidden.to(torch.float32).contiguous()  # [N, hidden], stepped in place
+        return step.greedy(first, x.view, starts, steps, state, draft_to_target, candidates)
     return run
 
 

@@ -66,8 +66,7 @@ class EagleProposer:
         state = {"hidden": hidden}  # [N, hidden] each row's last pre-norm output
         try:
             return draft_tokens(reqs, ks, logits, with_q, functools.partial(self._step, reqs, state), self.observer,
-                                token_step_greedy(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs],
-                                                  hidden.float().contiguous(),
+                                token_step_greedy(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], hidden,
                                                   None if self.head.identity_vocab else self.head.draft_to_target))
         finally:  # the draft steps' K/V goes: the next round feeds the target's features there
             for r, n in zip(reqs, real):
