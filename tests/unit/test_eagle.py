@@ -256,9 +256,9 @@ def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, met
         accepted = sum(o.num_accepted_tokens for o in batched)
         assert 0 < accepted < drafted
         assert any("eagle" in o.proposers for o in batched)
+        assert bool(calls) == token_step  # adaptive may keep K <= 1 on a host where the head does not pay
     assert all(pool.num_used_slots() == 0 for pool in llm.engine.kv.pools().values())
     assert llm.engine.kv.features.pending(batched[0].request_id) == 0
-    assert bool(calls) == token_step
 
 
 def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, head_dir, reference):
