@@ -11,7 +11,8 @@ from typing import Any, Literal, get_args
 from engine.structured_output import StructuredOutput
 
 DEFAULT_MODEL = "embedded:target"
-DEFAULT_DRAFT_MODEL = "embedded:draft"
+DEFAULT_HEAD = "embedded:eagle3"  # the embedded target's EAGLE-3 head: its default proposer
+DEFAULT_DRAFT_MODEL = "embedded:draft"  # its draft model, for speculative_method "draft"
 
 KVBackend = Literal["slotted", "paged"]
 SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
@@ -214,12 +215,16 @@ class EngineConfig:
 
 
 def with_embedded_defaults(kwargs: dict) -> dict:
-    """EngineConfig kwargs with no `model`: the embedded pair, speculation on (explicit keys,
-    flat or in `speculative`, win)."""
+    """EngineConfig kwargs with no `model`: the embedded target with speculation on, by its
+    EAGLE-3 head (method "eagle"), or its draft model where the method asked for is "draft"
+    (explicit keys, flat or in `speculative`, win)."""
     if "model" in kwargs:
         return dict(kwargs)
-    spec = {"draft_model": DEFAULT_DRAFT_MODEL, "use_speculative_decoding": True,
-            **_as_dict(kwargs.get("speculative") or {})}
+    given = {**_as_dict(kwargs.get("speculative") or {}),
+             **{k: v for k, v in kwargs.items() if k in SpecConfig.field_names()}}  # LLM's flat keys too
+    method = given.get("speculative_method", "eagle")
+    spec = {"draft_model": DEFAULT_DRAFT_MODEL if method == "draft" else DEFAULT_HEAD,
+            "use_speculative_decoding": True, "speculative_method": method, **given}
     return {**kwargs, "speculative": spec, "model": DEFAULT_MODEL}
 
 

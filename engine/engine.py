@@ -307,7 +307,8 @@ class LLMEngine:
 
 class LLM:
     """Offline batch generation: `LLM(**EngineConfig fields).generate(prompts, params)`; with no
-    model given, the embedded default pair (target + draft, speculation on)."""
+    model given, the embedded target with speculation on by its EAGLE-3 head (or by its draft
+    model, asked for with speculative_method="draft")."""
 
     def __init__(self, **kwargs):
         self.config = EngineConfig.from_kwargs(**with_embedded_defaults(kwargs))

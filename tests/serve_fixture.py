@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from engine.config import with_embedded_defaults
 from serve_app.local_run import REPO, free_port, local_server, ray_env, serve_bin  # noqa: F401 (re-exported)
 
 API_KEY = "e2e-secret-key"
@@ -77,10 +78,7 @@ class Server:
         """This application's EngineConfig fields, as `LLM(**kwargs)` takes them (the embedded
         pair where the config names no model)."""
         app = next(a for a in self.config["applications"] if a["name"] == self.app_name)
-        kwargs = dict(app["args"]["engine"])
-        if "model" not in kwargs:
-            kwargs.update(model="embedded:target", draft_model="embedded:draft")
-        return kwargs
+        return with_embedded_defaults(dict(app["args"]["engine"]))
 
     @property
     def max_seq_len(self) -> int:

@@ -60,11 +60,12 @@ class TimingTable:
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
             return None
-        nearest_t = min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t))
-        row = self._ema[nearest_t]
-        buckets = sorted(row)
+        row = self._ema.get(tokens_per_seq)  # the policy asks for measured T nearly always
+        if row is None:
+            row = self._ema[min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t))]
         if batch in row:
             return row[batch]
+        buckets = sorted(row)
         i = bisect.bisect_left(buckets, batch)
         if i == 0:
             return row[buckets[0]]
@@ -172,9 +173,14 @@ def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     total = sum(weights)
     if not values or total <= 0:
         return list(values)
-    mx, my, mxx, mxy = (sum(w * m for w, m in zip(weights, column)) / total
-                        for column in zip(*((x, v, x * x, x * v) for x, v in enumerate(values))))
-    slope = _slope(mx, my, mxx, mxy) or 0.0
+    sx = sy = sxx = sxy = 0.0
+    for x, (v, w) in enumerate(zip(values, weights)):  # one pass: the policy fits three lines a step
+        sx += w * x
+        sy += w * v
+        sxx += w * x * x
+        sxy += w * x * v
+    mx, my = sx / total, sy / total
+    slope = _slope(mx, my, sxx / total, sxy / total) or 0.0
     return [my + slope * (x - mx) for x in range(len(values))]
 
 

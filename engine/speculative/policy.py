@@ -6,7 +6,8 @@ verify passes stop being free; the model, probes and hysteresis: docs/performanc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,10 +102,12 @@ def expected_tokens(acceptance: Acceptance, k: int) -> float:
 def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     """[E(0), E(1), ..., E(k_max)] for one request, in one pass over the positions."""
     rates = [acceptance] if isinstance(acceptance, (int, float)) else acceptance
-    curve, reach = [1.0], 1.0
-    for j in range(k_max):
-        reach *= rates[min(j, len(rates) - 1)]
-        curve.append(curve[-1] + reach)
+    rates = list(rates[:k_max]) + ([rates[-1]] * (k_max - len(rates)) if len(rates) < k_max else [])
+    curve, reach, total = [1.0], 1.0, 1.0
+    for rate in rates:
+        reach *= rate
+        total += reach
+        curve.append(total)
     return curve
 
 
@@ -113,18 +116,14 @@ def first_pass_widths(curves: list[list[float]], k_max: int, catch_up: CatchUp) 
     K = 0..k_max, from each request's curve (curve[t] - curve[t - 1] is the chance it accepts at
     least t; a curve ends at its request's cap). "round": a + 1 tokens a row, so the longest is at
     least t + 1 unless no row accepts t or more; "own": 2 tokens where a row accepted all it proposed."""
-    def none_reach(t_of: Callable[[list[float]], int]) -> float:  # P(no row accepts at least t_of(curve))
-        out = 1.0
-        for c in curves:
-            t = t_of(c)
-            out *= 1.0 - (c[t] - c[t - 1] if 0 < t < len(c) else 0.0)
-        return out
+    def none_reach(ts: list[int]) -> float:  # P(no row accepts at least ts[i]), ts[i] = 0: never
+        return math.prod([1.0 - (c[t] - c[t - 1]) for c, t in zip(curves, ts) if t > 0])
     if catch_up == "round":
         widths = [1.0]
         for t in range(1, k_max + 1):
-            widths.append(widths[-1] + 1.0 - none_reach(lambda c, t=t: t))
+            widths.append(widths[-1] + 1.0 - none_reach([t if t < len(c) else 0 for c in curves]))
         return widths
-    return [1.0] + [2.0 - none_reach(lambda c, k=k: min(k, len(c) - 1)) for k in range(1, k_max + 1)]
+    return [1.0] + [2.0 - none_reach([min(k, len(c) - 1) for c in curves]) for k in range(1, k_max + 1)]
 
 
 def _at(values: list[float], x: float) -> float:
@@ -166,15 +165,12 @@ class SpecPolicy:
         return [verify[0] + other[0]] + [_at(first, widths[k] - 1) + (k - 1) * step + verify[k] + other[k]
                                          for k in range(1, k_max + 1)]
 
-    def _goodput(self, k: int, curves: list[list[float]], k_caps: list[int], seconds: float,
-                 catch_up_tokens: int = 0) -> float:
-        """Expected tokens/s with K = k (curves[i][k] = E_i(k); see `choose` for the rest) for a
-        step of `seconds`, plus its share of any catch-up."""
-        if k == 0:
-            return len(curves) / seconds
-        tokens = sum(curve[min(k, cap)] for curve, cap in zip(curves, k_caps))
-        if catch_up_tokens:
-            steps_left = max(1.0, sum(cap + 1 for cap in k_caps) / tokens)  # at `tokens` a step
+    def _goodput(self, k: int, tokens: float, seconds: float, catch_up_tokens: int, round_tokens_left: int) -> float:
+        """Expected tokens/s with K = k for a step of `seconds` yielding `tokens` (the batch's E(k);
+        plain: B), plus its share of catching up on `catch_up_tokens` (spread over the steps the
+        batch has left: round_tokens_left, the requests' caps + 1, at `tokens` a step)."""
+        if k and catch_up_tokens:
+            steps_left = max(1.0, round_tokens_left / tokens)
             seconds += self.costs.catch_up_time(catch_up_tokens) / steps_left
         return tokens / seconds
 
@@ -194,7 +190,9 @@ class SpecPolicy:
             return Choice(k_max, "fixed", {})
         curves = [expected_tokens_curve(a, min(k_max, cap)) for a, cap in zip(alphas, k_caps)]
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(curves, k_max, catch_up))
-        scores = {k: self._goodput(k, curves, k_caps, seconds[k], catch_up_tokens) for k in range(k_max + 1)}
+        tokens = [float(batch)] + [sum([c[min(k, len(c) - 1)] for c in curves]) for k in range(1, k_max + 1)]
+        left = sum(k_caps) + batch
+        scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
         last = min(self._last_k, k_max)
         # a margin between plain and speculation (estimates wobble, a switch is not free); between

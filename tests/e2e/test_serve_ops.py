@@ -49,7 +49,7 @@ def stream_completion(server, body: dict, started: threading.Event | None = None
 
 
 def test_user_config_change_applies_live_without_dropping_streams(server):
-    assert server.stats()["speculation"]["speculative_method"] == "draft"
+    assert server.stats()["speculation"]["speculative_method"] == "eagle"
     started = threading.Event()
     result = {}
 
@@ -77,7 +77,7 @@ def test_user_config_change_applies_live_without_dropping_streams(server):
     assert out["done"] and out["final"]["speculation"]["method"] == "ngram"
     # back to the shipped configuration for the remaining tests
     subprocess.run([SERVE, "deploy", str(server.config_path)], check=True, capture_output=True, timeout=120, env=ray_env())
-    server.wait_until(lambda: server.stats()["speculation"]["speculative_method"] == "draft", 120, "the original config")
+    server.wait_until(lambda: server.stats()["speculation"]["speculative_method"] == "eagle", 120, "the original config")
 
 
 def test_load_scales_to_a_second_replica_and_every_request_succeeds(server):

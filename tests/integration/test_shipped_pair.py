@@ -41,9 +41,10 @@ def test_default_llm_uses_the_shipped_pair_with_speculation():
     llm = LLM(max_seq_len=512, max_batch_size=8)
     assert llm.config.use_speculative_decoding and llm.config.speculative.spec_policy == "adaptive"
     assert Path(llm.config.model) == resolve_model_path("embedded:target")
-    assert Path(llm.config.draft_model) == resolve_model_path("embedded:draft")
+    assert Path(llm.config.draft_model) == resolve_model_path("embedded:eagle3")
+    assert llm.config.speculative.speculative_method == "eagle"
     # the adaptive policy may judge a step not worth speculating (timing-dependent); pin K to
-    # see the shipped draft propose and the shipped target accept
+    # see the shipped head propose and the shipped target accept
     llm.engine.reconfigure_speculation(spec_policy="fixed")
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
     assert len(out.token_ids) == 32 and out.num_draft_tokens > 0 and out.num_accepted_tokens > 0

@@ -336,3 +336,17 @@ def test_every_shipped_serve_config_is_a_valid_engine_config(path):
     app = yaml.safe_load(path.read_text())["applications"][0]
     config = EngineConfig.from_kwargs(**with_embedded_defaults(app["args"].get("engine") or {}))
     assert config.speculative.updated(app["deployments"][0].get("user_config") or {}).use_speculative_decoding
+
+
+def test_the_embedded_target_speculates_with_its_head_unless_the_draft_method_is_asked_for():
+    def spec(**kwargs):
+        return EngineConfig.from_kwargs(**with_embedded_defaults(kwargs)).speculative
+
+    default = spec()
+    assert (default.speculative_method, default.draft_model) == ("eagle", "embedded:eagle3")
+    assert default.use_speculative_decoding
+    assert spec(speculative_method="draft").draft_model == "embedded:draft"  # flat, as LLM(...) takes it
+    assert spec(speculative={"speculative_method": "draft"}).draft_model == "embedded:draft"
+    assert spec(speculative_method="hybrid").draft_model == "embedded:eagle3"
+    assert spec(speculative_method="draft", draft_model="/my/draft").draft_model == "/my/draft"
+    assert spec(model="/my/target").draft_model is None  # a model given: no embedded proposer
