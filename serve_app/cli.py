@@ -4,7 +4,8 @@
     python -m serve_app.cli --model path/to/target --draft-model path/to/draft --speculative-decoding
 
 Every EngineConfig field is a flag (`--spec-length 4`, `--kv-cache-backend slotted`, ...);
-with no --model the embedded default pair is used with speculation on.
+with no --model the embedded target is used with speculation on (its EAGLE-3 head; its draft
+model with --speculative-method draft).
 """
 
 from __future__ import annotations

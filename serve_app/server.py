@@ -123,7 +123,7 @@ class LLMServer:
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
                  api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64):
         bound_kernel_caches()  # before any model runs in this replica process
-        engine = with_embedded_defaults(engine or {})  # no model: the embedded pair, speculation on
+        engine = with_embedded_defaults(engine or {})  # no model: the embedded target and its head, speculation on
         engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
         config = EngineConfig.from_kwargs(**engine)
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
