@@ -3,8 +3,8 @@
     git worktree add /tmp/before <rev>
     python tools/before_after.py --before /tmp/before --after . --repeats 3 [--temperature 0.8] [--method eagle]
 
-Each process loads one tree's default engine (`LLM()`, the embedded pair, batch up to 16; with
---method eagle the embedded EAGLE-3 head instead of the draft model) and times plain decoding,
+Each process loads one tree's engine on the embedded target (`LLM(...)`, batch up to 16) with its
+draft model, or with --method eagle its EAGLE-3 head, and times plain decoding,
 K = 5 and the adaptive model proposer, hybrid and n-gram settings at batch 1
 (4 code prompts one at a time, 96 tokens) and batch 16 (16 prompts together, 64 tokens); the
 trees alternate, so the host's drift hits both. Prints after / before per setting (median and
@@ -42,7 +42,8 @@ def run_tree(tree: str, temperature: float = 0.0, method: str = "draft") -> dict
     from bench.workloads import load_prompts
     from engine import LLM, SamplingParams
 
-    head = {"draft_model": "embedded:eagle3", "speculative_method": "eagle"} if method == "eagle" else {}
+    head = {"draft_model": "embedded:eagle3", "speculative_method": "eagle"} if method == "eagle" \
+        else {"draft_model": "embedded:draft", "speculative_method": "draft"}
     llm = LLM(max_batch_size=16, max_seq_len=1024, enable_prefix_caching=False, **head)
     engine = llm.engine
     tok = engine.tokenizer

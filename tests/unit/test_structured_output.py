@@ -49,8 +49,8 @@ METHODS = [None, "draft", "ngram", "hybrid"]
 
 @pytest.fixture(scope="module")
 def shipped():
-    """The embedded pair in float32 (exact), speculation switched per test."""
-    return LLM(dtype="float32", spec_policy="fixed", spec_length=4, max_batch_size=16)
+    """The embedded target with its draft model in float32 (exact), speculation switched per test."""
+    return LLM(dtype="float32", speculative_method="draft", spec_policy="fixed", spec_length=4, max_batch_size=16)
 
 
 def _use(llm: LLM, method: str | None) -> None:
