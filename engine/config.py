@@ -220,8 +220,9 @@ def with_embedded_defaults(kwargs: dict) -> dict:
     (explicit keys, flat or in `speculative`, win)."""
     if "model" in kwargs:
         return dict(kwargs)
+    spec_fields = SpecConfig.field_names()
     given = {**_as_dict(kwargs.get("speculative") or {}),
-             **{k: v for k, v in kwargs.items() if k in SpecConfig.field_names()}}  # LLM's flat keys too
+             **{k: v for k, v in kwargs.items() if k in spec_fields}}  # LLM's flat keys too
     method = given.get("speculative_method", "eagle")
     spec = {"draft_model": DEFAULT_DRAFT_MODEL if method == "draft" else DEFAULT_HEAD,
             "use_speculative_decoding": True, "speculative_method": method, **given}

@@ -102,9 +102,11 @@ def expected_tokens(acceptance: Acceptance, k: int) -> float:
 def expected_tokens_curve(acceptance: Acceptance, k_max: int) -> list[float]:
     """[E(0), E(1), ..., E(k_max)] for one request, in one pass over the positions."""
     rates = [acceptance] if isinstance(acceptance, (int, float)) else acceptance
-    rates = list(rates[:k_max]) + ([rates[-1]] * (k_max - len(rates)) if len(rates) < k_max else [])
+    padded = list(rates[:k_max])
+    if len(padded) < k_max:  # positions past the rates' end reuse the last
+        padded += [rates[-1]] * (k_max - len(padded))
     curve, reach, total = [1.0], 1.0, 1.0
-    for rate in rates:
+    for rate in padded:
         reach *= rate
         total += reach
         curve.append(total)
