@@ -135,19 +135,33 @@ class TokenStep:
             return logits.view(B, T, -1), state.view(B, T, -1)
         return logits, state
 
-    def greedy(self, first: list[int], kv: KVView, positions: list[int], steps: int, hidden: torch.Tensor | None,
-               draft_to_target: torch.Tensor | None, candidates: int | None = None) -> list[list[int]]:
-        """Greedy drafting in one C call: for each sequence b, `steps` tokens after first[b] (fed at
-        positions[b], each step's argmax over the first `candidates` logits, all by default, fed to
-        the next), as target ids through draft_to_target [draft_vocab] when given. kv: a view of
-        `steps` new positions of each sequence (a pass of [B, steps] tokens). hidden [B, hidden]: an
-        EAGLE-3 head's state for the first step (its outputs after, float32, updated in place); None
-        for a draft model."""
+    def draft(self, first: list[int], kv: KVView, positions: list[int], steps: int, hidden: torch.Tensor | None,
+              draft_to_target: torch.Tensor | None, candidates: int | None = None,
+              temperatures: torch.Tensor | None = None,
+              uniforms: torch.Tensor | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Drafting in one C call: for each sequence b, `steps` tokens after first[b] (fed at
+        positions[b]), each picked from the step's first `candidates` logits (all by default) and
+        fed to the next, as target ids through draft_to_target [draft_vocab] when given. Greedy
+        (the argmax) unless temperatures [B] float32 is given: then row b with temperatures[b] > 0
+        draws step j from q = softmax(logits / temperatures[b]) at uniforms [B, steps][b, j]
+        (inverse CDF), a row at 0 takes the argmax (q one-hot). kv: a view of `steps` new positions
+        of each sequence (a pass of [B, steps] tokens). hidden [B, hidden]: an EAGLE-3 head's state
+        for the first step (its outputs after, float32, updated in place); None for a draft model.
+        Returns the tokens [B][steps] and, when temperatures is given, q [B, steps, candidates]
+        (indexed by draft id, before draft_to_target)."""
         B = len(first)
         if B > TOKEN_STEP_MAX_ROWS:
-            raise ValueError(f"TokenStep.greedy takes at most {TOKEN_STEP_MAX_ROWS} sequences, got {B}")
+            raise ValueError(f"TokenStep.draft takes at most {TOKEN_STEP_MAX_ROWS} sequences, got {B}")
         if hidden is not None and (hidden.dtype != torch.float32 or not hidden.is_contiguous()):
-            raise ValueError("TokenStep.greedy needs a contiguous float32 hidden state")
+            raise ValueError("TokenStep.draft needs a contiguous float32 hidden state")
+        candidates = self._vocab_size if candidates is None else candidates
+        q = None
+        if temperatures is not None:
+            if temperatures.shape != (B,) or uniforms is None or uniforms.shape != (B, steps):
+                raise ValueError(f"TokenStep.draft needs temperatures [{B}] and uniforms [{B}, {steps}] together")
+            temperatures = temperatures.to(torch.float32).contiguous()
+            uniforms = uniforms.to(torch.float32).contiguous()
+            q = torch.empty(B, steps, candidates, dtype=torch.float32)
         ids = torch.tensor(first, dtype=torch.int64)[:, None].expand(B, steps)  # [B, steps]: only column 0 is read
         pos = torch.tensor(positions, dtype=torch.int64)[:, None] + torch.arange(steps)  # [B, steps]
         rows, _ = self._rows(ids, pos, kv, None, max_rows=B * steps)
@@ -156,12 +170,13 @@ class TokenStep:
         tokens = torch.empty(B, steps, dtype=torch.int64)
         logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab] scratch
         mapping = None if draft_to_target is None else draft_to_target.to(torch.int64).contiguous()
-        state = None if hidden is None else hidden.data_ptr()
-        _check(self._kernels.greedy_rows(ctypes.byref(self._model), firsts, B, state, steps, write_rows.data_ptr(),
-                                         None if mapping is None else mapping.data_ptr(),
-                                         self._vocab_size if candidates is None else candidates, tokens.data_ptr(),
-                                         logits.data_ptr(), torch.get_num_threads()))
-        return tokens.tolist()
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        _check(self._kernels.draft_rows(ctypes.byref(self._model), firsts, B, ptr(hidden), steps, write_rows.data_ptr(),
+                                        ptr(mapping), candidates, ptr(temperatures), ptr(uniforms), tokens.data_ptr(),
+                                        ptr(q), logits.data_ptr(), torch.get_num_threads()))
+        return tokens.tolist(), q
 
     def _rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
               logits_index: torch.Tensor | None, max_rows: int = TOKEN_STEP_MAX_ROWS) -> tuple[ctypes.Array, list[int]]:

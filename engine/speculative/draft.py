@@ -18,7 +18,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_greedy
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
@@ -63,8 +63,8 @@ class DraftModelProposer:
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         return propose_rows(requests, ks, self.name, lambda reqs, row_ks: draft_tokens(
             reqs, row_ks, self._catch_up(reqs), with_q, functools.partial(self._step, reqs), self.observer,
-            token_step_greedy(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in reqs],
-                              candidates=min(self.vocab_size, self.model.shape.vocab_size))))
+            token_step_loop(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], self.vocab_size,
+                            candidates=min(self.vocab_size, self.model.shape.vocab_size))))
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Feeds each request's unseen tokens (long runs apart from short ones); returns the

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from engine import host_sync
+from engine.config import SamplingParams
 from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import CachePool
 from engine.model.passes import pass_inputs, width_groups
@@ -23,8 +24,11 @@ from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 # rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]
 StepFn = Callable[[list[int], list[int]], torch.Tensor]
-# each row's first token, steps -> `steps` greedy tokens after it for every row, all in one call
-GreedyFn = Callable[[list[int], int], list[list[int]]]
+# each row's first token, steps, the rows' temperatures [N] and uniforms [N, steps] (None: greedy) ->
+# `steps` tokens after it for every row, and their q over the target vocabulary [N, steps, V] (None
+# when greedy), all in one call
+LoopFn = Callable[[list[int], int, torch.Tensor | None, torch.Tensor | None],
+                  tuple[list[list[int]], torch.Tensor | None]]
 
 
 def propose_rows(requests: list[Request], ks: list[int], name: str,
@@ -42,21 +46,31 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
     return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
 
 
-def token_step_greedy(model: Transformer, pool: CachePool, slots: list[int], hidden: torch.Tensor | None = None,
-                      draft_to_target: torch.Tensor | None = None, candidates: int | None = None) -> GreedyFn | None:
-    """Greedy drafting in one C call a round on `model`'s token step, each slot stepping from its
-    current length (see TokenStep.greedy for draft_to_target and candidates; hidden [N, hidden], an
-    EAGLE-3 head's state, in any dtype); None where it does not run (no token step, more rows than
-    it takes). Nothing is prepared until the call: a round that samples never makes it."""
+def token_step_loop(model: Transformer, pool: CachePool, slots: list[int], vocab: int, hidden: torch.Tensor | None = None,
+                    draft_to_target: torch.Tensor | None = None, candidates: int | None = None) -> LoopFn | None:
+    """Drafting in one C call a round on `model`'s token step, each slot stepping from its current
+    length (see TokenStep.draft for draft_to_target and candidates; hidden [N, hidden], an EAGLE-3
+    head's state, in any dtype); q is mapped into the target's `vocab` ids. None where it does not
+    run (no token step, more rows than it takes). Nothing is prepared until the call."""
     step = model.token_step
     if step is None or len(slots) > TOKEN_STEP_MAX_ROWS:
         return None
 
-    def run(first: list[int], steps: int) -> list[list[int]]:
+    def run(first: list[int], steps: int, temperatures: torch.Tensor | None,
+            uniforms: torch.Tensor | None) -> tuple[list[list[int]], torch.Tensor | None]:
         starts = [pool.seq_len(s) for s in slots]
         x = pass_inputs(model, pool, slots, [[t] * steps for t in first], starts)
         state = None if hidden is None else hidden.to(torch.float32).contiguous()  # [N, hidden], stepped in place
-        return step.greedy(first, x.view, starts, steps, state, draft_to_target, candidates)
+        tokens, q_draft = step.draft(first, x.view, starts, steps, state, draft_to_target, candidates,
+                                     temperatures, uniforms)  # q_draft [N, steps, candidates]
+        if q_draft is None:
+            return tokens, None
+        q = q_draft.new_zeros(len(first), steps, vocab)  # [N, steps, V]
+        if draft_to_target is None:
+            q[..., :q_draft.shape[-1]] = q_draft
+        else:
+            q.index_copy_(-1, draft_to_target, q_draft)
+        return tokens, q
     return run
 
 
@@ -81,20 +95,15 @@ def catch_up_rows(lengths: list[int], feed: Callable[[list[int]], None], observe
 
 
 def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, step: StepFn,
-                 observer: CostObserver, greedy: GreedyFn | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+                 observer: CostObserver, loop: LoopFn | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
     """ks[i] tokens for reqs[i]: the first from `logits` [N, V], the rest from `step`, or all at
-    once from `greedy` (when the proposer has one for these rows) if no row samples or follows a
-    grammar; with q [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it
+    once from `loop` (when the proposer has one for these rows) if no row follows a grammar and
+    each row is greedy or samples at a temperature alone; with q [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it
     allows (its matcher walks ahead and is rolled back after). The mean step time goes to the
     observer."""
-    if greedy is not None and not with_q and all(r.grammar is None for r in reqs):
-        first = host_sync.read(logits.argmax(dim=-1))  # [N]
-        steps, t0 = max(ks) - 1, time.perf_counter()
-        if not steps:
-            return [[t] for t in first], None
-        more = greedy(first, steps)
-        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
-        return [([t] + rest)[:k] for t, rest, k in zip(first, more, ks)], None
+    if loop is not None and all(r.grammar is None for r in reqs) \
+            and (not with_q or all(_temperature_only(r.params) for r in reqs)):
+        return _draft_in_one_call(reqs, ks, logits, with_q, loop, observer)
     sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
     tokens: list[list[int]] = [[] for _ in reqs]
     grammars = [r.grammar for r in reqs]
@@ -124,6 +133,35 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     if steps:
         observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
     return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
+
+
+def _temperature_only(params: SamplingParams) -> bool:
+    """Whether a request's adjusted distribution is its logits' softmax at a temperature (or greedy):
+    what the one-call loop draws from."""
+    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0 and params.repetition_penalty == 1.0
+
+
+def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, loop: LoopFn,
+                       observer: CostObserver) -> tuple[list[list[int]], torch.Tensor | None]:
+    """draft_tokens' rounds whose steps after the first run in one `loop` call: the first token
+    from `logits` [N, V] (greedy, or drawn keeping q), then max(ks) - 1 more a row."""
+    sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
+    first = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, list(range(len(reqs)))))
+    steps, temperatures, uniforms = max(ks) - 1, None, None
+    if sampling is not None and steps:
+        temperatures = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)  # [N], 0: greedy
+        uniforms = torch.stack([torch.zeros(steps) if r.params.greedy else torch.rand(steps, generator=r.generator)
+                                for r in reqs])  # [N, steps], each row from its own generator
+    more, q_more = [[] for _ in reqs], None
+    if steps:
+        t0 = time.perf_counter()
+        more, q_more = loop(first, steps, temperatures, uniforms)
+        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+    tokens = [([t] + rest)[:k] for t, rest, k in zip(first, more, ks)]
+    if sampling is None:
+        return tokens, None
+    q_first = sampling.q_steps[0][:, None]  # [N, 1, V]
+    return tokens, q_first if q_more is None else torch.cat([q_first, q_more.to(q_first.device)], dim=1)
 
 
 def _masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -21,7 +21,7 @@ from engine.model.eagle3 import Eagle3Head
 from engine.model.passes import pass_inputs
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_greedy
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 
 
@@ -66,8 +66,9 @@ class EagleProposer:
         state = {"hidden": hidden}  # [N, hidden] each row's last pre-norm output
         try:
             return draft_tokens(reqs, ks, logits, with_q, functools.partial(self._step, reqs, state), self.observer,
-                                token_step_greedy(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], hidden,
-                                                  None if self.head.identity_vocab else self.head.draft_to_target))
+                                token_step_loop(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs],
+                                                self.head.target_vocab, hidden,
+                                                None if self.head.identity_vocab else self.head.draft_to_target))
         finally:  # the draft steps' K/V goes: the next round feeds the target's features there
             for r, n in zip(reqs, real):
                 self.kv.draft.truncate_to(self.kv.draft_slot(r), n)

@@ -246,7 +246,7 @@ def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, met
     calls = []
     if token_step:  # the steps after a round's first token: one greedy C call
         step = llm.engine.draft_model.token_step
-        step.greedy = lambda *a, original=step.greedy: calls.append(a[3]) or original(*a)
+        step.draft = lambda *a, original=step.draft: calls.append(a[3]) or original(*a)
     alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
     batched = llm.generate(PROMPTS, greedy())  # paged: prompts now hit the prefix cache
     assert [o.token_ids for o in alone] == reference

@@ -22,6 +22,8 @@ from scipy.stats import chisquare
 
 import engine.speculative.rejection as accept_module
 from engine import LLM, SamplingParams
+from engine.model.kernels import one_sequence
+from engine.model.token_step import TokenStep
 from engine.sampling import SamplingRows, adjusted_probs, context_mask
 from engine.speculative.proposer import Proposal
 from engine.speculative.rejection import Acceptance, verify
@@ -81,9 +83,10 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     return m2.numpy(), m3.numpy()
 
 
-def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, **engine) -> tuple[np.ndarray, float]:
-    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True,
-              spec_policy="fixed", spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=64, seed=1, **engine)
+def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, max_batch_size=64,
+                       **engine) -> tuple[np.ndarray, float]:
+    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True, spec_policy="fixed",
+              spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=max_batch_size, seed=1, **engine)
     if proposer is not None:
         llm.engine.speculation.proposer = proposer(llm.engine)
     kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}
@@ -193,5 +196,36 @@ def test_eagle_sampling_matches_target_marginals(pair, tmp_path, name):
     tokens, acceptance = sample_speculative(tpath, tmp_path, params, speculative_method="eagle")
     assert 0.05 < acceptance < 0.9, f"the head should disagree sometimes (acceptance {acceptance:.2f})"
     assert (tokens[:, 1:3] >= 12).mean() > 0.02  # tokens outside the draft vocabulary do occur
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+
+
+@pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_sampled_drafting_in_one_c_call_matches_target_marginals(pair, tmp_path, method):
+    """The same test with the proposer's steps after a round's first token drawn inside one C
+    call (TokenStep.draft at a temperature; batches of at most 8 rows, the token step forced):
+    the 3rd token's draft is drawn there, and for a head through its reduced vocabulary."""
+    tpath, dpath, hf = pair
+    if method == "eagle":
+        dpath = tmp_path
+        make_eagle3_head(tmp_path, tpath, aux=[0, 0, 0], draft_vocab=list(range(12)), lm_scale=0.5,
+                         two_back=hf.model.embed_tokens.weight.detach())
+    calls = []
+    original = TokenStep.draft
+
+    def counted(self, first, kv, positions, steps, *rest, **kw):
+        tokens, q = original(self, first, kv, positions, steps, *rest, **kw)
+        calls.append(q is not None)
+        return tokens, q
+
+    params = SamplingParams(**CONFIGS["t1"])
+    m2, m3 = exact_marginals(hf, params)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TokenStep, "draft", counted)
+        tokens, acceptance = sample_speculative(tpath, dpath, params, max_batch_size=8, speculative_method=method,
+                                                forward_plan={"draft": {"dtype": "float32", "token_step": True}})
+    assert calls and all(calls)  # every round's second draft came from the sampled C loop
+    assert 0.05 < acceptance < 0.9
     assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
     assert chi2_pvalue(tokens[:, 2], m3) > 1e-3

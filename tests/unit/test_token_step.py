@@ -110,12 +110,12 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
                 calls.append(1)
                 return original(*args)
 
-            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.greedy, greedy=greedy):
+            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.draft, greedy=greedy):
                 greedy.append(steps)
                 return original(first, kv, positions, steps, *rest)
 
             draft._token_step.forward = counted
-            draft._token_step.greedy = counted_greedy
+            draft._token_step.draft = counted_greedy
         assert [o.token_ids for o in llm.generate(prompts, params)] == plain
         assert bool(calls) == on and bool(greedy) == on and set(greedy) <= {1, 2, 3}
 
@@ -132,3 +132,50 @@ def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
         EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "float32", "token_step": "yes"}})
     with pytest.raises(ValueError, match=r"unknown forward_plan.draft field\(s\): \['steps'\]"):
         EngineConfig(model=str(tmp_path), forward_plan={"draft": {"steps": True}})
+
+
+@needs_kernels
+def test_sampled_drafting_in_one_call_draws_from_the_torch_forwards_distribution(tmp_path, tok_dir):
+    """TokenStep.draft at a temperature: each step's q is softmax(logits / T) of the torch forward
+    fed the same tokens, and its token is q's inverse CDF at the row's uniform; a row at
+    temperature 0 takes the argmax with a one-hot q."""
+    from engine.speculative.drafting import token_step_loop
+
+    make_model(tmp_path, tok_dir, seed=4)
+    reference = load_model(tmp_path, ModelPlan("float32"), "cpu", 256)
+    stepped = load_model(tmp_path, ModelPlan("float32", token_step=True), "cpu", 256)
+    vocab, steps = reference.shape.vocab_size, 4
+    torch.manual_seed(3)
+    prompts = torch.randint(0, vocab, (2, 12)).tolist()
+    pools = [pool_for(m, "paged", max_slots=2, max_seq_len=64) for m in (reference, stepped)]
+    slots = [[pool.allocate_slot([])[0] for _ in prompts] for pool in pools]
+    for model, pool, s in zip((reference, stepped), pools, slots):
+        forward_chunks(model, pool, s, prompts, [0, 0])
+    first = [5, 9]
+    temperatures = torch.tensor([0.7, 0.0])
+    uniforms = torch.rand(2, steps)
+    tokens, q = token_step_loop(stepped, pools[1], slots[1], vocab)(first, steps, temperatures, uniforms)
+    assert q.shape == (2, steps, vocab)
+    fed = [[f] + t[:-1] for f, t in zip(first, tokens)]
+    for j in range(steps):
+        logits = forward_chunks(reference, pools[0], slots[0], [[f[j]] for f in fed], [12 + j, 12 + j])  # [2, vocab]
+        want = (logits[0] / 0.7).softmax(-1)
+        torch.testing.assert_close(q[0, j], want, atol=1e-5, rtol=1e-4)
+        cdf = q[0, j].double().cumsum(0)
+        assert tokens[0][j] == int(torch.searchsorted(cdf, uniforms[0, j].double() * cdf[-1], right=True))
+        assert tokens[1][j] == int(logits[1].argmax()) and q[1, j, tokens[1][j]] == 1.0 and q[1, j].sum() == 1.0
+    assert len(set(tokens[0])) > 1  # drawn, not a constant
+
+
+@needs_kernels
+def test_token_step_draft_refuses_half_a_sampling_request(tmp_path, tok_dir):
+    make_model(tmp_path, tok_dir, seed=4)
+    stepped = load_model(tmp_path, ModelPlan("float32", token_step=True), "cpu", 256)
+    pool = pool_for(stepped, "paged", max_slots=1, max_seq_len=64)
+    slot = pool.allocate_slot([])[0]
+    forward_chunks(stepped, pool, [slot], [[1, 2, 3]], [0])
+    from engine.model.passes import pass_inputs
+
+    x = pass_inputs(stepped, pool, [slot], [[4, 4]], [3])
+    with pytest.raises(ValueError, match="temperatures .* and uniforms"):
+        stepped._token_step.draft([4], x.view, [3], 2, None, None, temperatures=torch.tensor([1.0]))

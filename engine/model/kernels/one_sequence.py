@@ -47,13 +47,13 @@ class OneSequenceKernels:
         self.eagle_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self.eagle_rows.restype = ctypes.c_int
-        # greedy_rows(model*, rows*, n, hidden*, steps, write_rows*, draft_to_target*, candidates, tokens*, logits*,
-        #             threads)
-        self.greedy_rows = lib.greedy_rows
-        self.greedy_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int]
-        self.greedy_rows.restype = ctypes.c_int
+        # draft_rows(model*, rows*, n, hidden*, steps, write_rows*, draft_to_target*, candidates, temperatures*,
+        #            uniforms*, tokens*, q*, logits*, threads)
+        self.draft_rows = lib.draft_rows
+        self.draft_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.draft_rows.restype = ctypes.c_int
         self.token_step_scratch_floats = lib.token_step_scratch_floats
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64

@@ -312,17 +312,57 @@ int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden
     return 0;
 }
 
-/* Greedy drafting as one call: `steps` tokens for each of n sequences, one pass of n rows a step
- * (an EAGLE-3 head's when hidden is not NULL, else a draft model's). rows[r] is sequence r's first
+/* Sequence r's token from one step's logits row: the argmax of the first `candidates` (the lowest
+ * id among equal maxima) when temperature <= 0, q one-hot there; else drawn from q = softmax(row /
+ * temperature) by the inverse CDF at `uniform` (the first id whose running mass exceeds uniform x
+ * the total, as engine/sampling.py's draw), q [candidates] written normalised. */
+static int64_t pick(const float *row, int64_t candidates, float temperature, float uniform, float *q) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < candidates; i++)
+        if (row[i] > row[best]) best = i;
+    if (temperature <= 0.0f) {
+        if (q) {
+            memset(q, 0, candidates * sizeof(float));
+            q[best] = 1.0f;
+        }
+        return best;
+    }
+    const float top = row[best], inv = 1.0f / temperature;
+    double total = 0.0;
+    for (int64_t i = 0; i < candidates; i++) {
+        q[i] = expf((row[i] - top) * inv);
+        total += q[i];
+    }
+    const double target = (double)uniform * total;
+    double mass = 0.0;
+    int64_t drawn = candidates - 1;
+    for (int64_t i = 0; i < candidates; i++) {
+        mass += q[i];
+        if (mass > target) {
+            drawn = i;
+            break;
+        }
+    }
+    const float scale = (float)(1.0 / total);
+    for (int64_t i = 0; i < candidates; i++) q[i] *= scale;
+    return drawn;
+}
+
+/* Drafting as one call: `steps` tokens for each of n sequences, one pass of n rows a step (an
+ * EAGLE-3 head's when hidden is not NULL, else a draft model's). rows[r] is sequence r's first
  * step: its token (the draft's first proposal), position and keys; step j writes K/V at
- * write_rows[r * steps + j] for position rows[r].pos + j. A step's tokens are the argmax of its
- * first `candidates` logits (the lowest id among equal maxima), as target ids through
- * draft_to_target when it is not NULL; tokens [n, steps]. logits: [n, head_rows] of scratch.
- * Returns 0, or -1 as the passes do. */
-int greedy_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, int64_t steps,
-                const int64_t *write_rows, const int64_t *draft_to_target, int64_t candidates, int64_t *tokens,
-                float *logits, int threads) {
-    if (n < 1 || n > m->max_rows || steps < 1 || candidates < 1 || candidates > m->head_rows) return -1;
+ * write_rows[r * steps + j] for position rows[r].pos + j. A step's token comes from its first
+ * `candidates` logits (pick: greedy when temperatures is NULL or temperatures[r] <= 0, else drawn
+ * at uniforms[r * steps + j]), as a target id through draft_to_target when it is not NULL;
+ * tokens [n, steps]; q [n, steps, candidates] the distributions drawn from (NULL: greedy only,
+ * none kept). logits: [n, head_rows] of scratch. Returns 0, or -1 as the passes do. */
+int draft_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, int64_t steps,
+               const int64_t *write_rows, const int64_t *draft_to_target, int64_t candidates,
+               const float *temperatures, const float *uniforms, int64_t *tokens, float *q, float *logits,
+               int threads) {
+    if (n < 1 || n > m->max_rows || steps < 1 || candidates < 1 || candidates > m->head_rows ||
+        (temperatures && (!uniforms || !q)))
+        return -1;
     StepRow step[n];
     int64_t out_rows[n];
     for (int64_t r = 0; r < n; r++) {
@@ -335,12 +375,11 @@ int greedy_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidde
                             : token_rows(m, step, n, out_rows, n, logits, threads);
         if (status) return status;
         for (int64_t r = 0; r < n; r++) {
-            const float *row = logits + r * m->head_rows;
-            int64_t best = 0;
-            for (int64_t i = 1; i < candidates; i++)
-                if (row[i] > row[best]) best = i;
-            const int64_t token = draft_to_target ? draft_to_target[best] : best;
-            tokens[r * steps + j] = token;
+            const int64_t at = r * steps + j;
+            const int64_t id = pick(logits + r * m->head_rows, candidates, temperatures ? temperatures[r] : 0.0f,
+                                    temperatures ? uniforms[at] : 0.0f, q ? q + at * candidates : NULL);
+            const int64_t token = draft_to_target ? draft_to_target[id] : id;
+            tokens[at] = token;
             step[r].token = token;
             step[r].pos += 1;
         }
