@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelPlan
 from engine.kv.protocol import KVView
+from engine.model.kernels import one_sequence
 from engine.model.rope import Rope
 from engine.model.token_step import TokenStep
 from engine.model.transformer import LayerWeights, ModelShape, Transformer
@@ -60,6 +61,10 @@ class Eagle3Head(Transformer):
         self.draft_to_target = draft_to_target  # [draft_vocab] target id of each draft id
         self.target_vocab = target_vocab
         self.aux_layers = aux
+        # with the token step, a narrow pass fuses its features on the one-sequence matmul (torch's
+        # call costs more than the product for a few rows); the plain weight, taken before packing
+        fc_rows = one_sequence.bf16_if_exact(fc) if plan.token_step else None
+        self._fc_rows = fc_rows if fc_rows is not None and one_sequence.supports(fc_rows) else None
         super().__init__(shape, embed, [layer], final_norm, lm_head, max_positions, plan)
         self.identity_vocab = draft_to_target.numel() == target_vocab and bool(
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
@@ -89,9 +94,11 @@ class Eagle3Head(Transformer):
         outside the draft vocabulary) [B, (T,) vocab] and the pre-norm output [B, (T,) hidden],
         at logits_index (or every position when None)."""
         B, T = input_ids.shape
+        narrow = self._token_step is not None and self._token_step.takes(B, T, logits_index)
         if hidden.shape[-1] != self.shape.hidden_size:
-            hidden = self._linear(hidden, self.fc)  # [B, T, hidden]
-        if self._token_step is not None and self._token_step.takes(B, T, logits_index):
+            hidden = one_sequence.load().linear(hidden, self._fc_rows).to(self.dtype) \
+                if narrow and self._fc_rows is not None else self._linear(hidden, self.fc)  # [B, T, hidden]
+        if narrow:
             logits, h = self._token_step.head_pass(input_ids, position_ids, kv, hidden, logits_index)
             return self._target_logits(logits), h
         lw = self.layers[0]

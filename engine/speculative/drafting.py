@@ -98,9 +98,9 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
                  observer: CostObserver, loop: LoopFn | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
     """ks[i] tokens for reqs[i]: the first from `logits` [N, V], the rest from `step`, or all at
     once from `loop` (when the proposer has one for these rows) if no row follows a grammar and
-    each row is greedy or samples at a temperature alone; with q [N, max(ks), V] when with_q. A request with a grammar drafts only tokens it
-    allows (its matcher walks ahead and is rolled back after). The mean step time goes to the
-    observer."""
+    each row is greedy or samples at a temperature alone; with q [N, max(ks), V] when with_q. A
+    request with a grammar drafts only tokens it allows (its matcher walks ahead and is rolled
+    back after). The mean step time goes to the observer."""
     if loop is not None and all(r.grammar is None for r in reqs) \
             and (not with_q or all(_temperature_only(r.params) for r in reqs)):
         return _draft_in_one_call(reqs, ks, logits, with_q, loop, observer)
