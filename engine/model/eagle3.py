@@ -191,6 +191,8 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
             or lm_head.shape != (draft_vocab, hidden):
         raise ValueError(f"EAGLE-3 head {path}: d2t and lm_head.weight must cover draft_vocab_size {draft_vocab} "
                          f"draft ids (hidden {hidden}) mapped into the target's {vocab}")
+    if torch.unique(d2t).numel() != draft_vocab:  # q over target ids is the head's q moved, never summed
+        raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
     embed = get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
     return Eagle3Head(shape, embed, layer, get(m + "hidden_norm.weight"), fc, get("norm.weight"), get("lm_head.weight"),
                       d2t, vocab, aux_layers(cfg, t.num_layers), max_positions,

@@ -150,8 +150,10 @@ def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor,
     steps, temperatures, uniforms = max(ks) - 1, None, None
     if sampling is not None and steps:
         temperatures = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)  # [N], 0: greedy
-        uniforms = torch.stack([torch.zeros(steps) if r.params.greedy else torch.rand(steps, generator=r.generator)
-                                for r in reqs])  # [N, steps], each row from its own generator
+        uniforms = torch.zeros(len(reqs), steps)  # [N, steps]: a row's k - 1 from its own generator, the rest unused
+        for i, (r, k) in enumerate(zip(reqs, ks)):
+            if not r.params.greedy and k > 1:
+                uniforms[i, :k - 1] = torch.rand(k - 1, generator=r.generator)
     more, q_more = [[] for _ in reqs], None
     if steps:
         t0 = time.perf_counter()

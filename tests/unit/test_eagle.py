@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan
@@ -207,6 +208,13 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     with pytest.raises(ValueError, match="d2t and lm_head.weight"):
         load_eagle3(bad, target, 64)
     assert w["fc.weight"].shape[1] == 3 * cfg["hidden_size"]
+    twice = tmp_path / "twice"
+    make_eagle3_head(twice, tiny_model[0], aux=AUX, draft_vocab=list(range(12)))
+    tensors = load_file(twice / "model.safetensors")
+    tensors["d2t"][5] += 1  # draft ids 5 and 6 both -> target id 6
+    save_file(tensors, twice / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t maps two draft ids to the same target id"):
+        load_eagle3(twice, target, 64)
 
 
 def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():

@@ -64,8 +64,8 @@ def pair(tmp_path_factory, tok_dir):
     return tpath, dpath, make_pair(tpath, dpath, tok_dir)
 
 
-def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """P(2nd token) and P(3rd token) under plain sampling from the target."""
+def exact_marginals(hf, params: SamplingParams, fourth: bool = False) -> tuple[np.ndarray, ...]:
+    """P(2nd token) and P(3rd token) under plain sampling from the target (and P(4th token))."""
     def probs(prefixes: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor([PROMPT + p for p in prefixes])
         with torch.no_grad():
@@ -80,7 +80,12 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     joint12 = p1[:, None] * p2_given  # [V, V]
     m2 = joint12.sum(0)
     m3 = (joint12[:, :, None] * p3_given).sum((0, 1))
-    return m2.numpy(), m3.numpy()
+    if not fourth:
+        return m2.numpy(), m3.numpy()
+    joint123 = (joint12[:, :, None] * p3_given).reshape(-1)  # [V^3], prefixes in product order
+    p4_given = probs([list(t) for t in itertools.product(range(VOCAB), repeat=3)])  # [V^3, V]
+    m4 = (joint123[:, None] * p4_given).sum(0)
+    return m2.numpy(), m3.numpy(), m4.numpy()
 
 
 def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, max_batch_size=64,
@@ -204,28 +209,34 @@ def test_eagle_sampling_matches_target_marginals(pair, tmp_path, name):
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_sampled_drafting_in_one_c_call_matches_target_marginals(pair, tmp_path, method):
     """The same test with the proposer's steps after a round's first token drawn inside one C
-    call (TokenStep.draft at a temperature; batches of at most 8 rows, the token step forced):
-    the 3rd token's draft is drawn there, and for a head through its reduced vocabulary."""
+    call (TokenStep.draft at a temperature; batches of at most 8 rows, the token step forced), at
+    K = 3 for odd seeds and K = 1 for even ones: the 2nd to 4th tokens of a K = 3 row come from one
+    round whose 3rd and 4th were drafted in C (for a head, through its reduced vocabulary), beside
+    rows that propose fewer."""
     tpath, dpath, hf = pair
     if method == "eagle":
         dpath = tmp_path
         make_eagle3_head(tmp_path, tpath, aux=[0, 0, 0], draft_vocab=list(range(12)), lm_scale=0.5,
                          two_back=hf.model.embed_tokens.weight.detach())
-    calls = []
+    steps = []
     original = TokenStep.draft
 
-    def counted(self, first, kv, positions, steps, *rest, **kw):
-        tokens, q = original(self, first, kv, positions, steps, *rest, **kw)
-        calls.append(q is not None)
+    def counted(self, first, kv, positions, n, *rest, **kw):
+        tokens, q = original(self, first, kv, positions, n, *rest, **kw)
+        steps.append(n if q is not None else 0)
         return tokens, q
 
     params = SamplingParams(**CONFIGS["t1"])
-    m2, m3 = exact_marginals(hf, params)
+    m2, m3, m4 = exact_marginals(hf, params, fourth=True)
+    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True, spec_policy="fixed",
+              spec_length=3, dtype="float32", max_seq_len=32, max_batch_size=8, seed=1, speculative_method=method,
+              forward_plan={"draft": {"dtype": "float32", "token_step": True}})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TokenStep, "draft", counted)
-        tokens, acceptance = sample_speculative(tpath, dpath, params, max_batch_size=8, speculative_method=method,
-                                                forward_plan={"draft": {"dtype": "float32", "token_step": True}})
-    assert calls and all(calls)  # every round's second draft came from the sampled C loop
-    assert 0.05 < acceptance < 0.9
-    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
-    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+        outs = llm.generate([PROMPT] * N, [SamplingParams(**CONFIGS["t1"], max_tokens=5, ignore_eos=True, seed=i,
+                                                          spec_length=1 + 2 * (i % 2)) for i in range(N)])
+    tokens = np.array([o.token_ids for o in outs])  # [N, 5]
+    assert steps and 0 not in steps and 2 in steps  # every loop call sampled; rounds of K = 3 drafted 2 steps in C
+    assert 0.05 < sum(o.num_accepted_tokens for o in outs) / sum(o.num_draft_tokens for o in outs) < 0.9
+    for column, expected in zip((1, 2, 3), (m2, m3, m4)):
+        assert chi2_pvalue(tokens[:, column], expected) > 1e-3

@@ -104,20 +104,20 @@ def test_a_draft_model_in_the_engine_steps_with_the_kernel_and_keeps_greedy_outp
                   forward_plan={"target": {"dtype": "float32"}, "draft": {"dtype": "float32", "token_step": on}})
         draft = llm.engine.draft_model
         assert (draft._token_step is not None) == on
-        calls, greedy = [], []
+        calls, drafted = [], []
         if on:
             def counted(*args, original=draft._token_step.forward, calls=calls):
                 calls.append(1)
                 return original(*args)
 
-            def counted_greedy(first, kv, positions, steps, *rest, original=draft._token_step.draft, greedy=greedy):
-                greedy.append(steps)
+            def counted_draft(first, kv, positions, steps, *rest, original=draft._token_step.draft, drafted=drafted):
+                drafted.append(steps)
                 return original(first, kv, positions, steps, *rest)
 
             draft._token_step.forward = counted
-            draft._token_step.draft = counted_greedy
+            draft._token_step.draft = counted_draft
         assert [o.token_ids for o in llm.generate(prompts, params)] == plain
-        assert bool(calls) == on and bool(greedy) == on and set(greedy) <= {1, 2, 3}
+        assert bool(calls) == on and bool(drafted) == on and set(drafted) <= {1, 2, 3}
 
 
 def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
