@@ -48,6 +48,12 @@ class SamplingRows:
             any_greedy=any(p.greedy for p in params),
         )
 
+    @property
+    def temperature_only(self) -> bool:
+        """Whether every row's adjusted distribution is softmax(logits / temperature), or one-hot
+        at the argmax on greedy rows: nothing reorders, cuts or penalises the logits."""
+        return not (self.needs_sort or self.needs_penalty or self.needs_min_p)
+
     def repeat_rows(self, n: int) -> SamplingRows:
         """Each row repeated n times in place (row i -> rows i*n .. i*n+n-1)."""
         return SamplingRows(**{k: v.repeat_interleave(n) if isinstance(v, torch.Tensor) else v

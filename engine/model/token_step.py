@@ -170,12 +170,9 @@ class TokenStep:
         tokens = torch.empty(B, steps, dtype=torch.int64)
         logits = torch.empty(B, self._vocab_size, dtype=torch.float32)  # [B, vocab] scratch
         mapping = None if draft_to_target is None else draft_to_target.to(torch.int64).contiguous()
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-        _check(self._kernels.draft_rows(ctypes.byref(self._model), firsts, B, ptr(hidden), steps, write_rows.data_ptr(),
-                                        ptr(mapping), candidates, ptr(temperatures), ptr(uniforms), tokens.data_ptr(),
-                                        ptr(q), logits.data_ptr(), torch.get_num_threads()))
+        _check(self._kernels.draft_rows(ctypes.byref(self._model), firsts, B, _ptr(hidden), steps, write_rows.data_ptr(),
+                                        _ptr(mapping), candidates, _ptr(temperatures), _ptr(uniforms), tokens.data_ptr(),
+                                        _ptr(q), logits.data_ptr(), torch.get_num_threads()))
         return tokens.tolist(), q
 
     def _rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
@@ -205,6 +202,11 @@ class TokenStep:
             rows += [_Row(ids[b][t], positions[b][t], write_rows[b * T + t], first, key_rows) for t in range(n)]
             outs += range(len(rows) - n, len(rows)) if logits_index is None else [len(rows) - 1]
         return (_Row * len(rows))(*rows), outs
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes, NULL for None."""
+    return None if t is None else t.data_ptr()
 
 
 def _check(status: int) -> None:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from engine import host_sync
-from engine.config import SamplingParams
 from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import CachePool
 from engine.model.passes import pass_inputs, width_groups
@@ -101,10 +100,9 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     each row is greedy or samples at a temperature alone; with q [N, max(ks), V] when with_q. A
     request with a grammar drafts only tokens it allows (its matcher walks ahead and is rolled
     back after). The mean step time goes to the observer."""
-    if loop is not None and all(r.grammar is None for r in reqs) \
-            and (not with_q or all(_temperature_only(r.params) for r in reqs)):
-        return _draft_in_one_call(reqs, ks, logits, with_q, loop, observer)
     sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
+    if loop is not None and all(r.grammar is None for r in reqs) and (sampling is None or sampling.rows.temperature_only):
+        return _draft_in_one_call(reqs, ks, logits, sampling, loop, observer)
     tokens: list[list[int]] = [[] for _ in reqs]
     grammars = [r.grammar for r in reqs]
     walked = [0] * len(reqs)  # tokens each grammar accepted ahead of its request
@@ -135,21 +133,14 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
 
 
-def _temperature_only(params: SamplingParams) -> bool:
-    """Whether a request's adjusted distribution is its logits' softmax at a temperature (or greedy):
-    what the one-call loop draws from."""
-    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0 and params.repetition_penalty == 1.0
-
-
-def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_q: bool, loop: LoopFn,
-                       observer: CostObserver) -> tuple[list[list[int]], torch.Tensor | None]:
+def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor, sampling: _Sampling | None,
+                       loop: LoopFn, observer: CostObserver) -> tuple[list[list[int]], torch.Tensor | None]:
     """draft_tokens' rounds whose steps after the first run in one `loop` call: the first token
-    from `logits` [N, V] (greedy, or drawn keeping q), then max(ks) - 1 more a row."""
-    sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
+    from `logits` [N, V] (greedy, or drawn by `sampling` keeping q), then max(ks) - 1 more a row."""
     first = host_sync.read(logits.argmax(dim=-1) if sampling is None else sampling.draw(logits, list(range(len(reqs)))))
     steps, temperatures, uniforms = max(ks) - 1, None, None
     if sampling is not None and steps:
-        temperatures = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)  # [N], 0: greedy
+        temperatures = sampling.rows.temperature.masked_fill(sampling.rows.greedy, 0.0).cpu()  # [N], 0: greedy
         uniforms = torch.zeros(len(reqs), steps)  # [N, steps]: a row's k - 1 from its own generator, the rest unused
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if not r.params.greedy and k > 1:
