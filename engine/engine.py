@@ -18,7 +18,7 @@ from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
 from engine.kv.features import MAX_PENDING, FeatureCache
 from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
-from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3
+from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
 from engine.model.plan import device_memory, load_planned, load_planned_head, summary
@@ -75,7 +75,8 @@ class LLMEngine:
         if config.use_speculative_decoding and config.speculative.needs_draft_model:
             draft_path = resolve_model_path(config.draft_model)
             config.speculative.draft_model = str(draft_path)
-        shapes = [read_shape(p) for p in (model_path, draft_path) if p is not None]
+        shapes = [read_shape(model_path)] + ([] if draft_path is None else [
+            read_head_shape(draft_path) if is_eagle3(draft_path) else read_shape(draft_path)])
         if draft_path is not None and not is_eagle3(draft_path):  # a head speaks the target's vocabulary by construction
             check_compatible(tokenizer, Tokenizer(draft_path), config.model, config.draft_model)
         if config.max_seq_len is None:  # on CPU the plan may compute (and cache) in float32
@@ -120,7 +121,8 @@ class LLMEngine:
         draft = None
         if draft_path is not None and is_eagle3(draft_path):  # computes in its target's dtype
             draft, draft_plan = load_planned_head(
-                draft_path, lambda p: load_eagle3(draft_path, model, config.max_seq_len, p.token_step),
+                draft_path, read_head_shape(draft_path),
+                lambda p: load_eagle3(draft_path, model, config.max_seq_len, p.token_step),
                 target_plan.plan.dtype, config.device, config.max_seq_len, explicit["draft"])
             self.forward_plan["draft"] = draft_plan.as_dict()
         elif draft_path is not None:

@@ -110,10 +110,18 @@ class InMemoryRecorder:
 
 def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[int] | None = None,
                      draft_vocab: list[int] | None = None, intermediate: int = 96, lm_scale: float = 1.0,
-                     fmt: str = "safetensors", two_back: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Writes a random EAGLE-3 head for the target at `target_dir` in the published layout
-    (config.json naming LlamaForCausalLMEagle3; fc, midlayer.*, norm, lm_head, d2t, t2d) and
-    returns its tensors (float32, d2t as stored: offsets).
+                     fmt: str = "safetensors", two_back: torch.Tensor | None = None, layout: str = "eagle",
+                     norm_before_residual: bool | None = None, qwen3: bool = False,
+                     fc_bias: bool = False) -> dict[str, torch.Tensor]:
+    """Writes a random EAGLE-3 head for the target at `target_dir` in a published layout and
+    returns its tensors (float32, d2t as stored: offsets):
+    - layout "eagle", the EAGLE authors' (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): config.json is
+      the layer's Llama config naming LlamaForCausalLMEagle3, the layer under `midlayer.`;
+    - layout "speculators", the speculators library's (RedHatAI/*-speculator.eagle3): config.json
+      with speculators_model_type eagle3 and the layer's config in transformer_layer_config, the
+      layer under `layers.0.`.
+    Both: fc, the layer, norm, lm_head, d2t, t2d. norm_before_residual: written to config.json
+    when not None; qwen3: a Qwen3 layer (q_norm and k_norm); fc_bias: fc.bias too.
 
     two_back: the target's embedding [V, H]: the head then guesses the token two back (fc passes
     the first feature through -- the embedding when aux[0] is 0 --, attention and MLP add nothing,
@@ -126,29 +134,35 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
     kv_heads, head_dim = cfg["num_key_value_heads"], cfg.get("head_dim") or H // heads
     ids = torch.tensor(sorted(draft_vocab) if draft_vocab is not None else list(range(V)))
     g = torch.Generator().manual_seed(seed)
+    m = {"eagle": "midlayer.", "speculators": "layers.0."}[layout]
 
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
 
     w = {"fc.weight": rand(H, 3 * H),
-         "midlayer.hidden_norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
-         "midlayer.input_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
-         "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * H, scale=2.0),
-         "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * H, scale=2.0),
-         "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * H),
-         "midlayer.self_attn.o_proj.weight": rand(H, heads * head_dim),
-         "midlayer.post_attention_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
-         "midlayer.mlp.gate_proj.weight": rand(intermediate, H),
-         "midlayer.mlp.up_proj.weight": rand(intermediate, H),
-         "midlayer.mlp.down_proj.weight": rand(H, intermediate),
+         m + "hidden_norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         m + "input_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         m + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * H, scale=2.0),
+         m + "self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * H, scale=2.0),
+         m + "self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * H),
+         m + "self_attn.o_proj.weight": rand(H, heads * head_dim),
+         m + "post_attention_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+         m + "mlp.gate_proj.weight": rand(intermediate, H),
+         m + "mlp.up_proj.weight": rand(intermediate, H),
+         m + "mlp.down_proj.weight": rand(H, intermediate),
          "norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
          "lm_head.weight": rand(len(ids), H, scale=4.0 * lm_scale),
          "d2t": ids - torch.arange(len(ids)),
          "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)}
+    if qwen3:
+        w[m + "self_attn.q_norm.weight"] = 1 + 0.2 * torch.randn(head_dim, generator=g)
+        w[m + "self_attn.k_norm.weight"] = 1 + 0.2 * torch.randn(head_dim, generator=g)
+    if fc_bias:
+        w["fc.bias"] = 0.3 * torch.randn(H, generator=g)
     if two_back is not None:
         w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1)
-        w["midlayer.self_attn.o_proj.weight"].zero_()
-        w["midlayer.mlp.down_proj.weight"].zero_()
+        w[m + "self_attn.o_proj.weight"].zero_()
+        w[m + "mlp.down_proj.weight"].zero_()
         w["norm.weight"] = torch.ones(H)
         w["lm_head.weight"] = two_back[ids].float() * lm_scale
     path.mkdir(parents=True, exist_ok=True)
@@ -158,14 +172,29 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
         save_file(w, str(path / "model.safetensors"))
     else:
         torch.save(w, path / "pytorch_model.bin")
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-              "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
-              "rope_theta": (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0), "rope_scaling": None,
-              "max_position_embeddings": cfg["max_position_embeddings"], "vocab_size": V,
-              "draft_vocab_size": len(ids), "tie_word_embeddings": False, "torch_dtype": "float32"}
-    if aux is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
+    layer = {"model_type": "qwen3" if qwen3 else "llama", "hidden_size": H, "intermediate_size": intermediate,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+             "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+             "rope_theta": (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0), "rope_scaling": None,
+             "max_position_embeddings": cfg["max_position_embeddings"], "vocab_size": V,
+             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    if layout == "eagle":
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": len(ids),
+                  "torch_dtype": "float32"}
+        if aux is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
+    else:  # as the speculators library serialises an Eagle3 draft model
+        config = {"architectures": ["Eagle3DraftModel"], "draft_vocab_size": len(ids), "dtype": "float32",
+                  "eagle_aux_hidden_state_layer_ids": aux, "embed_requires_grad": False, "norm_before_fc": False,
+                  "speculators_config": {
+                      "algorithm": "eagle3", "default_proposal_method": "greedy",
+                      "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                            "speculative_tokens": 3, "verifier_accept_k": 1}],
+                      "verifier": {"architectures": cfg.get("architectures", []), "name_or_path": str(target_dir)}},
+                  "speculators_model_type": "eagle3", "speculators_version": "0.4.0", "target_hidden_size": None,
+                  "transformer_layer_config": layer}
+    if norm_before_residual is not None:
+        config["norm_before_residual"] = norm_before_residual
     (path / "config.json").write_text(json.dumps(config))
     return w
 

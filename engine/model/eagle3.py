@@ -6,18 +6,29 @@ separately, feeds both side by side (2H) to attention, keeps the hidden state as
 the MLP, and returns the pre-norm output (fed back as the next step's hidden state) and, through
 `norm` and `lm_head`, logits over the draft vocabulary, mapped to target ids by d2t.
 
-Checkpoint layout (as published for EAGLE-3 heads, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, and
-read by vLLM's llama_eagle3.py and SGLang's llama_eagle3.py): config.json with an architecture
-naming Eagle3 and `draft_vocab_size`; `fc.weight` [H, 3H_target]; `midlayer.{input_layernorm,
-hidden_norm, post_attention_layernorm}.weight`; `midlayer.self_attn.{q,k,v}_proj.weight` [*, 2H];
-`midlayer.self_attn.o_proj.weight`; `midlayer.mlp.{gate,up,down}_proj.weight`; `norm.weight`;
-`lm_head.weight` [draft_vocab, H]; `d2t` [draft_vocab] (target id = draft id + d2t); `t2d`
-[vocab] (bool); optionally `embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin.
+Two published checkpoint layouts are read (README, "EAGLE-3 heads"):
+- the EAGLE authors' (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; vLLM's and SGLang's
+  llama_eagle3.py): config.json is the layer's Llama config with an architecture naming Eagle3,
+  `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; the layer's tensors
+  under `midlayer.`;
+- the speculators library's (vllm-project/speculators, e.g. RedHatAI/*-speculator.eagle3; vLLM's
+  speculators config): config.json has `speculators_model_type: eagle3`, the layer's config in
+  `transformer_layer_config`, and `draft_vocab_size`, `norm_before_residual` (vLLM reads it as
+  true when absent), `target_hidden_size` and `eagle_aux_hidden_state_layer_ids` at the top; the
+  layer's tensors under `layers.0.`.
+Both: `fc.weight` [H, 3H_target] (and `fc.bias`, where written); the layer's
+`{input_layernorm, hidden_norm, post_attention_layernorm}.weight`, `self_attn.{q,k,v}_proj.weight`
+[*, 2H], `self_attn.o_proj.weight`, `mlp.{gate,up,down}_proj.weight` (a Qwen3 layer adds
+`self_attn.{q,k}_norm.weight`); `norm.weight`; `lm_head.weight` [draft_vocab, H]; `d2t`
+[draft_vocab] (target id = draft id + d2t); `t2d` [vocab] (bool); optionally
+`embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,21 +37,72 @@ import torch.nn.functional as F
 from engine.config import ModelPlan
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
-from engine.model.rope import Rope
+from engine.model.loader import read_layer
 from engine.model.token_step import TokenStep
 from engine.model.transformer import LayerWeights, ModelShape, Transformer
 
 
 def is_eagle3(path: Path) -> bool:
-    """Whether the checkpoint at `path` is an EAGLE-3 head (its config.json names an Eagle3 architecture)."""
+    """Whether the checkpoint at `path` is an EAGLE-3 head (its config.json names an Eagle3
+    architecture, or is the speculators library's eagle3)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
-    return any("eagle3" in a.lower() for a in cfg.get("architectures") or [])
+    return cfg.get("speculators_model_type") == "eagle3" or any("eagle3" in a.lower() for a in cfg.get("architectures") or [])
 
 
-def aux_layers(cfg: dict, target_layers: int) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class HeadConfig:
+    """An EAGLE-3 head's config.json, in either published layout, read into one form."""
+
+    layer: dict  # the decoder layer's (Llama or Qwen3) config
+    draft_vocab_size: int | None
+    target_hidden_size: int | None
+    aux_layer_ids: list[int] | None
+    norm_before_residual: bool  # the layer's residual is hidden_norm(hidden), not hidden itself
+    layout: str  # "eagle" (the EAGLE authors') or "speculators"
+
+    @property
+    def shape(self) -> ModelShape:
+        """The head's shape: one layer, its output over the draft vocabulary."""
+        layer = {**self.layer, "num_hidden_layers": 1, "tie_word_embeddings": False,
+                 "vocab_size": self.draft_vocab_size or self.layer["vocab_size"]}
+        return ModelShape.from_hf_config(layer)
+
+
+def read_head_config(path: Path) -> HeadConfig:
+    """The head's config.json at `path`; ValueError naming what this reader does not implement."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "speculators_model_type" in cfg:
+        layer = cfg.get("transformer_layer_config")
+        if cfg["speculators_model_type"] != "eagle3" or not isinstance(layer, dict):
+            raise ValueError(f"EAGLE-3 head {path}: a speculators config needs speculators_model_type 'eagle3' and a "
+                             f"transformer_layer_config (got {cfg['speculators_model_type']!r})")
+        head = HeadConfig(layer, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
+                          cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)),
+                          "speculators")
+    else:
+        head = HeadConfig(cfg, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
+                          (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                          bool(cfg.get("norm_before_residual", False)), "eagle")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in head.layer]
+    if missing:
+        raise ValueError(f"EAGLE-3 head {path}: config.json lacks {', '.join(missing)}")
+    if cfg.get("norm_before_fc") or head.layer.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"EAGLE-3 head {path}: config.json asks for norm_before_fc or num_hidden_layers "
+                         f"{head.layer.get('num_hidden_layers')} (this reader implements one-layer heads without a "
+                         "norm before fc)")
+    return head
+
+
+def read_head_shape(path: Path) -> ModelShape:
+    """The shape of the head at `path` (no weights read)."""
+    return read_head_config(path).shape
+
+
+def aux_layers(head: HeadConfig, target_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs the head reads: the checkpoint's choice, else EAGLE-3's
     default low / middle / high (2, L // 2, L - 3)."""
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = head.aux_layer_ids
     ids = tuple(sorted(ids)) if ids else (2, target_layers // 2, target_layers - 3)  # fused in layer order
     if len(ids) != 3 or not all(0 <= i < target_layers for i in ids):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(ids)}: need three layers of the target's {target_layers}")
@@ -54,10 +116,13 @@ class Eagle3Head(Transformer):
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
-                 target_vocab: int, aux: tuple[int, ...], max_positions: int, plan: ModelPlan):
+                 target_vocab: int, aux: tuple[int, ...], max_positions: int, plan: ModelPlan,
+                 fc_bias: torch.Tensor | None = None, norm_before_residual: bool = False):
         self.fc = fc  # [hidden, 3 * target hidden]
+        self.fc_bias = fc_bias  # [hidden] or None
         self.feature_width = fc.shape[1]
         self.hidden_norm = hidden_norm  # [hidden]
+        self.norm_before_residual = norm_before_residual
         self.draft_to_target = draft_to_target  # [draft_vocab] target id of each draft id
         self.target_vocab = target_vocab
         self.aux_layers = aux
@@ -70,11 +135,11 @@ class Eagle3Head(Transformer):
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
 
     def _weights(self) -> list[torch.Tensor]:
-        return super()._weights() + [self.fc, self.hidden_norm]
+        return super()._weights() + [self.fc, self.hidden_norm] + ([] if self.fc_bias is None else [self.fc_bias])
 
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
-                         self.hidden_norm)
+                         self.hidden_norm, self.norm_before_residual)
 
     def _pack_for_cpu(self) -> None:
         super()._pack_for_cpu()
@@ -98,15 +163,18 @@ class Eagle3Head(Transformer):
         if hidden.shape[-1] != self.shape.hidden_size:
             hidden = one_sequence.load().linear(hidden, self._fc_rows).to(self.dtype) \
                 if narrow and self._fc_rows is not None else self._linear(hidden, self.fc)  # [B, T, hidden]
+            if self.fc_bias is not None:
+                hidden = hidden + self.fc_bias
         if narrow:
             logits, h = self._token_step.head_pass(input_ids, position_ids, kv, hidden, logits_index)
             return self._target_logits(logits), h
         lw = self.layers[0]
-        x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm),
-                       self._rms_norm(hidden, self.hidden_norm)], dim=-1)  # [B, T, 2 * hidden]
+        normed = self._rms_norm(hidden, self.hidden_norm)  # [B, T, hidden]
+        x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm), normed], dim=-1)  # [B, T, 2H]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
+        residual = normed if self.norm_before_residual else hidden
         with self._attention_backends():
-            h = hidden + self._attention_block(x, lw, self._linear, rope, kv, 0, kv.attention_groups(position_ids))
+            h = residual + self._attention_block(x, lw, self._linear, rope, kv, 0, kv.attention_groups(position_ids))
             h = h + self._mlp_block(h, lw, self._linear)  # [B, T, hidden]
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
@@ -121,28 +189,46 @@ class Eagle3Head(Transformer):
         return full.index_copy_(-1, self.draft_to_target, logits)
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").exists():
-        from safetensors.torch import load_file
+class _HeadTensors:
+    """The head's tensors by name (model.safetensors or pytorch_model.bin), in one dtype and on one
+    device; a missing one is a ValueError naming it."""
 
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"EAGLE-3 head {path}: no model.safetensors or pytorch_model.bin")
+    def __init__(self, path: Path, dtype: torch.dtype, device):
+        if (path / "model.safetensors").exists():
+            from safetensors.torch import load_file
+
+            self.raw = load_file(str(path / "model.safetensors"))
+        elif (path / "pytorch_model.bin").exists():
+            self.raw = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"EAGLE-3 head {path}: no model.safetensors or pytorch_model.bin")
+        self.path, self.dtype, self.device = path, dtype, device
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.raw
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.raw:
+            raise ValueError(f"EAGLE-3 head {self.path}: tensor {name!r} missing")
+        return self.raw[name].to(device=self.device, dtype=self.dtype)
+
+    def layer_prefix(self) -> str:
+        """Where the decoder layer's tensors are: `midlayer.` (the EAGLE authors') or `layers.0.`
+        (the speculators library's); vLLM reads either name under either config."""
+        return "midlayer." if any(k.startswith("midlayer.") for k in self.raw) else "layers.0."
 
 
-def _check_fit(path: Path, cfg: dict, w: dict[str, torch.Tensor], t: ModelShape) -> None:
+def _check_fit(path: Path, head: HeadConfig, w: _HeadTensors, t: ModelShape) -> None:
     """ValueError naming what of the head's config does not fit this reader or the target."""
-    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in cfg]
-    if missing or cfg.get("norm_before_residual") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ValueError(f"EAGLE-3 head {path}: config.json " + (f"lacks {', '.join(missing)}" if missing else
-                         "asks for norm_before_residual or biases, which this reader does not implement"))
-    hidden, vocab = cfg["hidden_size"], cfg.get("vocab_size", t.vocab_size)
+    hidden, vocab = head.layer["hidden_size"], head.layer.get("vocab_size", t.vocab_size)
+    if "input_norm.weight" in w:
+        raise ValueError(f"EAGLE-3 head {path}: has input_norm.weight (a norm before fc), which this reader does not "
+                         "implement")
     problems = []
     if vocab != t.vocab_size:
         problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
-    if cfg.get("target_hidden_size", hidden) != t.hidden_size:
-        problems.append(f"target_hidden_size {cfg.get('target_hidden_size', hidden)} != the target's hidden_size "
+    if (head.target_hidden_size or hidden) != t.hidden_size:
+        problems.append(f"target_hidden_size {head.target_hidden_size or hidden} != the target's hidden_size "
                         f"{t.hidden_size}")
     if "embed_tokens.weight" not in w and hidden != t.hidden_size:
         problems.append(f"hidden_size {hidden} != the target's {t.hidden_size} (the head shares its embedding)")
@@ -154,46 +240,29 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     """The head at `path` for `target` (sharing its embedding, in its dtype, on its device), its
     draft steps on the token step if asked; ValueError names what does not match the target."""
     path = Path(path)
-    cfg = json.loads((path / "config.json").read_text())
-    w = _read_tensors(path)
-    _check_fit(path, cfg, w, target.shape)
-    t = target.shape
-    hidden, vocab = cfg["hidden_size"], cfg.get("vocab_size", t.vocab_size)
-    draft_vocab = cfg.get("draft_vocab_size") or vocab
-    dtype, device = target.dtype, target.device
-
-    def get(name: str) -> torch.Tensor:
-        if name not in w:
-            raise ValueError(f"EAGLE-3 head {path}: tensor {name!r} missing")
-        return w[name].to(device=device, dtype=dtype)
-
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    shape = ModelShape(vocab_size=draft_vocab, hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
-                       num_layers=1, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                       head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                       rope=Rope.from_hf_config(cfg, head_dim), max_position_embeddings=t.max_position_embeddings,
-                       tie_word_embeddings=False)
-    m = "midlayer."
-    layer = LayerWeights(attn_norm=get(m + "input_layernorm.weight"),
-                         qkv=torch.cat([get(m + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                         o=get(m + "self_attn.o_proj.weight"), mlp_norm=get(m + "post_attention_layernorm.weight"),
-                         gate_up=torch.cat([get(m + "mlp.gate_proj.weight"), get(m + "mlp.up_proj.weight")]),
-                         down=get(m + "mlp.down_proj.weight"))
-    fc = get("fc.weight")
-    if layer.qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * t.hidden_size):
+    head = read_head_config(path)
+    shape = dataclasses.replace(head.shape, max_position_embeddings=target.shape.max_position_embeddings)
+    w = _HeadTensors(path, target.dtype, target.device)
+    _check_fit(path, head, w, target.shape)
+    hidden, vocab, draft_vocab = shape.hidden_size, target.shape.vocab_size, shape.vocab_size
+    device = target.device
+    layer = read_layer(w, shape, w.layer_prefix())
+    fc = w.get("fc.weight")
+    if layer.qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * target.shape.hidden_size):
         raise ValueError(f"EAGLE-3 head {path}: attention input {layer.qkv.shape[1]} (want 2 x {hidden}) or fc "
-                         f"{tuple(fc.shape)} (want ({hidden}, {3 * t.hidden_size})) does not match")
-    offsets = w.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
+                         f"{tuple(fc.shape)} (want ({hidden}, {3 * target.shape.hidden_size})) does not match")
+    offsets = w.raw.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
     d2t = offsets + torch.arange(draft_vocab, device=device) if offsets.shape == (draft_vocab,) else None
-    lm_head = w.get("lm_head.weight")
+    lm_head = w.raw.get("lm_head.weight")
     if d2t is None or int(d2t.max()) >= vocab or int(d2t.min()) < 0 or lm_head is None \
             or lm_head.shape != (draft_vocab, hidden):
         raise ValueError(f"EAGLE-3 head {path}: d2t and lm_head.weight must cover draft_vocab_size {draft_vocab} "
                          f"draft ids (hidden {hidden}) mapped into the target's {vocab}")
     if torch.unique(d2t).numel() != draft_vocab:  # q over target ids is the head's q moved, never summed
         raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
-    embed = get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
-    return Eagle3Head(shape, embed, layer, get(m + "hidden_norm.weight"), fc, get("norm.weight"), get("lm_head.weight"),
-                      d2t, vocab, aux_layers(cfg, t.num_layers), max_positions,
-                      ModelPlan(str(dtype).removeprefix("torch."), token_step=token_step))
+    embed = w.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
+    prefix = w.layer_prefix()
+    return Eagle3Head(shape, embed, layer, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
+                      w.get("lm_head.weight"), d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
+                      ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step),
+                      w.get("fc.bias") if "fc.bias" in w else None, head.norm_before_residual)

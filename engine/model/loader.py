@@ -91,15 +91,16 @@ def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> 
     """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says."""
     shape = read_shape(path)
     reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
-    layers = [_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
+    layers = [read_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
     embed = reader.get("model.embed_tokens.weight")
     tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
     lm_head = embed if tied else reader.get("lm_head.weight")
     return Transformer(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, plan)
 
 
-def _layer(reader: _TensorReader, shape: ModelShape, pre: str) -> LayerWeights:
-    """One layer's tensors (HF names under `pre`), q/k/v and gate/up fused."""
+def read_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
+    """One layer's tensors (HF names under `pre`, from `reader`: get(name) and `name in reader`),
+    q/k/v and gate/up fused."""
     attn = pre + "self_attn."
     weights = LayerWeights(
         attn_norm=reader.get(pre + "input_layernorm.weight"),

@@ -88,14 +88,15 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
     return _choose(path, role, dtype, device, options, load, max_positions)
 
 
-def load_planned_head(path: Path, load: Callable[[ModelPlan], Transformer], dtype: str, device: str,
-                      max_positions: int, explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
-    """An EAGLE-3 head, computing in its target's `dtype`: its plan only says whether its draft
-    steps take the token step (explicit, or measured as a draft's are)."""
+def load_planned_head(path: Path, shape: ModelShape, load: Callable[[ModelPlan], Transformer], dtype: str,
+                      device: str, max_positions: int,
+                      explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
+    """An EAGLE-3 head of `shape`, computing in its target's `dtype`: its plan only says whether its
+    draft steps take the token step (explicit, or measured as a draft's are)."""
     if explicit is not None:
         plan = dataclasses.replace(explicit, dtype=dtype)
         return load(plan), PlanChoice(plan, "explicit")
-    options = [p for p in candidates("draft", dtype, device, read_shape(path)) if p.dtype == dtype] or [ModelPlan(dtype)]
+    options = [p for p in candidates("draft", dtype, device, shape) if p.dtype == dtype] or [ModelPlan(dtype)]
     return _choose(path, "draft", dtype, device, options, load, max_positions, cache_role="eagle3")
 
 

@@ -36,7 +36,7 @@ class _Model(ctypes.Structure):  # token_step.c's StepModel
                 ("kv_kind", ctypes.c_int64), ("embed", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
                 ("layer", ctypes.POINTER(_Layer)), ("kv", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
-                ("max_rows", ctypes.c_int64)]
+                ("max_rows", ctypes.c_int64), ("norm_before_residual", ctypes.c_int64)]
 
 
 class _Row(ctypes.Structure):  # token_step.c's StepRow
@@ -47,10 +47,12 @@ class _Row(ctypes.Structure):  # token_step.c's StepRow
 class TokenStep:
     """The C step's model struct, pointing at the weights (kept alive here) of a float32 or bf16 CPU
     model, whose dtype the KV cache shares (a float32 model's matmuls read bf16 copies when its
-    weights' values are all bf16); ValueError where it cannot run. `hidden_norm`: an EAGLE-3 head's."""
+    weights' values are all bf16); ValueError where it cannot run. `hidden_norm`: an EAGLE-3 head's,
+    whose residual is the normed hidden state when `norm_before_residual` (else the hidden state)."""
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, hidden_norm: torch.Tensor | None = None):
+                 cos: torch.Tensor, sin: torch.Tensor, hidden_norm: torch.Tensor | None = None,
+                 norm_before_residual: bool = False):
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in lw.tensors()]
         self._kernels = one_sequence.load()
         if not self.runs(shape) or any(t.device.type != "cpu" or t.dtype != embed.dtype for t in tensors) \
@@ -80,7 +82,7 @@ class TokenStep:
             embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
             final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
             scratch=None, hidden_norm=None if hidden_norm is None else self._held(hidden_norm.float().contiguous()),
-            max_rows=TOKEN_STEP_MAX_ROWS)
+            max_rows=TOKEN_STEP_MAX_ROWS, norm_before_residual=int(norm_before_residual))
         floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
         self._vocab_size = lm_head.shape[0]  # the row stride of the logits the C step writes

@@ -55,20 +55,27 @@ def _rms(x, w, eps):
 
 
 def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], inputs: list[torch.Tensor]):
-    """The head written out plainly: inputs[j] is position j's hidden input ([3H] target features,
-    or [H], the head's own output). Returns logits over the target vocabulary [T, V] (-inf outside
-    the draft vocabulary) and pre-norm outputs [T, H]."""
-    eps, H = cfg["rms_norm_eps"], cfg["hidden_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    """The head written out plainly, from its tensors and config.json in either published layout:
+    inputs[j] is position j's hidden input ([3H] target features, or [H], the head's own output).
+    Returns logits over the target vocabulary [T, V] (-inf outside the draft vocabulary) and
+    pre-norm outputs [T, H]."""
+    layer = cfg.get("transformer_layer_config") or cfg  # the speculators layout nests the layer's config
+    m = "layers.0." if "speculators_model_type" in cfg else "midlayer."
+    norm_first = cfg.get("norm_before_residual", "speculators_model_type" in cfg)  # vLLM's defaults
+    eps, H = layer["rms_norm_eps"], layer["hidden_size"]
+    nh, nkv = layer["num_attention_heads"], layer["num_key_value_heads"]
     D = H // nh
-    hidden = torch.stack([w["fc.weight"] @ x if x.shape[-1] != H else x for x in inputs])  # [T, H]
+    fc_bias = w.get("fc.bias", torch.zeros(H))
+    hidden = torch.stack([w["fc.weight"] @ x + fc_bias if x.shape[-1] != H else x for x in inputs])  # [T, H]
     T = hidden.shape[0]
-    x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"], eps),
-                   _rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)  # [T, 2H]
-    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, D)
-    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, nkv, D)
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, nkv, D)
-    inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+    normed = _rms(hidden, w[m + "hidden_norm.weight"], eps)
+    x = torch.cat([_rms(embed[tokens], w[m + "input_layernorm.weight"], eps), normed], -1)  # [T, 2H]
+    q = (x @ w[m + "self_attn.q_proj.weight"].T).view(T, nh, D)
+    k = (x @ w[m + "self_attn.k_proj.weight"].T).view(T, nkv, D)
+    v = (x @ w[m + "self_attn.v_proj.weight"].T).view(T, nkv, D)
+    if m + "self_attn.q_norm.weight" in w:  # a Qwen3 layer: each head's q and k normed before rotation
+        q, k = _rms(q, w[m + "self_attn.q_norm.weight"], eps), _rms(k, w[m + "self_attn.k_norm.weight"], eps)
+    inv = 1.0 / layer["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
     ang = torch.arange(T).float()[:, None] * inv  # [T, D/2]
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
 
@@ -80,27 +87,27 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, H)
-    h = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
-    y = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
-    h = h + (F.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T)) \
-        @ w["midlayer.mlp.down_proj.weight"].T
+    h = (normed if norm_first else hidden) + attn @ w[m + "self_attn.o_proj.weight"].T
+    y = _rms(h, w[m + "post_attention_layernorm.weight"], eps)
+    h = h + (F.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) \
+        @ w[m + "mlp.down_proj.weight"].T
     draft_logits = _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T  # [T, Vd]
     ids = w["d2t"] + torch.arange(len(w["d2t"]))
-    logits = torch.full((T, cfg["vocab_size"]), float("-inf"))
+    logits = torch.full((T, layer["vocab_size"]), float("-inf"))
     logits[:, ids] = draft_logits
     return logits, h
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
-@pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
-def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tiny_model, fmt, backend, token_step):
+def run_against_reference(path, tiny_model, backend: str, token_step: bool, **layout):
+    """Writes a head (make_eagle3_head's `layout` options) at `path`, runs a 6-position pass from
+    target features, then four one-token steps on its own output, as drafting does, and checks
+    logits and outputs against reference_head. Returns the loaded head."""
     vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
-    w = make_eagle3_head(tmp_path, tiny_model[0], seed=1, aux=AUX, draft_vocab=list(range(0, vocab, 2)), fmt=fmt)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert is_eagle3(tmp_path) and not is_eagle3(tiny_model[0])
+    w = make_eagle3_head(path, tiny_model[0], seed=1, aux=AUX, draft_vocab=list(range(0, vocab, 2)), **layout)
+    cfg = json.loads((path / "config.json").read_text())
+    assert is_eagle3(path) and not is_eagle3(tiny_model[0])
     target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
-    head = load_eagle3(tmp_path, target, 64, token_step)  # token_step: the passes below are C calls
+    head = load_eagle3(path, target, 64, token_step)  # token_step: the passes below are C calls
     assert head.aux_layers == tuple(AUX) and head.plan.token_step == token_step
     passes = []  # shapes of the passes that ran as C calls
     if token_step:
@@ -110,7 +117,7 @@ def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tin
     slot = pool.allocate_slot([])[0]
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (10,), generator=g).tolist()
-    features = torch.randn(6, 3 * cfg["hidden_size"], generator=g)  # [6, 3H]
+    features = torch.randn(6, 3 * target.shape.hidden_size, generator=g)  # [6, 3H]
     x = pass_inputs(head, pool, [slot], [tokens[:6]], [0])  # positions 0..5 from target features
     logits, out = head.step(x.ids, x.positions, x.view, features[None], None)  # [1, 6, V], [1, 6, H]
     inputs = list(features)
@@ -128,6 +135,40 @@ def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tin
     finite = torch.isfinite(want_logits)
     torch.testing.assert_close(got_logits[finite], want_logits[finite], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-4)
+    return head
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
+def test_a_head_in_the_published_layout_runs_as_the_reference_does(tmp_path, tiny_model, fmt, backend, token_step):
+    run_against_reference(tmp_path, tiny_model, backend, token_step, fmt=fmt)
+
+
+@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
+@pytest.mark.parametrize("norm_before_residual", [True, None, False], ids=["norm_first", "unset", "residual_raw"])
+def test_a_head_in_the_speculators_layout_runs_as_the_reference_does(tmp_path, tiny_model, token_step,
+                                                                    norm_before_residual):
+    """The speculators library's layout (RedHatAI/*-speculator.eagle3): its config read as vLLM
+    reads it (norm_before_residual true when unset), the layer under layers.0., fc with a bias."""
+    head = run_against_reference(tmp_path, tiny_model, "paged", token_step, layout="speculators",
+                                 norm_before_residual=norm_before_residual, fc_bias=True)
+    assert head.norm_before_residual == (norm_before_residual is not False) and head.fc_bias is not None
+
+
+def test_a_head_with_a_qwen3_layer_runs_as_the_reference_does_and_plans_without_the_token_step(tmp_path, tiny_model):
+    """A head whose layer is Qwen3's (q_norm and k_norm per head before rotation), as published for
+    Qwen3 targets: the torch pass matches the reference, and an engine serving it plans its steps
+    off the C token step (which has no q/k norms)."""
+    run_against_reference(tmp_path, tiny_model, "slotted", False, layout="speculators", norm_before_residual=True,
+                          qwen3=True)
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tmp_path), use_speculative_decoding=True,
+              speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=2)
+    assert llm.engine.forward_plan["draft"]["token_step"] is False
+    out = llm.generate(PROMPTS[:2], greedy(8))
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=2).generate(PROMPTS[:2],
+                                                                                                     greedy(8))
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
 
 
 def test_a_head_pass_over_sequences_of_unequal_lengths_is_each_sequence_alone(tmp_path, tiny_model):
@@ -201,8 +242,12 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     bad = tmp_path / "bad"
     w = make_eagle3_head(bad, tiny_model[0], aux=AUX)
     c = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**c, "norm_before_residual": True}))
-    with pytest.raises(ValueError, match="norm_before_residual"):
+    for unsupported in ({"num_hidden_layers": 2}, {"norm_before_fc": True}, {"attention_bias": "x", "mlp_bias": True}):
+        (bad / "config.json").write_text(json.dumps({**c, **unsupported}))
+        with pytest.raises(ValueError, match="num_hidden_layers|norm_before_fc|mlp_bias"):
+            load_eagle3(bad, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "speculators_model_type": "eagle"}))
+    with pytest.raises(ValueError, match="speculators_model_type 'eagle3'"):
         load_eagle3(bad, target, 64)
     (bad / "config.json").write_text(json.dumps({**c, "draft_vocab_size": c["draft_vocab_size"] - 1}))
     with pytest.raises(ValueError, match="d2t and lm_head.weight"):

@@ -59,6 +59,7 @@ typedef struct {
     void *kv;
     float *scratch;           /* see token_step_scratch_floats */
     int64_t max_rows;         /* the most rows a pass may have (the scratch is sized for it) */
+    int64_t norm_before_residual; /* an EAGLE-3 head's residual is hidden_norm(hidden) (else hidden) */
 } StepModel;
 
 /* One row of a pass: a token at position pos, its K/V written at write_row; it attends to key
@@ -278,11 +279,12 @@ int token_rows(const StepModel *m, const StepRow *rows, int64_t n, const int64_t
 }
 
 /* An EAGLE-3 head's pass: its layer's attention input is [norm(embedding of token), hidden_norm(hidden)]
- * (2 hidden wide) and its residual the hidden state. hidden [n, hidden] float32 holds each row's
- * hidden state on entry (the target's fused features, or the head's previous output); rows
- * out_rows (increasing) get their pre-norm output there and their logits [n_out, head_rows]. The
- * other rows only write their K/V: nothing of theirs past it is read (a catch-up's rows but its
- * last), so the rest of the layer runs for the out rows alone. Returns 0, or -1. */
+ * (2 hidden wide) and its residual the hidden state (hidden_norm(hidden) with norm_before_residual).
+ * hidden [n, hidden] float32 holds each row's hidden state on entry (the target's fused features, or
+ * the head's previous output); rows out_rows (increasing) get their pre-norm output there and their
+ * logits [n_out, head_rows]. The other rows only write their K/V: nothing of theirs past it is read
+ * (a catch-up's rows but its last), so the rest of the layer runs for the out rows alone. Returns 0,
+ * or -1. */
 int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden, const int64_t *out_rows,
                int64_t n_out, float *logits, int threads) {
     const int64_t H = m->hidden, Q = qkv_width(m);
@@ -300,7 +302,7 @@ int eagle_rows(const StepModel *m, const StepRow *rows, int64_t n, float *hidden
         const int64_t r = out_rows[j];
         out[j] = rows[r];
         memmove(s.qkv + j * Q, s.qkv + r * Q, Q * sizeof(float));
-        memcpy(s.h + j * H, hidden + r * H, H * sizeof(float));
+        memcpy(s.h + j * H, m->norm_before_residual ? s.x + r * 2 * H + H : hidden + r * H, H * sizeof(float));
     }
     finish_layer(m, 0, &s, out, n_out, threads);
     int64_t packed[n];
