@@ -6,7 +6,7 @@
  * Why: decoding reads every weight once per token, so its cost is the weights' bytes. oneDNN's
  * packed kernel pays extra per row as soon as a pass has a few (a speculative verify pass), and
  * cannot read bfloat16 weights on a CPU without bfloat16 instructions. Here each weight vector
- * is read once per group of up to 8 rows and multiplied into all of them.
+ * is read once per group of up to MAX_GROUP (12) rows and multiplied into all of them.
  *
  * Every output is one dot product computed the same way whatever M is and whatever thread
  * computes it: eight lanes accumulate k = 8j + lane in order (fused multiply-adds), then a
@@ -69,21 +69,31 @@ static inline __m256 load_bf16(const uint16_t *p) {
 #define KERNEL(WT, NAME)                                                                     \
     GROUP(WT, NAME, 1, 4) GROUP(WT, NAME, 2, 4) GROUP(WT, NAME, 3, 2) GROUP(WT, NAME, 4, 1)  \
     GROUP(WT, NAME, 5, 1) GROUP(WT, NAME, 6, 1) GROUP(WT, NAME, 7, 1) GROUP(WT, NAME, 8, 1)  \
+    GROUP(WT, NAME, 9, 1) GROUP(WT, NAME, 10, 1) GROUP(WT, NAME, 11, 1)                      \
+    GROUP(WT, NAME, 12, 1)                                                                   \
     typedef void (*NAME##_group)(const WT *, const float *, float *, int64_t, int64_t,       \
                                  int64_t, int64_t);                                          \
-    static const NAME##_group NAME##_groups[9] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, \
-                                                  NAME##_5, NAME##_6, NAME##_7, NAME##_8};   \
+    static const NAME##_group NAME##_groups[MAX_GROUP + 1] = {                               \
+        0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6,                       \
+        NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};                      \
     void one_sequence_##NAME(const WT *w, const float *x, float *y, int64_t N, int64_t K,    \
                              int64_t M, int threads) {                                       \
         _Pragma("omp parallel num_threads(threads)") {                                       \
             int t = omp_get_thread_num(), T = omp_get_num_threads();                         \
             int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;   \
-            for (int64_t m0 = 0; m0 < M && n0 < n1; m0 += 8) {                               \
-                int64_t g = M - m0 < 8 ? M - m0 : 8;                                         \
+            int64_t groups = (M + MAX_GROUP - 1) / MAX_GROUP;                                \
+            for (int64_t i = 0, m0 = 0; i < groups && n0 < n1; i++) {                        \
+                int64_t g = (M - m0) / (groups - i);                                         \
                 NAME##_groups[g](w, x + m0 * K, y + m0 * N, n0, n1, N, K);                   \
+                m0 += g;                                                                     \
             }                                                                                \
         }                                                                                    \
     }
+
+/* The most rows a group multiplies into per weight read: a pass of M rows reads each weight
+ * ceil(M / MAX_GROUP) times, in groups of near-equal size. 12 accumulators and the weight vector
+ * fit AVX2's 16 registers (docs/performance-notes.md#one-sequence-row-groups). */
+#define MAX_GROUP 12
 
 #pragma GCC optimize("unroll-loops")
 KERNEL(float, f32)
