@@ -139,7 +139,7 @@ class Eagle3Head(Transformer):
 
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
-                         self.hidden_norm, self.norm_before_residual)
+                         self.plan.token_step_rows, self.hidden_norm, self.norm_before_residual)
 
     def _pack_for_cpu(self) -> None:
         super()._pack_for_cpu()

@@ -27,12 +27,12 @@ from engine.config import ModelPlan
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_model, read_shape
 from engine.model.passes import fill_slots, pool_for, time_pass
-from engine.model.token_step import TokenStep
+from engine.model.token_step import TOKEN_STEP_ROWS, TokenStep
 from engine.model.transformer import ModelShape, Transformer, cpu_packs
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 1  # part of the cache key: bump when candidates or measurements change
+PLAN_VERSION = 2  # part of the cache key: bump when candidates or measurements change
 REPEATS = 5  # timed passes per candidate and shape, each after an untimed one (docs/performance-notes.md#forward-plan)
 # per role, the work each candidate is timed on: {scenario: [((sequences, tokens each), passes)]}; a
 # target decodes (1 token) and verifies (6: K = 5), a draft catches up on 2 tokens and steps 4 times
@@ -55,9 +55,13 @@ class PlanChoice:
 
 
 def label(plan: ModelPlan | dict) -> str:
-    """A plan as text, e.g. "float32+token_step" (a ModelPlan, or its dict as stats report it)."""
+    """A plan as text, e.g. "float32+token_step" (a ModelPlan, or its dict as stats report it);
+    a token step taking passes wider than the default names its width ("+token_step16")."""
     p = plan if isinstance(plan, dict) else dataclasses.asdict(plan)
-    return "+".join([p["dtype"], *(n for n in ("one_sequence_kernel", "token_step") if p.get(n))])
+    rows = p.get("token_step_rows", TOKEN_STEP_ROWS[0])
+    names = [n + (str(rows) if n == "token_step" and rows != TOKEN_STEP_ROWS[0] else "")
+             for n in ("one_sequence_kernel", "token_step") if p.get(n)]
+    return "+".join([p["dtype"], *names])
 
 
 def candidates(role: str, dtype: str, device: str, shape: ModelShape) -> list[ModelPlan]:
@@ -70,7 +74,10 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape) -> list[Mo
     out = []
     for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16
         with_kernel = kernel and (d == "float32" or (kernel == "token_step" and d == "bfloat16"))
-        out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if with_kernel else [])
+        if kernel == "token_step" and with_kernel:  # how wide a pass it takes is measured too
+            out += [ModelPlan(d)] + [ModelPlan(d, token_step=True, token_step_rows=r) for r in TOKEN_STEP_ROWS]
+        else:
+            out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if with_kernel else [])
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
 
-TOKEN_STEP_MAX_ROWS = 8  # passes computing at most this many tokens run as C calls (performance-notes)
+TOKEN_STEP_ROWS = (8, 16)  # the widest passes a model's token step may take; its plan measures which (performance-notes)
 
 
 class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind
@@ -47,11 +47,12 @@ class _Row(ctypes.Structure):  # token_step.c's StepRow
 class TokenStep:
     """The C step's model struct, pointing at the weights (kept alive here) of a float32 or bf16 CPU
     model, whose dtype the KV cache shares (a float32 model's matmuls read bf16 copies when its
-    weights' values are all bf16); ValueError where it cannot run. `hidden_norm`: an EAGLE-3 head's,
-    whose residual is the normed hidden state when `norm_before_residual` (else the hidden state)."""
+    weights' values are all bf16); ValueError where it cannot run. It takes passes of at most
+    `max_rows` tokens. `hidden_norm`: an EAGLE-3 head's, whose residual is the normed hidden state
+    when `norm_before_residual` (else the hidden state)."""
 
     def __init__(self, shape, embed: torch.Tensor, layers: list, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, hidden_norm: torch.Tensor | None = None,
+                 cos: torch.Tensor, sin: torch.Tensor, max_rows: int, hidden_norm: torch.Tensor | None = None,
                  norm_before_residual: bool = False):
         tensors = [embed, final_norm, lm_head, cos, sin] + [t for lw in layers for t in lw.tensors()]
         self._kernels = one_sequence.load()
@@ -61,6 +62,7 @@ class TokenStep:
                              "bfloat16 weights on an x86-64 CPU with AVX2, widths that are multiples of 8, no "
                              "attention biases or q/k norms, and the kernels built)")
         self.dtype = embed.dtype  # of the KV storage it reads and writes
+        self.max_rows = max_rows
         cos, sin, final_norm = cos.float(), sin.float(), final_norm.float()
         layers = [type(lw)(**{**vars(lw), "attn_norm": lw.attn_norm.float(), "mlp_norm": lw.mlp_norm.float()})
                   for lw in layers]
@@ -82,7 +84,7 @@ class TokenStep:
             embed=self._held(embed.contiguous()), cos=self._held(cos.contiguous()), sin=self._held(sin.contiguous()),
             final_norm=self._held(final_norm.contiguous()), lm_head=weights[-1][0], layer=self._layers, kv=None,
             scratch=None, hidden_norm=None if hidden_norm is None else self._held(hidden_norm.float().contiguous()),
-            max_rows=TOKEN_STEP_MAX_ROWS, norm_before_residual=int(norm_before_residual))
+            max_rows=max_rows, norm_before_residual=int(norm_before_residual))
         floats = self._kernels.token_step_scratch_floats(ctypes.byref(self._model), self._model.max_keys)
         self._model.scratch = self._held(torch.empty(floats, dtype=torch.float32))  # the C step's workspace
         self._vocab_size = lm_head.shape[0]  # the row stride of the logits the C step writes
@@ -98,13 +100,12 @@ class TokenStep:
         self._keep.append(t)
         return t.data_ptr()
 
-    @staticmethod
-    def takes(batch: int, width: int, logits_index: torch.Tensor | None) -> bool:
-        """Whether a pass of `batch` x `width` query rows computes at most TOKEN_STEP_MAX_ROWS tokens
+    def takes(self, batch: int, width: int, logits_index: torch.Tensor | None) -> bool:
+        """Whether a pass of `batch` x `width` query rows computes at most max_rows tokens
         (each sequence's up to logits_index[b]; every row when it is None)."""
         if logits_index is None:
-            return batch * width <= TOKEN_STEP_MAX_ROWS
-        return batch + int(logits_index.sum()) <= TOKEN_STEP_MAX_ROWS
+            return batch * width <= self.max_rows
+        return batch + int(logits_index.sum()) <= self.max_rows
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
                 logits_index: torch.Tensor | None) -> torch.Tensor:
@@ -152,8 +153,8 @@ class TokenStep:
         Returns the tokens [B][steps] and, when temperatures is given, q [B, steps, candidates]
         (indexed by draft id, before draft_to_target)."""
         B = len(first)
-        if B > TOKEN_STEP_MAX_ROWS:
-            raise ValueError(f"TokenStep.draft takes at most {TOKEN_STEP_MAX_ROWS} sequences, got {B}")
+        if B > self.max_rows:
+            raise ValueError(f"TokenStep.draft takes at most {self.max_rows} sequences, got {B}")
         if hidden is not None and (hidden.dtype != torch.float32 or not hidden.is_contiguous()):
             raise ValueError("TokenStep.draft needs a contiguous float32 hidden state")
         candidates = self._vocab_size if candidates is None else candidates
@@ -178,11 +179,12 @@ class TokenStep:
         return tokens.tolist(), q
 
     def _rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-              logits_index: torch.Tensor | None, max_rows: int = TOKEN_STEP_MAX_ROWS) -> tuple[ctypes.Array, list[int]]:
+              logits_index: torch.Tensor | None, max_rows: int | None = None) -> tuple[ctypes.Array, list[int]]:
         """Points the C model at the view's storage; the pass's rows (each sequence's tokens up to
         logits_index[b], every row when None) and the indices among them whose logits are wanted."""
         B, T = input_ids.shape
         counts = [T] * B if logits_index is None else [i + 1 for i in logits_index.tolist()]
+        max_rows = self.max_rows if max_rows is None else max_rows
         if sum(counts) > max_rows:
             raise ValueError(f"TokenStep takes passes of at most {max_rows} rows, got {sum(counts)}")
         storage = kv.storage  # [layers, 2, kv_heads, rows, head_dim]

@@ -186,7 +186,8 @@ class Transformer:
             self._pack_for_cpu()
 
     def _make_token_step(self) -> TokenStep:
-        return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin)
+        return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
+                         self.plan.token_step_rows)
 
     @property
     def token_step(self) -> TokenStep | None:

@@ -14,7 +14,6 @@ from engine import host_sync
 from engine.grammar import GrammarMatcher, mask_rows
 from engine.kv import CachePool
 from engine.model.passes import pass_inputs, width_groups
-from engine.model.token_step import TOKEN_STEP_MAX_ROWS
 from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
@@ -52,7 +51,7 @@ def token_step_loop(model: Transformer, pool: CachePool, slots: list[int], vocab
     head's state, in any dtype); q is mapped into the target's `vocab` ids. None where it does not
     run (no token step, more rows than it takes). Nothing is prepared until the call."""
     step = model.token_step
-    if step is None or len(slots) > TOKEN_STEP_MAX_ROWS:
+    if step is None or len(slots) > step.max_rows:
         return None
 
     def run(first: list[int], steps: int, temperatures: torch.Tensor | None,

@@ -10,7 +10,9 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig, ModelPlan
 from engine.model import plan
+from engine.model.kernels import one_sequence
 from engine.model.loader import read_shape
+from engine.model.token_step import TOKEN_STEP_ROWS
 from tests.helpers import make_model
 
 
@@ -24,6 +26,10 @@ def test_candidates_are_the_paths_that_can_run_here(tiny_model):
                    for other in {"one_sequence_kernel", "token_step"} - {kernel})  # never the other role's path
         assert plan.candidates(role, "float32", "cpu", shape) == [p for p in options if p.dtype == "float32"]
     assert plan.candidates("target", "bfloat16", "cuda", shape) == [ModelPlan("bfloat16")]  # unmeasured on GPUs
+    # how wide a pass the token step takes is measured with it: each width is a candidate of its own
+    stepping = [p for p in plan.candidates("draft", "float32", "cpu", shape) if p.token_step]
+    assert [p.token_step_rows for p in stepping] == ([] if one_sequence.load() is None else list(TOKEN_STEP_ROWS))
+    assert len({plan.label(p) for p in stepping}) == len(stepping)
     # the token step has no attention biases or q/k norms: not a candidate for such a draft
     biased = dataclasses.replace(shape, qkv_bias=True)
     assert not any(p.token_step for p in plan.candidates("draft", "float32", "cpu", biased))
@@ -59,7 +65,6 @@ def test_a_plan_is_measured_once_per_fingerprint_then_cached(tmp_path, tok_dir, 
     _, explicit = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128, ModelPlan("float32"))
     assert explicit.source == "explicit" and explicit.plan == ModelPlan("float32") and len(measured) == 2
     # another build of the kernels (changed sources or flags) measures again
-    from engine.model.kernels import one_sequence
     monkeypatch.setattr(one_sequence, "build_digest", lambda: "another-build")
     _, rebuilt = plan.load_planned(tmp_path / "m", "draft", "bfloat16", "cpu", 128)
     assert rebuilt.source == "measured" and len(measured) == 3
@@ -77,5 +82,7 @@ def test_the_engine_reports_its_plan_and_takes_explicit_ones(tiny_model, tiny_dr
     assert auto.model.plan in plan.candidates("target", "float32", "cpu", auto.model.shape)
     with pytest.raises(ValueError, match="forward_plan.draft: one_sequence_kernel is for the target"):
         EngineConfig(forward_plan={"draft": {"dtype": "float32", "one_sequence_kernel": True}})
+    with pytest.raises(ValueError, match="forward_plan token_step_rows"):
+        EngineConfig(forward_plan={"draft": {"dtype": "float32", "token_step": True, "token_step_rows": 0}})
     with pytest.raises(ValueError, match=r"unknown forward_plan field\(s\): \['verifier'\]"):
         EngineConfig(forward_plan={"verifier": {}})

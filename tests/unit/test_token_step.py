@@ -9,22 +9,22 @@ from engine.config import EngineConfig, ModelPlan
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
-from engine.model.token_step import TOKEN_STEP_MAX_ROWS, WeightKind
+from engine.model.token_step import TOKEN_STEP_ROWS, WeightKind
 from tests.helpers import make_model, pool_for
 
 needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
 
 
-def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _passes(model_dir, model, backend: str, rows: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Three sequences prefilled together, then one-token steps of the first (past its third
     16-token block, so a paged pool's blocks stop being consecutive), a 3-token chunk, two
     sequences stepping together, two sequences taking 3-token chunks together, then 1 and 3 tokens
-    (a padded pass), and a chunk one
-    token wider than token steps take. Returns each pass's logits, the KV storage before the
-    widest chunk and after it (but its scratch row)."""
+    (a padded pass), a chunk of `rows` tokens (the widest a token step of that width takes) and a
+    chunk one token wider. Returns each pass's logits, the KV storage before the widest chunk and
+    after it (but its scratch row)."""
     pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
     torch.manual_seed(1)
-    ids = torch.randint(0, model.shape.vocab_size, (3, 80)).tolist()
+    ids = torch.randint(0, model.shape.vocab_size, (3, 100)).tolist()
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     out = [forward_chunks(model, pool, slots, [s[:40] for s in ids], [0, 0, 0])]  # [3, vocab]
     for i in range(40, 52):
@@ -34,23 +34,25 @@ def _passes(model_dir, model, backend: str) -> tuple[list[torch.Tensor], torch.T
         out.append(forward_chunks(model, pool, slots[1:], [ids[1][i:i + 1], ids[2][i:i + 1]], [i, i]))  # [2, vocab]
     out.append(forward_chunks(model, pool, slots[1:], [ids[1][44:47], ids[2][44:47]], [44, 44]))  # [2, vocab]
     out.append(forward_chunks(model, pool, slots[1:], [ids[1][47:48], ids[2][47:50]], [47, 47]))  # [2, vocab]: 1 + 3 rows
+    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:55 + rows]], [55]))  # [1, vocab]
     before_wide = pool.storage.clone()
-    wide = 55 + TOKEN_STEP_MAX_ROWS + 1
-    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55:wide]], [55]))  # [1, vocab]
+    out.append(forward_chunks(model, pool, slots[:1], [ids[0][55 + rows:56 + 2 * rows]], [55 + rows]))  # [1, vocab]
     return out, before_wide[..., :-1, :], pool.storage[..., :-1, :]  # the last row is scratch: padding writes there
 
 
 @needs_kernels
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
-@pytest.mark.parametrize("weights,compute", [("float32", "float32"), ("bfloat16", "float32"),
-                                            ("bfloat16", "bfloat16")])
-def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights, compute):
+@pytest.mark.parametrize("weights,compute,rows", [("float32", "float32", 8), ("bfloat16", "float32", 8),
+                                                 ("bfloat16", "bfloat16", 8), ("bfloat16", "float32", 16)])
+def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights, compute, rows):
     """Logits and the K/V left in the pool agree with the torch forward to the compute dtype's
-    rounding (a bf16 model keeps a bf16 KV cache); passes of at most TOKEN_STEP_MAX_ROWS tokens
-    run as token steps (bfloat16 weights when the checkpoint's values are bf16 values), wider ones do not."""
+    rounding (a bf16 model keeps a bf16 KV cache); passes of at most the plan's token_step_rows
+    tokens run as token steps (bfloat16 weights when the checkpoint's values are bf16 values),
+    wider ones do not."""
+    assert rows in TOKEN_STEP_ROWS
     make_model(tmp_path, tok_dir, seed=4, dtype=torch.bfloat16 if weights == "bfloat16" else torch.float32)
     reference = load_model(tmp_path, ModelPlan(compute), "cpu", 256)
-    stepped = load_model(tmp_path, ModelPlan(compute, token_step=True), "cpu", 256)
+    stepped = load_model(tmp_path, ModelPlan(compute, token_step=True, token_step_rows=rows), "cpu", 256)
     step = stepped._token_step
     assert reference._token_step is None and step is not None
     assert step._model.kind == (WeightKind.BF16 if weights == "bfloat16" else WeightKind.F32)
@@ -63,10 +65,10 @@ def test_token_steps_match_the_torch_forward(tmp_path, tok_dir, backend, weights
         return original(input_ids, *args)
 
     step.forward = counted
-    want, want_kv, want_end = _passes(tmp_path, reference, backend)
-    got, got_kv, got_end = _passes(tmp_path, stepped, backend)
-    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps, the two 3-token chunks, 1 + 3
-    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4 + [(2, 3)] * 2
+    want, want_kv, want_end = _passes(tmp_path, reference, backend, rows)
+    got, got_kv, got_end = _passes(tmp_path, stepped, backend, rows)
+    # 12 one-token steps, the 3-token chunk, 4 two-sequence steps, the two 3-token chunks, 1 + 3, `rows`
+    assert taken == [(1, 1)] * 12 + [(1, 3)] + [(2, 1)] * 4 + [(2, 3)] * 2 + [(1, rows)]
     if compute == "float32":
         torch.testing.assert_close(got_end, want_end, atol=1e-5, rtol=1e-5)
         for w, g in zip(want, got):
