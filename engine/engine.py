@@ -122,7 +122,7 @@ class LLMEngine:
         if draft_path is not None and is_eagle3(draft_path):  # computes in its target's dtype
             draft, draft_plan = load_planned_head(
                 draft_path, read_head_shape(draft_path),
-                lambda p: load_eagle3(draft_path, model, config.max_seq_len, p.token_step),
+                lambda p: load_eagle3(draft_path, model, config.max_seq_len, p.token_step, p.token_step_rows),
                 target_plan.plan.dtype, config.device, config.max_seq_len, explicit["draft"])
             self.forward_plan["draft"] = draft_plan.as_dict()
         elif draft_path is not None:

@@ -44,9 +44,9 @@ from engine.model.transformer import LayerWeights, ModelShape, Transformer
 
 def is_eagle3(path: Path) -> bool:
     """Whether the checkpoint at `path` is an EAGLE-3 head (its config.json names an Eagle3
-    architecture, or is the speculators library's eagle3)."""
+    architecture, or is a speculators library config: read_head_config refuses other kinds)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
-    return cfg.get("speculators_model_type") == "eagle3" or any("eagle3" in a.lower() for a in cfg.get("architectures") or [])
+    return "speculators_model_type" in cfg or any("eagle3" in a.lower() for a in cfg.get("architectures") or [])
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,6 @@ class HeadConfig:
     target_hidden_size: int | None
     aux_layer_ids: list[int] | None
     norm_before_residual: bool  # the layer's residual is hidden_norm(hidden), not hidden itself
-    layout: str  # "eagle" (the EAGLE authors') or "speculators"
 
     @property
     def shape(self) -> ModelShape:
@@ -78,19 +77,24 @@ def read_head_config(path: Path) -> HeadConfig:
             raise ValueError(f"EAGLE-3 head {path}: a speculators config needs speculators_model_type 'eagle3' and a "
                              f"transformer_layer_config (got {cfg['speculators_model_type']!r})")
         head = HeadConfig(layer, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
-                          cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)),
-                          "speculators")
-    else:
+                          cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)))
+    else:  # the layer ids at the top first, as vLLM reads them, then in eagle_config
         head = HeadConfig(cfg, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
-                          (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
-                          bool(cfg.get("norm_before_residual", False)), "eagle")
+                          cfg.get("eagle_aux_hidden_state_layer_ids")
+                          or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                          bool(cfg.get("norm_before_residual", False)))
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in head.layer]
+    if "vocab_size" not in head.layer and head.draft_vocab_size is None:
+        missing.append("vocab_size (or draft_vocab_size)")
     if missing:
         raise ValueError(f"EAGLE-3 head {path}: config.json lacks {', '.join(missing)}")
-    if cfg.get("norm_before_fc") or head.layer.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"EAGLE-3 head {path}: config.json asks for norm_before_fc or num_hidden_layers "
-                         f"{head.layer.get('num_hidden_layers')} (this reader implements one-layer heads without a "
-                         "norm before fc)")
+    if head.layer.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"EAGLE-3 head {path}: num_hidden_layers {head.layer['num_hidden_layers']} (this reader "
+                         "implements one-layer heads)")
+    if cfg.get("norm_before_fc"):
+        raise ValueError(f"EAGLE-3 head {path}: norm_before_fc (a norm over the fused features) is not implemented")
+    if head.layer.get("attention_bias"):
+        raise ValueError(f"EAGLE-3 head {path}: attention_bias is not implemented for heads")
     return head
 
 
@@ -236,9 +240,11 @@ def _check_fit(path: Path, head: HeadConfig, w: _HeadTensors, t: ModelShape) -> 
         raise ValueError(f"EAGLE-3 head {path} does not fit target model: " + "; ".join(problems))
 
 
-def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step: bool = False) -> Eagle3Head:
+def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step: bool = False,
+                token_step_rows: int = ModelPlan.token_step_rows) -> Eagle3Head:
     """The head at `path` for `target` (sharing its embedding, in its dtype, on its device), its
-    draft steps on the token step if asked; ValueError names what does not match the target."""
+    passes of up to token_step_rows tokens on the token step if asked; ValueError names what does
+    not match the target."""
     path = Path(path)
     head = read_head_config(path)
     shape = dataclasses.replace(head.shape, max_position_embeddings=target.shape.max_position_embeddings)
@@ -246,7 +252,8 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     _check_fit(path, head, w, target.shape)
     hidden, vocab, draft_vocab = shape.hidden_size, target.shape.vocab_size, shape.vocab_size
     device = target.device
-    layer = read_layer(w, shape, w.layer_prefix())
+    prefix = w.layer_prefix()
+    layer = read_layer(w, shape, prefix)
     fc = w.get("fc.weight")
     if layer.qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * target.shape.hidden_size):
         raise ValueError(f"EAGLE-3 head {path}: attention input {layer.qkv.shape[1]} (want 2 x {hidden}) or fc "
@@ -261,8 +268,8 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     if torch.unique(d2t).numel() != draft_vocab:  # q over target ids is the head's q moved, never summed
         raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
     embed = w.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
-    prefix = w.layer_prefix()
     return Eagle3Head(shape, embed, layer, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
                       w.get("lm_head.weight"), d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
-                      ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step),
+                      ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step,
+                                token_step_rows=token_step_rows),
                       w.get("fc.bias") if "fc.bias" in w else None, head.norm_before_residual)

@@ -98,8 +98,8 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
 def load_planned_head(path: Path, shape: ModelShape, load: Callable[[ModelPlan], Transformer], dtype: str,
                       device: str, max_positions: int,
                       explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
-    """An EAGLE-3 head of `shape`, computing in its target's `dtype`: its plan only says whether its
-    draft steps take the token step (explicit, or measured as a draft's are)."""
+    """An EAGLE-3 head of `shape`, computing in its target's `dtype`: its plan only says whether (and
+    how wide) its passes take the token step (explicit, or measured as a draft's are)."""
     if explicit is not None:
         plan = dataclasses.replace(explicit, dtype=dtype)
         return load(plan), PlanChoice(plan, "explicit")

@@ -12,10 +12,12 @@ import enum
 
 import torch
 
+from engine.config import ModelPlan
 from engine.kv.protocol import KVView
 from engine.model.kernels import one_sequence
 
-TOKEN_STEP_ROWS = (8, 16)  # the widest passes a model's token step may take; its plan measures which (performance-notes)
+# the widest passes a model's token step may take (the plan's default first); its plan measures which (performance-notes)
+TOKEN_STEP_ROWS = (ModelPlan.token_step_rows, 16)
 
 
 class WeightKind(enum.IntEnum):  # token_step.c's enum WeightKind

@@ -171,12 +171,15 @@ def test_a_head_with_a_qwen3_layer_runs_as_the_reference_does_and_plans_without_
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
 
 
-def test_a_head_pass_over_sequences_of_unequal_lengths_is_each_sequence_alone(tmp_path, tiny_model):
+@pytest.mark.parametrize("layout", [{}, {"layout": "speculators", "norm_before_residual": True}],
+                         ids=["eagle", "speculators_norm_first"])
+def test_a_head_pass_over_sequences_of_unequal_lengths_is_each_sequence_alone(tmp_path, tiny_model, layout):
     """One C head pass over two sequences (1 and 3 tokens, padded; only each one's last row's
     outputs wanted, so the others only write K/V) gives each sequence's logits and output as the
-    torch pass over it alone does, and leaves the same K/V."""
+    torch pass over it alone does, and leaves the same K/V (also when the residual is the normed
+    hidden state of an output row that is not the pass's row of the same index)."""
     vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
-    make_eagle3_head(tmp_path, tiny_model[0], seed=2, aux=AUX, draft_vocab=list(range(0, vocab, 2)))
+    make_eagle3_head(tmp_path, tiny_model[0], seed=2, aux=AUX, draft_vocab=list(range(0, vocab, 2)), **layout)
     target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, vocab, (2, 10), generator=g).tolist()
@@ -242,9 +245,10 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     bad = tmp_path / "bad"
     w = make_eagle3_head(bad, tiny_model[0], aux=AUX)
     c = json.loads((bad / "config.json").read_text())
-    for unsupported in ({"num_hidden_layers": 2}, {"norm_before_fc": True}, {"attention_bias": "x", "mlp_bias": True}):
-        (bad / "config.json").write_text(json.dumps({**c, **unsupported}))
-        with pytest.raises(ValueError, match="num_hidden_layers|norm_before_fc|mlp_bias"):
+    for field, value in (("num_hidden_layers", 2), ("norm_before_fc", True), ("attention_bias", True),
+                         ("mlp_bias", True)):
+        (bad / "config.json").write_text(json.dumps({**c, field: value}))
+        with pytest.raises(ValueError, match=field):
             load_eagle3(bad, target, 64)
     (bad / "config.json").write_text(json.dumps({**c, "speculators_model_type": "eagle"}))
     with pytest.raises(ValueError, match="speculators_model_type 'eagle3'"):
@@ -344,12 +348,19 @@ def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, 
               speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
     plans = llm.engine.forward_plan
     assert plans["draft"]["source"] == "measured"
-    assert set(plans["draft"]["ms"]) == {"float32", "float32+token_step"}
+    assert set(plans["draft"]["ms"]) == {"float32", "float32+token_step", "float32+token_step16"}
     assert plans["draft"]["dtype"] == plans["target"]["dtype"]  # the head computes as its target
+    head = llm.engine.draft_model  # the head loaded is the plan chosen, its width included
+    assert head.plan.token_step_rows == plans["draft"]["token_step_rows"]
+    assert head.token_step is None or head.token_step.max_rows == plans["draft"]["token_step_rows"]
     again = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
                 speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
     assert again.engine.forward_plan["draft"]["source"] == "cached"
     assert again.engine.forward_plan["draft"]["token_step"] == plans["draft"]["token_step"]
+    wide = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+               speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4,
+               forward_plan={"draft": {"dtype": "float32", "token_step": True, "token_step_rows": 16}})
+    assert wide.engine.draft_model.token_step.max_rows == 16 and wide.engine.draft_model.token_step.takes(1, 12, None)
 
 
 class _AllowOnly:

@@ -31,6 +31,11 @@ static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+/* The most rows a group multiplies into per weight read: a pass of M rows reads each weight
+ * ceil(M / MAX_GROUP) times, in groups of near-equal size. 12 accumulators and the weight vector
+ * fit AVX2's 16 registers (docs/performance-notes.md#one-sequence-row-groups). */
+#define MAX_GROUP 12
+
 /* Rows [n0, n1) of y for a group of exactly M rows of x (M a compile-time constant), RW weight
  * rows at a time: each output's chain of fused multiply-adds is as above, but RW x M chains run
  * side by side, so a pass of one or two rows is not held to one FMA per FMA latency. */
@@ -89,11 +94,6 @@ static inline __m256 load_bf16(const uint16_t *p) {
             }                                                                                \
         }                                                                                    \
     }
-
-/* The most rows a group multiplies into per weight read: a pass of M rows reads each weight
- * ceil(M / MAX_GROUP) times, in groups of near-equal size. 12 accumulators and the weight vector
- * fit AVX2's 16 registers (docs/performance-notes.md#one-sequence-row-groups). */
-#define MAX_GROUP 12
 
 #pragma GCC optimize("unroll-loops")
 KERNEL(float, f32)
