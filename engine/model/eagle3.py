@@ -260,7 +260,7 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
                          f"{tuple(fc.shape)} (want ({hidden}, {3 * target.shape.hidden_size})) does not match")
     offsets = w.raw.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
     d2t = offsets + torch.arange(draft_vocab, device=device) if offsets.shape == (draft_vocab,) else None
-    lm_head = w.raw.get("lm_head.weight")
+    lm_head = w.get("lm_head.weight") if "lm_head.weight" in w else None
     if d2t is None or int(d2t.max()) >= vocab or int(d2t.min()) < 0 or lm_head is None \
             or lm_head.shape != (draft_vocab, hidden):
         raise ValueError(f"EAGLE-3 head {path}: d2t and lm_head.weight must cover draft_vocab_size {draft_vocab} "
@@ -269,7 +269,7 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
         raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
     embed = w.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
     return Eagle3Head(shape, embed, layer, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
-                      w.get("lm_head.weight"), d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
+                      lm_head, d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
                       ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step,
                                 token_step_rows=token_step_rows),
                       w.get("fc.bias") if "fc.bias" in w else None, head.norm_before_residual)

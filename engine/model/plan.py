@@ -74,10 +74,8 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape) -> list[Mo
     out = []
     for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16
         with_kernel = kernel and (d == "float32" or (kernel == "token_step" and d == "bfloat16"))
-        if kernel == "token_step" and with_kernel:  # how wide a pass it takes is measured too
-            out += [ModelPlan(d)] + [ModelPlan(d, token_step=True, token_step_rows=r) for r in TOKEN_STEP_ROWS]
-        else:
-            out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True})] if with_kernel else [])
+        widths = [{"token_step_rows": r} for r in TOKEN_STEP_ROWS] if kernel == "token_step" else [{}]  # measured too
+        out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True}, **w) for w in widths] if with_kernel else [])
     return out
 
 
