@@ -14,7 +14,7 @@ from typing import Literal
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.proposer import CatchUp
 
-Reason = Literal["policy", "probe", "fixed", "disabled_batch_size", "length_guard"]
+Reason = Literal["policy", "probe", "plain_probe", "fixed", "disabled_batch_size", "length_guard"]
 
 
 Acceptance = float | Sequence[float]  # one per-token rate, or rates by draft position h_1, h_2, ...
@@ -142,7 +142,13 @@ class Choice:
 
 
 class SpecPolicy:
-    MAX_PROBE_BACKOFF = 8  # probes at least every probe_every * this many plain steps
+    """Probes run both ways: after `probe_every` adaptive choices of plain decoding in a row, one
+    step speculates ("probe": plain steps bring no evidence about the proposer); after as many
+    choices of K > 0, one step decodes plainly ("plain_probe": speculative steps never measure
+    the plain pass). Each probe that leaves the verdict as it was doubles its direction's wait,
+    up to MAX_PROBE_BACKOFF times; a step chosen the other way on its merits resets it."""
+
+    MAX_PROBE_BACKOFF = 8
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
@@ -150,8 +156,9 @@ class SpecPolicy:
         self.costs, self.hysteresis, self.probe_every = costs, hysteresis, probe_every
         self.configure(spec_length, mode, disable_batch_size)
         self._last_k = spec_length
-        self._probe_wait = probe_every  # plain steps before the next probe (doubles per fruitless probe)
-        self._plain_streak = 0  # consecutive adaptive choices of K = 0
+        self._streak = 0  # consecutive adaptive choices on the same side (plain, or K > 0)
+        self._streak_plain: bool | None = None  # that side: plain decoding (True) or speculation
+        self._wait = {True: probe_every, False: probe_every}  # by "the streak is plain": its length before a probe
 
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
@@ -202,14 +209,15 @@ class SpecPolicy:
         if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
             best = last
         self._last_k = best
-        if best == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self._probe_wait:
-                self._plain_streak = 0
-                self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.probe_every)
-                probe = max(range(1, k_max + 1), key=scores.get)
-                return Choice(probe, "probe", scores)
-        else:
-            self._plain_streak = 0
-            self._probe_wait = self.probe_every
-        return Choice(best, "policy", scores)
+        plain = best == 0
+        if self._streak_plain is not None and self._streak_plain != plain:  # the other side won on its merits
+            self._streak, self._wait[self._streak_plain] = 0, self.probe_every
+        self._streak_plain = plain
+        self._streak += 1
+        if self._streak < self._wait[plain]:
+            return Choice(best, "policy", scores)
+        self._streak = 0
+        self._wait[plain] = min(2 * self._wait[plain], self.MAX_PROBE_BACKOFF * self.probe_every)
+        if plain:
+            return Choice(max(range(1, k_max + 1), key=scores.get), "probe", scores)
+        return Choice(0, "plain_probe", scores)

@@ -223,6 +223,37 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 
+def test_a_plain_probe_decodes_the_whole_step_plainly_and_measures_the_plain_pass(tiny_model, tiny_draft):
+    """A plain probe (one plain step in a run of speculative ones) decodes every request plainly,
+    is counted under its own reason, refreshes plain decoding's pass time and step overhead,
+    and the rounds after it stay exact."""
+    from engine.metrics import StepMetrics
+    from engine.speculative.policy import Choice
+    from tests.helpers import InMemoryRecorder
+
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
+    eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine
+    costs = eng.speculation.costs
+    rec = InMemoryRecorder()
+    metrics = StepMetrics(rec, "m")
+    turn = iter(range(10 ** 6))
+    eng.speculation.policy.choose = lambda *a, **k: Choice(0, "plain_probe", {}) if next(turn) % 2 else \
+        Choice(2, "policy", {})
+    ids = [eng.add_request(p, greedy) for p in PROMPTS]
+    while not all(eng.get_output(i).token_ids for i in ids):  # prefills
+        metrics.on_step(eng, eng.step())
+    plain_weight, other_weight = costs.target.weight(4, 1), costs.other.weight(4, 0)
+    kinds = []
+    while eng.has_unfinished_requests():
+        metrics.on_step(eng, eng.step())
+        kinds.append((eng.last_step.decode.k, eng.last_step.decode.reason))
+    assert (0, "plain_probe") in kinds and (2, "policy") in kinds
+    assert rec.total("specserve_non_spec_decode_steps_total", reason="plain_probe") == kinds.count((0, "plain_probe"))
+    assert costs.target.weight(4, 1) > plain_weight and costs.other.weight(4, 0) > other_weight
+    assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+
+
 def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
     """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: the draft
     reports the long catch-up apart, and a steady round has none, only a first pass and steps."""

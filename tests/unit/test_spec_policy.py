@@ -36,10 +36,11 @@ class MemoryBoundCosts:
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
 
-    def verify_times(self, batch, k_max):  # as MeasuredCosts fits them: a line weighted by trust
+    def verify_times(self, batch, k_max):  # as MeasuredCosts gives them: plain as measured, K >= 1 on a line
         ts = range(1, k_max + 2)
-        return line_fit([self.target_time(batch, t) for t in ts],
+        line = line_fit([self.target_time(batch, t) for t in ts],
                         [max(self.target_weight(batch, t), MeasuredCosts.STALE_WEIGHT) for t in ts])
+        return [self.target_time(batch, 1)] + line[1:]
 
     def catch_up_time(self, tokens):
         return 0.0
@@ -81,6 +82,60 @@ def test_a_long_run_of_plain_steps_is_broken_by_probes_further_and_further_apart
     assert policy.choose([0.95], [100]).k > 0
     after = [policy.choose([0.05], [100]) for _ in range(4)]
     assert [c.reason for c in after] == ["policy"] * 3 + ["probe"]
+
+
+def test_a_long_run_of_speculative_steps_is_broken_by_plain_probes_further_and_further_apart():
+    """K > 0 never measures the plain pass, so the policy decodes plainly now and then; each plain
+    probe that leaves the verdict at speculation doubles the wait, up to the same bound."""
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=4)
+    choices = [policy.choose([0.9], [100]) for _ in range(4 + 8 + 16 + 32 + 32 + 1)]
+    probes = [i for i, c in enumerate(choices) if c.k == 0]
+    assert probes == [3, 11, 27, 59, 91]
+    assert all(choices[i].reason == "plain_probe" for i in probes)
+    assert all(c.reason == "policy" and c.k > 0 for i, c in enumerate(choices) if i not in probes)
+    assert policy.choose([0.9], [100]).k > 0  # the probe leaves the hysteresis on speculation's side
+    # a step that decodes plainly on its merits resets the count and the wait
+    assert policy.choose([0.01] * 256, [100] * 256).reason == "policy"
+    after = [policy.choose([0.9], [100]) for _ in range(4)]
+    assert [c.reason for c in after] == ["policy"] * 3 + ["plain_probe"]
+
+
+def test_plain_decoding_is_priced_by_its_own_pass_not_the_verify_line():
+    """The verify passes' cost per token falls a little as T grows (batch 32, AMD EPYC AVX2:
+    T = 1, 2, 3 at 41.7, 61.7, 79.5 ms), so the line through them prices T = 1 above its own
+    figure; plain decoding is priced by that figure, speculation stays on the line."""
+    costs = MeasuredCosts()
+    for _ in range(40):
+        for t, ms in [(2, 61.7), (3, 79.5)]:
+            costs.observe_target(32, t, ms * 1e-3)
+    costs.observe_target(32, 1, 41.7e-3)  # plain last ran long ago, once
+    line = line_fit([41.7, 61.7, 79.5], [costs.target.weight(32, t) for t in (1, 2, 3)])
+    assert line[0] > 43.0  # what the policy used to believe about plain decoding
+    verify = costs.verify_times(32, 2)
+    assert verify[0] == pytest.approx(41.7e-3)
+    assert verify[1:] == pytest.approx([v * 1e-3 for v in line[1:]])
+    for t in (1, 2, 3):
+        costs.observe_other(32, t - 1, 2e-3)
+    # 32 requests at h = 0.43: K = 1 yields 45.8 tokens a step, ~720 tok/s
+    choice = SpecPolicy(costs, spec_length=2, mode="adaptive", hysteresis=0.0).choose([0.43] * 32, [100] * 32)
+    assert choice.k == 0
+    assert choice.goodput[0] == pytest.approx(32 / 43.7e-3)  # 732 tok/s
+    assert 32 / (line[0] * 1e-3 + 2e-3) < 0.99 * choice.goodput[1]  # the line's price: K = 1 by over 1%
+
+
+def test_a_stale_timing_entry_takes_most_of_a_fresh_observation():
+    """An entry's weight decays while the other T of its bucket are measured; a fresh observation
+    of it then replaces most of the old figure (a plain probe after a long run of speculation),
+    while an entry in steady use moves by the smoothing factor only."""
+    table = TimingTable(smoothing=0.2, weight_decay=0.98)
+    table.observe(32, 1, 50e-3)
+    for _ in range(200):
+        table.observe(32, 3, 80e-3)
+    assert table.weight(32, 1) < 0.02
+    table.observe(32, 1, 40e-3)
+    assert table.estimate(32, 1) == pytest.approx(40e-3, abs=0.2e-3)
+    table.observe(32, 3, 100e-3)
+    assert table.estimate(32, 3) == pytest.approx(84e-3)
 
 
 def test_per_step_overhead_favours_longer_rounds():
