@@ -112,7 +112,8 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
                      draft_vocab: list[int] | None = None, intermediate: int = 96, lm_scale: float = 1.0,
                      fmt: str = "safetensors", two_back: torch.Tensor | None = None, layout: str = "eagle",
                      norm_before_residual: bool | None = None, qwen3: bool = False,
-                     fc_bias: bool = False) -> dict[str, torch.Tensor]:
+                     fc_bias: bool = False, norm_before_fc: bool = False, fc_norm: bool = False,
+                     norm_output: bool = False) -> dict[str, torch.Tensor]:
     """Writes a random EAGLE-3 head for the target at `target_dir` in a published layout and
     returns its tensors (float32, d2t as stored: offsets):
     - layout "eagle", the EAGLE authors' (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): config.json is
@@ -121,7 +122,10 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
       with speculators_model_type eagle3 and the layer's config in transformer_layer_config, the
       layer under `layers.0.`.
     Both: fc, the layer, norm, lm_head, d2t, t2d. norm_before_residual: written to config.json
-    when not None; qwen3: a Qwen3 layer (q_norm and k_norm); fc_bias: fc.bias too.
+    when not None; qwen3: a Qwen3 layer (q_norm and k_norm); fc_bias: fc.bias too. The norms
+    before fc, each its flag in config.json (norm_before_fc under eagle_config in the first layout,
+    as NVIDIA's heads write it) and its tensors: norm_before_fc, input_norm.weight [3H]; fc_norm,
+    fc_norm.{0,1,2}.weight [H]. norm_output: the head feeds its normed output back.
 
     two_back: the target's embedding [V, H]: the head then guesses the token two back (fc passes
     the first feature through -- the embedding when aux[0] is 0 --, attention and MLP add nothing,
@@ -159,6 +163,11 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
         w[m + "self_attn.k_norm.weight"] = 1 + 0.2 * torch.randn(head_dim, generator=g)
     if fc_bias:
         w["fc.bias"] = 0.3 * torch.randn(H, generator=g)
+    if norm_before_fc:
+        w["input_norm.weight"] = 1 + 0.5 * torch.randn(3 * H, generator=g)
+    if fc_norm:
+        for i in range(3):
+            w[f"fc_norm.{i}.weight"] = 1 + 0.5 * torch.randn(H, generator=g)
     if two_back is not None:
         w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1)
         w[m + "self_attn.o_proj.weight"].zero_()
@@ -195,6 +204,12 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
                   "transformer_layer_config": layer}
     if norm_before_residual is not None:
         config["norm_before_residual"] = norm_before_residual
+    if norm_before_fc:
+        (config.setdefault("eagle_config", {}) if layout == "eagle" else config)["norm_before_fc"] = True
+    if fc_norm:
+        config["fc_norm"] = True
+    if norm_output:
+        config["norm_output"] = True
     (path / "config.json").write_text(json.dumps(config))
     return w
 

@@ -21,7 +21,10 @@ Both: `fc.weight` [H, 3H_target] (and `fc.bias`, where written); the layer's
 [*, 2H], `self_attn.o_proj.weight`, `mlp.{gate,up,down}_proj.weight` (a Qwen3 layer adds
 `self_attn.{q,k}_norm.weight`); `norm.weight`; `lm_head.weight` [draft_vocab, H]; `d2t`
 [draft_vocab] (target id = draft id + d2t); `t2d` [vocab] (bool); optionally
-`embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin.
+`embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin. Optional norms of the
+features before fc, each with its config flag (as SGLang applies them): `norm_before_fc`,
+`input_norm.weight` [3H_target] over all three; `fc_norm`, `fc_norm.{0,1,2}.weight` [H_target]
+one per target layer; and `norm_output`: the state fed back is the final norm's output.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class HeadConfig:
     target_hidden_size: int | None
     aux_layer_ids: list[int] | None
     norm_before_residual: bool  # the layer's residual is hidden_norm(hidden), not hidden itself
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc (input_norm)
+    fc_norm: bool = False  # an RMSNorm over each target layer's features before fc (fc_norm.{i})
+    norm_output: bool = False  # the state fed back to the next step is the final norm's output
 
     @property
     def shape(self) -> ModelShape:
@@ -77,12 +83,15 @@ def read_head_config(path: Path) -> HeadConfig:
             raise ValueError(f"EAGLE-3 head {path}: a speculators config needs speculators_model_type 'eagle3' and a "
                              f"transformer_layer_config (got {cfg['speculators_model_type']!r})")
         head = HeadConfig(layer, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
-                          cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)))
-    else:  # the layer ids at the top first, as vLLM reads them, then in eagle_config
+                          cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)),
+                          bool(cfg.get("norm_before_fc")), bool(cfg.get("fc_norm")), bool(cfg.get("norm_output")))
+    else:  # fields at the top first, as vLLM reads them, then in eagle_config (NVIDIA's heads keep norm_before_fc there)
+        nested = cfg.get("eagle_config") or {}
         head = HeadConfig(cfg, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
-                          cfg.get("eagle_aux_hidden_state_layer_ids")
-                          or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
-                          bool(cfg.get("norm_before_residual", False)))
+                          cfg.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids"),
+                          bool(cfg.get("norm_before_residual", False)),
+                          bool(cfg.get("norm_before_fc", nested.get("norm_before_fc"))), bool(cfg.get("fc_norm")),
+                          bool(cfg.get("norm_output")))
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in head.layer]
     if "vocab_size" not in head.layer and head.draft_vocab_size is None:
         missing.append("vocab_size (or draft_vocab_size)")
@@ -91,8 +100,6 @@ def read_head_config(path: Path) -> HeadConfig:
     if head.layer.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"EAGLE-3 head {path}: num_hidden_layers {head.layer['num_hidden_layers']} (this reader "
                          "implements one-layer heads)")
-    if cfg.get("norm_before_fc"):
-        raise ValueError(f"EAGLE-3 head {path}: norm_before_fc (a norm over the fused features) is not implemented")
     if head.layer.get("attention_bias"):
         raise ValueError(f"EAGLE-3 head {path}: attention_bias is not implemented for heads")
     return head
@@ -121,9 +128,14 @@ class Eagle3Head(Transformer):
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
                  target_vocab: int, aux: tuple[int, ...], max_positions: int, plan: ModelPlan,
-                 fc_bias: torch.Tensor | None = None, norm_before_residual: bool = False):
+                 fc_bias: torch.Tensor | None = None, norm_before_residual: bool = False,
+                 input_norm: torch.Tensor | None = None, fc_norms: torch.Tensor | None = None,
+                 norm_output: bool = False):
         self.fc = fc  # [hidden, 3 * target hidden]
         self.fc_bias = fc_bias  # [hidden] or None
+        self.input_norm = input_norm  # [3 * target hidden] or None: norm_before_fc
+        self.fc_norms = fc_norms  # [3, target hidden] or None: fc_norm, one per target layer
+        self.norm_output = norm_output
         self.feature_width = fc.shape[1]
         self.hidden_norm = hidden_norm  # [hidden]
         self.norm_before_residual = norm_before_residual
@@ -139,7 +151,8 @@ class Eagle3Head(Transformer):
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
 
     def _weights(self) -> list[torch.Tensor]:
-        return super()._weights() + [self.fc, self.hidden_norm] + ([] if self.fc_bias is None else [self.fc_bias])
+        return super()._weights() + [self.fc, self.hidden_norm] + [
+            t for t in (self.fc_bias, self.input_norm, self.fc_norms) if t is not None]
 
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
@@ -160,18 +173,20 @@ class Eagle3Head(Transformer):
              logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids [B, T]; hidden [B, T, 3 * target hidden] (target features) or
         [B, T, hidden] (the head's own output). Returns logits over the target vocabulary (-inf
-        outside the draft vocabulary) [B, (T,) vocab] and the pre-norm output [B, (T,) hidden],
-        at logits_index (or every position when None)."""
+        outside the draft vocabulary) [B, (T,) vocab] and the state fed back to the next step [B, (T,)
+        hidden] (the layer's output, or the final norm's with norm_output), at logits_index (or every
+        position when None)."""
         B, T = input_ids.shape
         narrow = self._token_step is not None and self._token_step.takes(B, T, logits_index)
         if hidden.shape[-1] != self.shape.hidden_size:
+            hidden = self._normed_features(hidden)
             hidden = one_sequence.load().linear(hidden, self._fc_rows).to(self.dtype) \
                 if narrow and self._fc_rows is not None else self._linear(hidden, self.fc)  # [B, T, hidden]
             if self.fc_bias is not None:
                 hidden = hidden + self.fc_bias
         if narrow:
             logits, h = self._token_step.head_pass(input_ids, position_ids, kv, hidden, logits_index)
-            return self._target_logits(logits), h
+            return self._target_logits(logits), self._rms_norm(h, self.final_norm) if self.norm_output else h
         lw = self.layers[0]
         normed = self._rms_norm(hidden, self.hidden_norm)  # [B, T, hidden]
         x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm), normed], dim=-1)  # [B, T, 2H]
@@ -182,8 +197,18 @@ class Eagle3Head(Transformer):
             h = h + self._mlp_block(h, lw, self._linear)  # [B, T, hidden]
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
-        logits = self._linear(self._rms_norm(h, self.final_norm), self.lm_head).float()  # [B, (T,) draft_vocab]
-        return self._target_logits(logits), h
+        out = self._rms_norm(h, self.final_norm)
+        logits = self._linear(out, self.lm_head).float()  # [B, (T,) draft_vocab]
+        return self._target_logits(logits), out if self.norm_output else h
+
+    def _normed_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [B, T, 3 * target hidden] through the head's norms before fc, if it has any."""
+        if self.input_norm is not None:
+            features = self._rms_norm(features, self.input_norm)
+        if self.fc_norms is not None:
+            split = features.unflatten(-1, self.fc_norms.shape)  # [B, T, 3, target hidden]
+            features = self._rms_norm(split, self.fc_norms).flatten(-2)
+        return features
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] over the target vocabulary [..., vocab] (-inf outside)."""
@@ -225,9 +250,9 @@ class _HeadTensors:
 def _check_fit(path: Path, head: HeadConfig, w: _HeadTensors, t: ModelShape) -> None:
     """ValueError naming what of the head's config does not fit this reader or the target."""
     hidden, vocab = head.layer["hidden_size"], head.layer.get("vocab_size", t.vocab_size)
-    if "input_norm.weight" in w:
-        raise ValueError(f"EAGLE-3 head {path}: has input_norm.weight (a norm before fc), which this reader does not "
-                         "implement")
+    if "input_norm.weight" in w and not head.norm_before_fc:
+        raise ValueError(f"EAGLE-3 head {path}: has input_norm.weight (a norm before fc) but its config does not set "
+                         "norm_before_fc")
     problems = []
     if vocab != t.vocab_size:
         problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
@@ -268,8 +293,23 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     if torch.unique(d2t).numel() != draft_vocab:  # q over target ids is the head's q moved, never summed
         raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
     embed = w.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
+    input_norm, fc_norms = _feature_norms(path, head, w, target.shape.hidden_size)
     return Eagle3Head(shape, embed, layer, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
                       lm_head, d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
                       ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step,
                                 token_step_rows=token_step_rows),
-                      w.get("fc.bias") if "fc.bias" in w else None, head.norm_before_residual)
+                      w.get("fc.bias") if "fc.bias" in w else None, head.norm_before_residual,
+                      input_norm, fc_norms, head.norm_output)
+
+
+def _feature_norms(path: Path, head: HeadConfig, w: _HeadTensors,
+                   target_hidden: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The norms before fc the config asks for: input_norm.weight [3 * target hidden] and the
+    fc_norm.{0,1,2}.weight [target hidden] stacked [3, target hidden]."""
+    input_norm = w.get("input_norm.weight") if head.norm_before_fc else None
+    fc_norms = torch.stack([w.get(f"fc_norm.{i}.weight") for i in range(3)]) if head.fc_norm else None
+    if (input_norm is not None and input_norm.shape != (3 * target_hidden,)) \
+            or (fc_norms is not None and fc_norms.shape != (3, target_hidden)):
+        raise ValueError(f"EAGLE-3 head {path}: input_norm.weight or fc_norm.*.weight does not match the target's "
+                         f"3 x {target_hidden} features")
+    return input_norm, fc_norms

@@ -64,11 +64,13 @@ class EagleProposer:
         logits, hidden = self._catch_up(reqs, lengths)
         real = [self.kv.draft_len(r) for r in reqs]
         state = {"hidden": hidden}  # [N, hidden] each row's last pre-norm output
+        # the C loop feeds each step's layer output back; a head that feeds its normed output steps in Python
+        loop = None if self.head.norm_output else token_step_loop(
+            self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], self.head.target_vocab, hidden,
+            None if self.head.identity_vocab else self.head.draft_to_target)
         try:
             return draft_tokens(reqs, ks, logits, with_q, functools.partial(self._step, reqs, state), self.observer,
-                                token_step_loop(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs],
-                                                self.head.target_vocab, hidden,
-                                                None if self.head.identity_vocab else self.head.draft_to_target))
+                                loop)
         finally:  # the draft steps' K/V goes: the next round feeds the target's features there
             for r, n in zip(reqs, real):
                 self.kv.draft.truncate_to(self.kv.draft_slot(r), n)

@@ -58,7 +58,7 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     """The head written out plainly, from its tensors and config.json in either published layout:
     inputs[j] is position j's hidden input ([3H] target features, or [H], the head's own output).
     Returns logits over the target vocabulary [T, V] (-inf outside the draft vocabulary) and
-    pre-norm outputs [T, H]."""
+    the states fed back [T, H] (pre-norm outputs; normed with norm_output)."""
     layer = cfg.get("transformer_layer_config") or cfg  # the speculators layout nests the layer's config
     m = "layers.0." if "speculators_model_type" in cfg else "midlayer."
     norm_first = cfg.get("norm_before_residual", "speculators_model_type" in cfg)  # vLLM's defaults
@@ -66,7 +66,15 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     nh, nkv = layer["num_attention_heads"], layer["num_key_value_heads"]
     D = H // nh
     fc_bias = w.get("fc.bias", torch.zeros(H))
-    hidden = torch.stack([w["fc.weight"] @ x + fc_bias if x.shape[-1] != H else x for x in inputs])  # [T, H]
+
+    def fused(x):  # [3H] target features -> [H]
+        if cfg.get("norm_before_fc", (cfg.get("eagle_config") or {}).get("norm_before_fc")):
+            x = _rms(x, w["input_norm.weight"], eps)
+        if cfg.get("fc_norm"):
+            x = torch.cat([_rms(c, w[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(x.chunk(3))])
+        return w["fc.weight"] @ x + fc_bias
+
+    hidden = torch.stack([fused(x) if x.shape[-1] != H else x for x in inputs])  # [T, H]
     T = hidden.shape[0]
     normed = _rms(hidden, w[m + "hidden_norm.weight"], eps)
     x = torch.cat([_rms(embed[tokens], w[m + "input_layernorm.weight"], eps), normed], -1)  # [T, 2H]
@@ -91,11 +99,12 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     y = _rms(h, w[m + "post_attention_layernorm.weight"], eps)
     h = h + (F.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) \
         @ w[m + "mlp.down_proj.weight"].T
-    draft_logits = _rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T  # [T, Vd]
+    out = _rms(h, w["norm.weight"], eps)
+    draft_logits = out @ w["lm_head.weight"].T  # [T, Vd]
     ids = w["d2t"] + torch.arange(len(w["d2t"]))
     logits = torch.full((T, layer["vocab_size"]), float("-inf"))
     logits[:, ids] = draft_logits
-    return logits, h
+    return logits, out if cfg.get("norm_output") else h
 
 
 def run_against_reference(path, tiny_model, backend: str, token_step: bool, **layout):
@@ -154,6 +163,57 @@ def test_a_head_in_the_speculators_layout_runs_as_the_reference_does(tmp_path, t
     head = run_against_reference(tmp_path, tiny_model, "paged", token_step, layout="speculators",
                                  norm_before_residual=norm_before_residual, fc_bias=True)
     assert head.norm_before_residual == (norm_before_residual is not False) and head.fc_bias is not None
+
+
+NORM_CASES = {"eagle_norm_before_fc": {"norm_before_fc": True},
+              "norm_before_fc": {"layout": "speculators", "norm_before_fc": True},
+              "fc_norm": {"layout": "speculators", "fc_norm": True},
+              "norm_output": {"layout": "speculators", "norm_output": True},
+              "all": {"layout": "speculators", "norm_before_fc": True, "fc_norm": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
+@pytest.mark.parametrize("case", list(NORM_CASES))
+def test_heads_with_norms_before_fc_or_a_normed_output_run_as_the_reference_does(tmp_path, tiny_model, token_step,
+                                                                                 case):
+    """The speculators library's options for the fused features: one RMSNorm over all three
+    (norm_before_fc, input_norm.weight; NVIDIA's EAGLE-layout heads set it under eagle_config), one
+    per target layer (fc_norm, fc_norm.{i}.weight), and feeding the final norm's output back to the
+    next step instead of the layer's (norm_output)."""
+    layout = NORM_CASES[case]
+    head = run_against_reference(tmp_path, tiny_model, "paged", token_step, **layout)
+    assert (head.input_norm is not None) == layout.get("norm_before_fc", False)
+    assert (head.fc_norms is not None) == layout.get("fc_norm", False)
+    assert head.norm_output == layout.get("norm_output", False)
+
+
+def test_a_head_feeding_its_normed_output_back_drafts_the_same_with_and_without_the_token_step(tmp_path,
+                                                                                             tiny_model):
+    """Drafting K tokens with a norm_output head: every step feeds the normed state back, also on
+    the token step (whose one-call drafting loop feeds the layer's output, so it must not run).
+    The proposals of the two plans agree, and the output is plain greedy's."""
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    make_eagle3_head(tmp_path, tiny_model[0], seed=4, aux=AUX, draft_vocab=list(range(0, vocab, 2)),
+                     layout="speculators", norm_output=True, lm_scale=6.0)
+    proposals, outputs = {}, {}
+    for token_step in (False, True):
+        llm = LLM(model=str(tiny_model[0]), draft_model=str(tmp_path), use_speculative_decoding=True,
+                  speculative_method="eagle", spec_policy="fixed", spec_length=4, dtype="float32",
+                  max_seq_len=160, max_batch_size=4, forward_plan={"draft": {"token_step": token_step}})
+        proposer = llm.engine.speculation.proposer
+        seen = proposals[token_step] = []
+
+        def recording(*args, original=proposer.propose, seen=seen):
+            proposal = original(*args)
+            seen.append(proposal.tokens)
+            return proposal
+
+        proposer.propose = recording
+        outputs[token_step] = [o.token_ids for o in llm.generate(PROMPTS[:4], greedy(16))]
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=4)
+    assert outputs[False] == outputs[True] == [o.token_ids for o in plain.generate(PROMPTS[:4], greedy(16))]
+    assert proposals[True] == proposals[False]
+    assert any(len(row) == 4 for step in proposals[True] for row in step)  # four-token rounds ran
 
 
 def test_a_head_with_a_qwen3_layer_runs_as_the_reference_does_and_plans_without_the_token_step(tmp_path, tiny_model):
@@ -245,11 +305,19 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     bad = tmp_path / "bad"
     w = make_eagle3_head(bad, tiny_model[0], aux=AUX)
     c = json.loads((bad / "config.json").read_text())
-    for field, value in (("num_hidden_layers", 2), ("norm_before_fc", True), ("attention_bias", True),
-                         ("mlp_bias", True)):
+    for field, value in (("num_hidden_layers", 2), ("attention_bias", True), ("mlp_bias", True)):
         (bad / "config.json").write_text(json.dumps({**c, field: value}))
         with pytest.raises(ValueError, match=field):
             load_eagle3(bad, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "norm_before_fc": True}))
+    with pytest.raises(ValueError, match="input_norm.weight"):  # asked for, not written
+        load_eagle3(bad, target, 64)
+    normed = tmp_path / "normed"
+    make_eagle3_head(normed, tiny_model[0], aux=AUX, norm_before_fc=True)
+    c = json.loads((normed / "config.json").read_text())
+    (normed / "config.json").write_text(json.dumps({**c, "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}))
+    with pytest.raises(ValueError, match="does not set norm_before_fc"):  # written, not asked for
+        load_eagle3(normed, target, 64)
     (bad / "config.json").write_text(json.dumps({**c, "speculators_model_type": "eagle"}))
     with pytest.raises(ValueError, match="speculators_model_type 'eagle3'"):
         load_eagle3(bad, target, 64)
