@@ -113,7 +113,7 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
                      fmt: str = "safetensors", two_back: torch.Tensor | None = None, layout: str = "eagle",
                      norm_before_residual: bool | None = None, qwen3: bool = False,
                      fc_bias: bool = False, norm_before_fc: bool = False, fc_norm: bool = False,
-                     norm_output: bool = False) -> dict[str, torch.Tensor]:
+                     norm_output: bool = False, layers: int = 1) -> dict[str, torch.Tensor]:
     """Writes a random EAGLE-3 head for the target at `target_dir` in a published layout and
     returns its tensors (float32, d2t as stored: offsets):
     - layout "eagle", the EAGLE authors' (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): config.json is
@@ -125,7 +125,8 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
     when not None; qwen3: a Qwen3 layer (q_norm and k_norm); fc_bias: fc.bias too. The norms
     before fc, each its flag in config.json (norm_before_fc under eagle_config in the first layout,
     as NVIDIA's heads write it) and its tensors: norm_before_fc, input_norm.weight [3H]; fc_norm,
-    fc_norm.{0,1,2}.weight [H]. norm_output: the head feeds its normed output back.
+    fc_norm.{0,1,2}.weight [H]. norm_output: the head feeds its normed output back. layers > 1:
+    plain decoder layers after the first, under `layers.{i}.` (H-wide attention input).
 
     two_back: the target's embedding [V, H]: the head then guesses the token two back (fc passes
     the first feature through -- the embedding when aux[0] is 0 --, attention and MLP add nothing,
@@ -168,6 +169,17 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
     if fc_norm:
         for i in range(3):
             w[f"fc_norm.{i}.weight"] = 1 + 0.5 * torch.randn(H, generator=g)
+    for i in range(1, layers):
+        p = f"layers.{i}."
+        w.update({p + "input_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+                  p + "self_attn.q_proj.weight": rand(heads * head_dim, H, scale=2.0),
+                  p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, H, scale=2.0),
+                  p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, H),
+                  p + "self_attn.o_proj.weight": rand(H, heads * head_dim),
+                  p + "post_attention_layernorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+                  p + "mlp.gate_proj.weight": rand(intermediate, H),
+                  p + "mlp.up_proj.weight": rand(intermediate, H),
+                  p + "mlp.down_proj.weight": rand(H, intermediate)})
     if two_back is not None:
         w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1)
         w[m + "self_attn.o_proj.weight"].zero_()
@@ -183,7 +195,7 @@ def make_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, aux: list[i
         torch.save(w, path / "pytorch_model.bin")
     layer = {"model_type": "qwen3" if qwen3 else "llama", "hidden_size": H, "intermediate_size": intermediate,
              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-             "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+             "num_hidden_layers": layers, "hidden_act": "silu", "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
              "rope_theta": (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0), "rope_scaling": None,
              "max_position_embeddings": cfg["max_position_embeddings"], "vocab_size": V,
              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}

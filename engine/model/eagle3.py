@@ -1,4 +1,4 @@
-"""An EAGLE-3 draft head: one decoder layer over the target's own features.
+"""An EAGLE-3 draft head: a decoder layer (or a few) over the target's own features.
 
 Step 1 fuses three target hidden states (the inputs of its layers `aux_layers`) with fc (3H -> H);
 every step then norms the next token's embedding (the target's, shared) and the hidden state
@@ -24,7 +24,8 @@ Both: `fc.weight` [H, 3H_target] (and `fc.bias`, where written); the layer's
 `embed_tokens.weight`. Weights in model.safetensors or pytorch_model.bin. Optional norms of the
 features before fc, each with its config flag (as SGLang applies them): `norm_before_fc`,
 `input_norm.weight` [3H_target] over all three; `fc_norm`, `fc_norm.{0,1,2}.weight` [H_target]
-one per target layer; and `norm_output`: the state fed back is the final norm's output.
+one per target layer; and `norm_output`: the state fed back is the final norm's output. A head
+of num_hidden_layers > 1 has plain decoder layers after the first, under `layers.{i}.`.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class HeadConfig:
 
     @property
     def shape(self) -> ModelShape:
-        """The head's shape: one layer, its output over the draft vocabulary."""
-        layer = {**self.layer, "num_hidden_layers": 1, "tie_word_embeddings": False,
+        """The head's shape: its layers, its output over the draft vocabulary."""
+        layer = {**self.layer, "num_hidden_layers": self.layer.get("num_hidden_layers", 1), "tie_word_embeddings": False,
                  "vocab_size": self.draft_vocab_size or self.layer["vocab_size"]}
         return ModelShape.from_hf_config(layer)
 
@@ -97,9 +98,9 @@ def read_head_config(path: Path) -> HeadConfig:
         missing.append("vocab_size (or draft_vocab_size)")
     if missing:
         raise ValueError(f"EAGLE-3 head {path}: config.json lacks {', '.join(missing)}")
-    if head.layer.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"EAGLE-3 head {path}: num_hidden_layers {head.layer['num_hidden_layers']} (this reader "
-                         "implements one-layer heads)")
+    if not isinstance(head.layer.get("num_hidden_layers", 1), int) or head.layer.get("num_hidden_layers", 1) < 1:
+        raise ValueError(f"EAGLE-3 head {path}: num_hidden_layers must be a positive integer, got "
+                         f"{head.layer['num_hidden_layers']!r}")
     if head.layer.get("attention_bias"):
         raise ValueError(f"EAGLE-3 head {path}: attention_bias is not implemented for heads")
     return head
@@ -121,11 +122,13 @@ def aux_layers(head: HeadConfig, target_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Head(Transformer):
-    """The head's forward over its own KV pool (one layer). `forward` (the Transformer interface,
-    used to time passes) is a draft step from a zero hidden state; the proposer calls `step`. With
-    `plan.token_step`, passes of a few tokens run as C calls (token_step.c)."""
+    """The head's forward over its own KV pool. `forward` (the Transformer interface, used to time
+    passes) is a draft step from a zero hidden state; the proposer calls `step`. Layer 0 is the
+    EAGLE-3 layer (2H-wide attention input); any further layers are plain decoder layers over its
+    output, as vLLM runs them. With `plan.token_step` (one-layer heads), passes of a few tokens run
+    as C calls (token_step.c)."""
 
-    def __init__(self, shape: ModelShape, embed: torch.Tensor, layer: LayerWeights, hidden_norm: torch.Tensor,
+    def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights], hidden_norm: torch.Tensor,
                  fc: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor,
                  target_vocab: int, aux: tuple[int, ...], max_positions: int, plan: ModelPlan,
                  fc_bias: torch.Tensor | None = None, norm_before_residual: bool = False,
@@ -146,7 +149,10 @@ class Eagle3Head(Transformer):
         # call costs more than the product for a few rows); the plain weight, taken before packing
         fc_rows = one_sequence.bf16_if_exact(fc) if plan.token_step else None
         self._fc_rows = fc_rows if fc_rows is not None and one_sequence.supports(fc_rows) else None
-        super().__init__(shape, embed, [layer], final_norm, lm_head, max_positions, plan)
+        if plan.token_step and len(layers) > 1:
+            raise ValueError(f"forward_plan token_step: the C token step runs one-layer EAGLE-3 heads; this one has "
+                             f"{len(layers)} layers")
+        super().__init__(shape, embed, layers, final_norm, lm_head, max_positions, plan)
         self.identity_vocab = draft_to_target.numel() == target_vocab and bool(
             (draft_to_target == torch.arange(target_vocab, device=draft_to_target.device)).all())
 
@@ -192,9 +198,13 @@ class Eagle3Head(Transformer):
         x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm), normed], dim=-1)  # [B, T, 2H]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
         residual = normed if self.norm_before_residual else hidden
+        groups = kv.attention_groups(position_ids)
         with self._attention_backends():
-            h = residual + self._attention_block(x, lw, self._linear, rope, kv, 0, kv.attention_groups(position_ids))
+            h = residual + self._attention_block(x, lw, self._linear, rope, kv, 0, groups)
             h = h + self._mlp_block(h, lw, self._linear)  # [B, T, hidden]
+            for i, lw in enumerate(self.layers[1:], start=1):  # further layers: plain decoder layers
+                h = h + self._attention_block(self._rms_norm(h, lw.attn_norm), lw, self._linear, rope, kv, i, groups)
+                h = h + self._mlp_block(h, lw, self._linear)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         out = self._rms_norm(h, self.final_norm)
@@ -278,11 +288,13 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     hidden, vocab, draft_vocab = shape.hidden_size, target.shape.vocab_size, shape.vocab_size
     device = target.device
     prefix = w.layer_prefix()
-    layer = read_layer(w, shape, prefix)
+    layers = [read_layer(w, shape, prefix)] + [read_layer(w, shape, f"layers.{i}.") for i in range(1, shape.num_layers)]
     fc = w.get("fc.weight")
-    if layer.qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * target.shape.hidden_size):
-        raise ValueError(f"EAGLE-3 head {path}: attention input {layer.qkv.shape[1]} (want 2 x {hidden}) or fc "
-                         f"{tuple(fc.shape)} (want ({hidden}, {3 * target.shape.hidden_size})) does not match")
+    if layers[0].qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * target.shape.hidden_size) \
+            or any(lw.qkv.shape[1] != hidden for lw in layers[1:]):
+        raise ValueError(f"EAGLE-3 head {path}: attention inputs {[lw.qkv.shape[1] for lw in layers]} (want 2 x "
+                         f"{hidden}, then {hidden}) or fc {tuple(fc.shape)} (want ({hidden}, "
+                         f"{3 * target.shape.hidden_size})) do not match")
     offsets = w.raw.get("d2t", torch.zeros(draft_vocab, dtype=torch.long)).to(device=device, dtype=torch.long)
     d2t = offsets + torch.arange(draft_vocab, device=device) if offsets.shape == (draft_vocab,) else None
     lm_head = w.get("lm_head.weight") if "lm_head.weight" in w else None
@@ -294,7 +306,7 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
         raise ValueError(f"EAGLE-3 head {path}: d2t maps two draft ids to the same target id")
     embed = w.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
     input_norm, fc_norms = _feature_norms(path, head, w, target.shape.hidden_size)
-    return Eagle3Head(shape, embed, layer, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
+    return Eagle3Head(shape, embed, layers, w.get(prefix + "hidden_norm.weight"), fc, w.get("norm.weight"),
                       lm_head, d2t, vocab, aux_layers(head, target.shape.num_layers), max_positions,
                       ModelPlan(str(target.dtype).removeprefix("torch."), token_step=token_step,
                                 token_step_rows=token_step_rows),

@@ -101,7 +101,8 @@ def load_planned_head(path: Path, shape: ModelShape, load: Callable[[ModelPlan],
     if explicit is not None:
         plan = dataclasses.replace(explicit, dtype=dtype)
         return load(plan), PlanChoice(plan, "explicit")
-    options = [p for p in candidates("draft", dtype, device, shape) if p.dtype == dtype] or [ModelPlan(dtype)]
+    options = [p for p in candidates("draft", dtype, device, shape) if p.dtype == dtype
+               and not (p.token_step and shape.num_layers > 1)] or [ModelPlan(dtype)]  # the C step: one layer
     return _choose(path, "draft", dtype, device, options, load, max_positions, cache_role="eagle3")
 
 

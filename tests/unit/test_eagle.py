@@ -77,12 +77,6 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     hidden = torch.stack([fused(x) if x.shape[-1] != H else x for x in inputs])  # [T, H]
     T = hidden.shape[0]
     normed = _rms(hidden, w[m + "hidden_norm.weight"], eps)
-    x = torch.cat([_rms(embed[tokens], w[m + "input_layernorm.weight"], eps), normed], -1)  # [T, 2H]
-    q = (x @ w[m + "self_attn.q_proj.weight"].T).view(T, nh, D)
-    k = (x @ w[m + "self_attn.k_proj.weight"].T).view(T, nkv, D)
-    v = (x @ w[m + "self_attn.v_proj.weight"].T).view(T, nkv, D)
-    if m + "self_attn.q_norm.weight" in w:  # a Qwen3 layer: each head's q and k normed before rotation
-        q, k = _rms(q, w[m + "self_attn.q_norm.weight"], eps), _rms(k, w[m + "self_attn.k_norm.weight"], eps)
     inv = 1.0 / layer["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
     ang = torch.arange(T).float()[:, None] * inv  # [T, D/2]
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
@@ -90,15 +84,30 @@ def reference_head(w: dict, cfg: dict, embed: torch.Tensor, tokens: list[int], i
     def rope(t):
         return t * cos + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * sin
 
-    q, k = rope(q), rope(k)
-    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # [T, nh, D]
-    scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, H)
-    h = (normed if norm_first else hidden) + attn @ w[m + "self_attn.o_proj.weight"].T
-    y = _rms(h, w[m + "post_attention_layernorm.weight"], eps)
-    h = h + (F.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) \
-        @ w[m + "mlp.down_proj.weight"].T
+    def attention(x, p):  # causal self-attention of the layer under p over its normed input x [T, in]
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, nh, D)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, nkv, D)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, nkv, D)
+        if p + "self_attn.q_norm.weight" in w:  # a Qwen3 layer: each head's q and k normed before rotation
+            q, k = _rms(q, w[p + "self_attn.q_norm.weight"], eps), _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # [T, nh, D]
+        scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, H) @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(h, p):
+        y = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        return (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+
+    x = torch.cat([_rms(embed[tokens], w[m + "input_layernorm.weight"], eps), normed], -1)  # [T, 2H]
+    h = (normed if norm_first else hidden) + attention(x, m)
+    h = h + mlp(h, m)
+    for i in range(1, layer.get("num_hidden_layers", 1)):  # further layers: plain decoder layers
+        p = f"layers.{i}."
+        h = h + attention(_rms(h, w[p + "input_layernorm.weight"], eps), p)
+        h = h + mlp(h, p)
     out = _rms(h, w["norm.weight"], eps)
     draft_logits = out @ w["lm_head.weight"].T  # [T, Vd]
     ids = w["d2t"] + torch.arange(len(w["d2t"]))
@@ -216,6 +225,36 @@ def test_a_head_feeding_its_normed_output_back_drafts_the_same_with_and_without_
     assert any(len(row) == 4 for step in proposals[True] for row in step)  # four-token rounds ran
 
 
+@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_a_head_of_several_layers_runs_as_the_reference_does(tmp_path, tiny_model, layers, backend):
+    """A speculators head with num_hidden_layers > 1: the EAGLE-3 layer, then plain decoder layers
+    (layers.{i}., H-wide attention input) over its output, each with its own K/V, as vLLM runs
+    them; the state fed back is the last layer's output."""
+    head = run_against_reference(tmp_path, tiny_model, backend, False, layout="speculators", layers=layers)
+    assert len(head.layers) == layers and head.shape.num_layers == layers
+
+
+def test_a_head_of_several_layers_plans_without_the_token_step_and_stays_exact(tmp_path, tiny_model):
+    """The C token step runs one-layer heads: an engine serving a two-layer head plans it off the
+    token step (an explicit plan asking for it is a clear error), and its greedy output is plain
+    greedy's."""
+    make_eagle3_head(tmp_path, tiny_model[0], seed=6, aux=AUX, layout="speculators", layers=2)
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tmp_path), use_speculative_decoding=True,
+              speculative_method="eagle", spec_policy="fixed", spec_length=3, dtype="float32", max_seq_len=160,
+              max_batch_size=2, kv_cache_backend="paged", block_size=4)
+    assert llm.engine.forward_plan["draft"]["token_step"] is False
+    assert llm.engine.draft_model.shape.num_layers == 2
+    out = llm.generate(PROMPTS[:2], greedy(12))
+    assert sum(o.num_draft_tokens for o in out) > 0
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=2)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain.generate(PROMPTS[:2], greedy(12))]
+    with pytest.raises(ValueError, match="one-layer"):
+        LLM(model=str(tiny_model[0]), draft_model=str(tmp_path), use_speculative_decoding=True,
+            speculative_method="eagle", dtype="float32", max_seq_len=160,
+            forward_plan={"draft": {"token_step": True}})
+
+
 def test_a_head_with_a_qwen3_layer_runs_as_the_reference_does_and_plans_without_the_token_step(tmp_path, tiny_model):
     """A head whose layer is Qwen3's (q_norm and k_norm per head before rotation), as published for
     Qwen3 targets: the torch pass matches the reference, and an engine serving it plans its steps
@@ -305,10 +344,16 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     bad = tmp_path / "bad"
     w = make_eagle3_head(bad, tiny_model[0], aux=AUX)
     c = json.loads((bad / "config.json").read_text())
-    for field, value in (("num_hidden_layers", 2), ("attention_bias", True), ("mlp_bias", True)):
+    for field, value in (("attention_bias", True), ("mlp_bias", True)):
         (bad / "config.json").write_text(json.dumps({**c, field: value}))
         with pytest.raises(ValueError, match=field):
             load_eagle3(bad, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="layers.1.input_layernorm.weight"):  # a second layer not written
+        load_eagle3(bad, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 0}))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_eagle3(bad, target, 64)
     (bad / "config.json").write_text(json.dumps({**c, "norm_before_fc": True}))
     with pytest.raises(ValueError, match="input_norm.weight"):  # asked for, not written
         load_eagle3(bad, target, 64)
