@@ -86,19 +86,20 @@ def read_head_config(path: Path) -> HeadConfig:
         head = HeadConfig(layer, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
                           cfg.get("eagle_aux_hidden_state_layer_ids"), bool(cfg.get("norm_before_residual", True)),
                           bool(cfg.get("norm_before_fc")), bool(cfg.get("fc_norm")), bool(cfg.get("norm_output")))
-    else:  # fields at the top first, as vLLM reads them, then in eagle_config (NVIDIA's heads keep norm_before_fc there)
+    else:  # layer ids at the top first, as vLLM reads them; norm_before_fc in eagle_config first (NVIDIA's heads)
         nested = cfg.get("eagle_config") or {}
         head = HeadConfig(cfg, cfg.get("draft_vocab_size"), cfg.get("target_hidden_size"),
                           cfg.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids"),
                           bool(cfg.get("norm_before_residual", False)),
-                          bool(cfg.get("norm_before_fc", nested.get("norm_before_fc"))), bool(cfg.get("fc_norm")),
+                          bool(nested.get("norm_before_fc", cfg.get("norm_before_fc"))), bool(cfg.get("fc_norm")),
                           bool(cfg.get("norm_output")))
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in head.layer]
     if "vocab_size" not in head.layer and head.draft_vocab_size is None:
         missing.append("vocab_size (or draft_vocab_size)")
     if missing:
         raise ValueError(f"EAGLE-3 head {path}: config.json lacks {', '.join(missing)}")
-    if not isinstance(head.layer.get("num_hidden_layers", 1), int) or head.layer.get("num_hidden_layers", 1) < 1:
+    layers = head.layer.get("num_hidden_layers", 1)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(f"EAGLE-3 head {path}: num_hidden_layers must be a positive integer, got "
                          f"{head.layer['num_hidden_layers']!r}")
     if head.layer.get("attention_bias"):
@@ -260,9 +261,10 @@ class _HeadTensors:
 def _check_fit(path: Path, head: HeadConfig, w: _HeadTensors, t: ModelShape) -> None:
     """ValueError naming what of the head's config does not fit this reader or the target."""
     hidden, vocab = head.layer["hidden_size"], head.layer.get("vocab_size", t.vocab_size)
-    if "input_norm.weight" in w and not head.norm_before_fc:
-        raise ValueError(f"EAGLE-3 head {path}: has input_norm.weight (a norm before fc) but its config does not set "
-                         "norm_before_fc")
+    for tensor, flag, asked in (("input_norm.weight", "norm_before_fc", head.norm_before_fc),
+                                ("fc_norm.0.weight", "fc_norm", head.fc_norm)):
+        if tensor in w and not asked:  # read without it, the head would propose from other features than it learnt
+            raise ValueError(f"EAGLE-3 head {path}: has {tensor} (a norm before fc) but its config does not set {flag}")
     problems = []
     if vocab != t.vocab_size:
         problems.append(f"vocab_size {vocab} != the target's {t.vocab_size}")
@@ -318,10 +320,13 @@ def _feature_norms(path: Path, head: HeadConfig, w: _HeadTensors,
                    target_hidden: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The norms before fc the config asks for: input_norm.weight [3 * target hidden] and the
     fc_norm.{0,1,2}.weight [target hidden] stacked [3, target hidden]."""
-    input_norm = w.get("input_norm.weight") if head.norm_before_fc else None
-    fc_norms = torch.stack([w.get(f"fc_norm.{i}.weight") for i in range(3)]) if head.fc_norm else None
-    if (input_norm is not None and input_norm.shape != (3 * target_hidden,)) \
-            or (fc_norms is not None and fc_norms.shape != (3, target_hidden)):
-        raise ValueError(f"EAGLE-3 head {path}: input_norm.weight or fc_norm.*.weight does not match the target's "
-                         f"3 x {target_hidden} features")
+    wanted = {"input_norm.weight": 3 * target_hidden} if head.norm_before_fc else {}
+    wanted.update({f"fc_norm.{i}.weight": target_hidden for i in range(3)} if head.fc_norm else {})
+    tensors = {name: w.get(name) for name in wanted}
+    for name, width in wanted.items():
+        if tensors[name].shape != (width,):
+            raise ValueError(f"EAGLE-3 head {path}: {name} has shape {tuple(tensors[name].shape)}, want ({width},) "
+                             "(from the target's hidden size)")
+    input_norm = tensors.get("input_norm.weight")
+    fc_norms = torch.stack([tensors[f"fc_norm.{i}.weight"] for i in range(3)]) if head.fc_norm else None
     return input_norm, fc_norms

@@ -31,8 +31,11 @@ class TimingTable:
     bucket: every observation in the bucket decays the bucket's weights by `weight_decay` and
     adds 1 to the observed entry's, so entries measured recently and often outweigh those
     last measured long ago (at start-up calibration, over a short context). An entry of little
-    weight takes a new observation at 1 / (1 + weight), at least `smoothing`: one observation
-    after a long gap replaces most of a stale figure instead of a fifth of it."""
+    weight takes a new observation at 1 / (1 + weight), between `smoothing` and STALE_STEP: one
+    observation after a long gap replaces half a stale figure, not a fifth of it (nor all of it:
+    a single step can be off by more than the policy's margins)."""
+
+    STALE_STEP = 0.5
 
     def __init__(self, smoothing: float = 0.2, weight_decay: float = 0.98):
         self.smoothing = smoothing
@@ -44,7 +47,8 @@ class TimingTable:
         row = self._ema[tokens_per_seq]
         b = batch_bucket(batch)
         weights = self._weight[b]
-        row[b] = smoothed(row.get(b), seconds, max(self.smoothing, 1.0 / (1.0 + weights.get(tokens_per_seq, 0.0))))
+        step = min(self.STALE_STEP, 1.0 / (1.0 + weights.get(tokens_per_seq, 0.0)))
+        row[b] = smoothed(row.get(b), seconds, max(self.smoothing, step))
         for t in weights:
             weights[t] *= self.weight_decay
         weights[tokens_per_seq] = weights.get(tokens_per_seq, 0.0) + 1.0

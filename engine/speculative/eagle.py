@@ -1,11 +1,12 @@
-"""The EAGLE-3 proposer: a one-layer head that reads the target's own features.
+"""The EAGLE-3 proposer: a head (a decoder layer or a few) that reads the target's own features.
 
 Head position j holds (target features at position origin + j, embedding of the token after it),
 so the head can only consume positions whose next token is known: every position the target has
 computed. A round first feeds the features the target's passes left since the last round (the
 KV manager's FeatureCache; a prompt, or the 1..K+1 tokens of the last verify) in one pass whose
-last output gives the first draft, then steps k - 1 times on its own pre-norm output. The draft
-steps' K/V is dropped after the round: the next round feeds the target's features there instead.
+last output gives the first draft, then steps k - 1 times on its own output (pre-norm, or normed
+for a norm_output head). The draft steps' K/V is dropped after the round: the next round feeds
+the target's features there instead.
 q is the head's distribution over the target vocabulary (0 outside the draft vocabulary), so
 exact acceptance is unchanged.
 """
@@ -63,7 +64,7 @@ class EagleProposer:
         lengths = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
         logits, hidden = self._catch_up(reqs, lengths)
         real = [self.kv.draft_len(r) for r in reqs]
-        state = {"hidden": hidden}  # [N, hidden] each row's last pre-norm output
+        state = {"hidden": hidden}  # [N, hidden] each row's last output (the state Eagle3Head.step feeds back)
         # the C loop feeds each step's layer output back; a head that feeds its normed output steps in Python
         loop = None if self.head.norm_output else token_step_loop(
             self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], self.head.target_vocab, hidden,
@@ -76,7 +77,7 @@ class EagleProposer:
                 self.kv.draft.truncate_to(self.kv.draft_slot(r), n)
 
     def _catch_up(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feeds each request's pending features; its last logits [N, V] and pre-norm outputs [N, H]."""
+        """Feeds each request's pending features; its last logits [N, V] and outputs [N, H] (Eagle3Head.step's)."""
         chunks, features, starts = [], [], []
         for r, n in zip(reqs, lengths):
             pending = self.features.take(r.request_id)  # propose() checked there are some

@@ -155,13 +155,14 @@ class SpecPolicy:
                  probe_every: int = 32):
         self.costs, self.hysteresis, self.probe_every = costs, hysteresis, probe_every
         self.configure(spec_length, mode, disable_batch_size)
+
+    def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
+        """New settings; the adaptive choice starts afresh (no streak, probe waits reset)."""
+        self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
         self._last_k = spec_length
         self._streak = 0  # consecutive adaptive choices on the same side (plain, or K > 0)
         self._streak_plain: bool | None = None  # that side: plain decoding (True) or speculation
-        self._wait = {True: probe_every, False: probe_every}  # by "the streak is plain": its length before a probe
-
-    def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
-        self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
+        self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
 
     def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
         """A step's time at K = 0..k_max: its draft passes (the first at the expected width

@@ -235,6 +235,43 @@ def test_a_head_of_several_layers_runs_as_the_reference_does(tmp_path, tiny_mode
     assert len(head.layers) == layers and head.shape.num_layers == layers
 
 
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_a_head_of_several_layers_rolls_back_every_layers_kv(tmp_path, tiny_model, backend):
+    """Drafting writes K/V in every layer of the head and a rejected round drops it: after
+    truncating to a shorter length and stepping on from there with other tokens, the head's logits
+    are the reference's over the new sequence (stale K/V left in layer 1 or 2 would show)."""
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    w = make_eagle3_head(tmp_path, tiny_model[0], seed=7, aux=AUX, layout="speculators", layers=3)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    target = load_model(tiny_model[0], ModelPlan(dtype="float32"), "cpu", 64)
+    head = load_eagle3(tmp_path, target, 64)
+    pool = pool_for(head, max_slots=1, max_seq_len=64, backend=backend, block_size=4)
+    slot = pool.allocate_slot([])[0]
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (12,), generator=g).tolist()
+    features = torch.randn(6, 3 * target.shape.hidden_size, generator=g)  # [6, 3H]
+    x = pass_inputs(head, pool, [slot], [tokens[:6]], [0])
+    _, out = head.step(x.ids, x.positions, x.view, features[None], None)  # [1, 6, H]
+    state = out[:, -1:]
+    for j in range(6, 9):  # a rejected round's three steps
+        x = pass_inputs(head, pool, [slot], [[tokens[j]]], [j])
+        _, state = head.step(x.ids, x.positions, x.view, state, x.last)
+        state = state[:, None]
+    pool.truncate_to(slot, 6)  # the round rejected: positions 6..8 again, with other tokens
+    inputs, logits = list(features), []
+    state = out[:, -1:]
+    for j, token in zip(range(6, 9), tokens[9:12]):
+        inputs.append(state[0, -1])
+        x = pass_inputs(head, pool, [slot], [[token]], [j])
+        step_logits, state = head.step(x.ids, x.positions, x.view, state, x.last)
+        logits.append(step_logits)
+        state = state[:, None]
+    want, _ = reference_head(w, cfg, target.embed, tokens[:6] + tokens[9:12], inputs)
+    got = torch.cat(logits)  # [3, V]
+    finite = torch.isfinite(want[6:])
+    torch.testing.assert_close(got[finite], want[6:][finite], rtol=1e-4, atol=1e-4)
+
+
 def test_a_head_of_several_layers_plans_without_the_token_step_and_stays_exact(tmp_path, tiny_model):
     """The C token step runs one-layer heads: an engine serving a two-layer head plans it off the
     token step (an explicit plan asking for it is a clear error), and its greedy output is plain
@@ -363,6 +400,21 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     (normed / "config.json").write_text(json.dumps({**c, "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}))
     with pytest.raises(ValueError, match="does not set norm_before_fc"):  # written, not asked for
         load_eagle3(normed, target, 64)
+    per_layer = tmp_path / "per_layer"
+    make_eagle3_head(per_layer, tiny_model[0], aux=AUX, fc_norm=True)
+    c = json.loads((per_layer / "config.json").read_text())
+    (per_layer / "config.json").write_text(json.dumps({**c, "fc_norm": False}))
+    with pytest.raises(ValueError, match="does not set fc_norm"):
+        load_eagle3(per_layer, target, 64)
+    tensors = load_file(per_layer / "model.safetensors")
+    tensors["fc_norm.1.weight"] = tensors["fc_norm.1.weight"][:-8]
+    save_file(tensors, per_layer / "model.safetensors")
+    (per_layer / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"fc_norm.1.weight has shape \(56,\)"):
+        load_eagle3(per_layer, target, 64)
+    (bad / "config.json").write_text(json.dumps({**c, "num_hidden_layers": True}))
+    with pytest.raises(ValueError, match="num_hidden_layers must be a positive integer"):
+        load_eagle3(bad, target, 64)
     (bad / "config.json").write_text(json.dumps({**c, "speculators_model_type": "eagle"}))
     with pytest.raises(ValueError, match="speculators_model_type 'eagle3'"):
         load_eagle3(bad, target, 64)
