@@ -160,8 +160,7 @@ class SpecPolicy:
         """New settings; the adaptive choice starts afresh (no streak, probe waits reset)."""
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
         self._last_k = spec_length
-        self._streak = 0  # consecutive adaptive choices on the same side (plain, or K > 0)
-        self._streak_plain: bool | None = None  # that side: plain decoding (True) or speculation
+        self._streak = 0  # consecutive adaptive verdicts on _last_k's side (plain, or K > 0)
         self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
 
     def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
@@ -209,11 +208,10 @@ class SpecPolicy:
         # two K > 0 the best is taken
         if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
             best = last
+        plain, was_plain = best == 0, self._last_k == 0
         self._last_k = best
-        plain = best == 0
-        if self._streak_plain is not None and self._streak_plain != plain:  # the other side won on its merits
-            self._streak, self._wait[self._streak_plain] = 0, self.probe_every
-        self._streak_plain = plain
+        if plain != was_plain:  # the other side won on its merits
+            self._streak, self._wait[was_plain] = 0, self.probe_every
         self._streak += 1
         if self._streak < self._wait[plain]:
             return Choice(best, "policy", scores)
