@@ -238,8 +238,8 @@ class RecordingObserver:
     def observe_draft_first(self, batch, width, seconds):
         self.seen.append(("first", batch, width))
 
-    def observe_draft_step(self, batch, seconds):
-        self.seen.append(("step", batch))
+    def observe_draft_steps(self, batch, steps, seconds):
+        self.seen.extend([("step", batch)] * steps)
 
     def observe_catch_up(self, tokens, seconds):
         self.seen.append(("catch_up", tokens))

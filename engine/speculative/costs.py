@@ -1,7 +1,8 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
 (batch bucket = next power of two, tokens per sequence), interpolated between buckets;
 `calibrate` fills them at start-up. A decode step's time outside its passes (sampling,
-acceptance, bookkeeping: it grows with B x (K + 1) logits) is measured per (bucket, K) too.
+acceptance, bookkeeping: it grows with B x (K + 1) logits; and the proposer's own work beyond
+the draft passes it times) is measured per (bucket, K) too.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class CostObserver(Protocol):
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None: ...
     def observe_draft_first(self, batch: int, width: int, seconds: float) -> None: ...
-    def observe_draft_step(self, batch: int, seconds: float) -> None: ...
+    def observe_draft_steps(self, batch: int, steps: int, seconds: float) -> None: ...
     def observe_catch_up(self, tokens: int, seconds: float) -> None: ...
 
 
@@ -137,18 +138,23 @@ class MeasuredCosts:
         self.smoothing = smoothing
         self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
+        self.draft_pass_seconds = 0.0  # all draft passes observed so far (what a proposer spent beyond them is "other")
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
 
     def observe_draft_first(self, batch: int, width: int, seconds: float) -> None:
         self.draft_first.observe(batch, width, seconds)
+        self.draft_pass_seconds += seconds
 
-    def observe_draft_step(self, batch: int, seconds: float) -> None:
-        self.draft.observe(batch, 1, seconds)
+    def observe_draft_steps(self, batch: int, steps: int, seconds: float) -> None:
+        """`steps` one-token draft steps over `batch` rows took `seconds` in all."""
+        self.draft.observe(batch, 1, seconds / steps)
+        self.draft_pass_seconds += seconds
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         self.catch_up.observe(tokens, seconds)
+        self.draft_pass_seconds += seconds
 
     def observe_other(self, batch: int, k: int, seconds: float) -> None:
         self.other.observe(batch, k, max(seconds, 0.0))
@@ -214,7 +220,7 @@ def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft
         if draft is not None:
             for width in sorted({1, 2, max_tokens}):
                 costs.observe_draft_first(b, width, _median_pass(*draft, b, width, context, repeats))
-            costs.observe_draft_step(b, _median_pass(*draft, b, 1, context, repeats))
+            costs.observe_draft_steps(b, 1, _median_pass(*draft, b, 1, context, repeats))
         if b >= max_batch:
             return
         batch *= 2

@@ -98,7 +98,7 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
     once from `loop` (when the proposer has one for these rows) if no row follows a grammar and
     each row is greedy or samples at a temperature alone; with q [N, max(ks), V] when with_q. A
     request with a grammar drafts only tokens it allows (its matcher walks ahead and is rolled
-    back after). The mean step time goes to the observer."""
+    back after). The steps' time goes to the observer."""
     sampling = _Sampling(reqs, logits.shape[-1], logits.device) if with_q else None
     if loop is not None and all(r.grammar is None for r in reqs) and (sampling is None or sampling.rows.temperature_only):
         return _draft_in_one_call(reqs, ks, logits, sampling, loop, observer)
@@ -128,7 +128,7 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
             if g is not None:
                 g.rollback(n)
     if steps:
-        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+        observer.observe_draft_steps(len(reqs), steps, time.perf_counter() - t0)
     return tokens, None if sampling is None else torch.stack(sampling.q_steps, dim=1)
 
 
@@ -148,7 +148,7 @@ def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor,
     if steps:
         t0 = time.perf_counter()
         more, q_more = loop(first, steps, temperatures, uniforms)
-        observer.observe_draft_step(len(reqs), (time.perf_counter() - t0) / steps)
+        observer.observe_draft_steps(len(reqs), steps, time.perf_counter() - t0)
     tokens = [([t] + rest)[:k] for t, rest, k in zip(first, more, ks)]
     if sampling is None:
         return tokens, None

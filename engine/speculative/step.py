@@ -58,6 +58,7 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
+        self._proposer_overhead = 0.0  # this step's proposing time outside the draft passes it timed
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -86,15 +87,18 @@ class SpeculativeDecoder:
         self.acceptance.forget(request.request_id)
 
     def observe_step(self, stats: DecodeStats, phases: PhaseSeconds) -> None:
-        """A decode-only step's time outside its model passes, by its (B, K) (not a probe's)."""
+        """A decode-only step's time outside its model passes, by its (B, K) (not a probe's): the
+        proposer's own bookkeeping (inputs, the first token's read, lookups) included."""
         if stats.reason != "probe":
-            self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position), phases.other)
+            self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position),
+                                     phases.other + self._proposer_overhead)
 
     def decode(self, reqs: list[Request]) -> DecodeResult:
+        self._proposer_overhead = 0.0
         plan = self._plan(reqs)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
-        t0 = time.perf_counter()
+        t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
         masks = None
         if any(r.grammar is not None for r in reqs):  # proposals cut where the grammar forbids them
@@ -103,6 +107,7 @@ class SpeculativeDecoder:
         draft_seconds = time.perf_counter() - t0
         if proposal.k_max == 0:
             return self._plain(reqs, "no_proposal", draft_seconds)
+        self._proposer_overhead = max(0.0, draft_seconds - (self.costs.draft_pass_seconds - passes))
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         logits = self.runner.forward(reqs, [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)],

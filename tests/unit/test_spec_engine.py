@@ -254,6 +254,32 @@ def test_a_plain_probe_decodes_the_whole_step_plainly_and_measures_the_plain_pas
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 
+def test_the_proposers_time_outside_its_passes_counts_in_the_steps_other_time(tiny_model, tiny_draft):
+    """What proposing costs beyond the draft passes it times (inputs, the first token's read,
+    bookkeeping) goes into the step's time outside its passes for (B, K), which the policy adds to
+    that K's price; a plain step after it records its own time outside the passes alone."""
+    from engine.speculative.policy import Choice
+
+    eng = spec_llm(tiny_model[0], tiny_draft[0], spec_length=3).engine
+    costs = eng.speculation.costs
+    seen = []
+    observe_other = costs.observe_other
+    costs.observe_other = lambda b, k, s: (seen.append((b, k, s)), observe_other(b, k, s))
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [eng.add_request(p, greedy) for p in PROMPTS]
+    while not all(eng.get_output(i).token_ids for i in ids):  # prefills
+        eng.step()
+    seen.clear()
+    passes = costs.draft_pass_seconds
+    eng.step()
+    phases, drafted = eng.last_step.phases, costs.draft_pass_seconds - passes
+    assert eng.last_step.decode.k == 3 and phases.draft > drafted > 0
+    assert seen == [(4, 3, pytest.approx(phases.other + phases.draft - drafted))]
+    eng.speculation.policy.choose = lambda *a, **k: Choice(0, "policy", {})
+    eng.step()
+    assert eng.last_step.decode.k == 0 and seen[1:] == [(4, 0, pytest.approx(eng.last_step.phases.other))]
+
+
 def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
     """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: the draft
     reports the long catch-up apart, and a steady round has none, only a first pass and steps."""
