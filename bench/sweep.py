@@ -34,6 +34,20 @@ def method_variants(method: str) -> dict[str, dict]:
             f"{method} adaptive": adaptive(method)}
 
 
+def held_out_ratios(runs: dict[str, list[dict]], adaptive: str) -> list[float]:
+    """Per repeat r: the adaptive run r over run r of the variant whose median over the other
+    repeats is best. Picking the best of several near-tied medians picks the luckiest, so a best
+    picked and judged on the same runs favours the fixed side; picked on the other repeats, it is
+    the choice one would have made without seeing run r. Needs at least 2 repeats."""
+    others = [name for name in runs if name != adaptive]
+    ratios = []
+    for r, run in enumerate(runs[adaptive]):
+        def rest(name, r=r):
+            return statistics.median(x["tok_s"] for i, x in enumerate(runs[name]) if i != r)
+        ratios.append(run["tok_s"] / runs[max(others, key=rest)][r]["tok_s"])
+    return ratios
+
+
 def run_batch(llm, prompts: list[str], params) -> dict:
     """Submits every prompt, steps to completion; returns throughputs and the K chosen per step."""
     engine = llm.engine
@@ -135,12 +149,15 @@ def main(argv: list[str] | None = None) -> None:
         row["adaptive_vs_best_paired"] = summarize(
             [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs[ADAPTIVE], runs[best_fixed])], "r")
         row["best_fixed"] = best_fixed
+        if args.repeats >= 2:
+            row["adaptive_vs_best_held_out"] = summarize([{"r": x} for x in held_out_ratios(runs, ADAPTIVE)], "r")
         best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != ADAPTIVE)
         row["adaptive_vs_best_end_to_end"] = row[ADAPTIVE]["tok_s_end_to_end"]["median"] / best_e2e
         results[str(b)] = row
         print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
               + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
-              f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}); "
+              f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}"
+              + (f", held out {row['adaptive_vs_best_held_out']['median']:.3f}" if args.repeats >= 2 else "") + "); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row[ADAPTIVE]['k_steps']}")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
