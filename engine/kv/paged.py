@@ -17,7 +17,8 @@ class BlockTable:
     blocks: list[int]
     length: int  # tokens with K/V
     prefix_blocks: int  # leading blocks shared through the prefix cache (never truncated)
-    rows: torch.Tensor  # [len(blocks) * block_size] storage row of every position the blocks hold
+    rows: torch.Tensor | None  # [len(blocks) * block_size] storage row of every position the blocks hold;
+    # None until a one-sequence view needs it (batched views read the block table instead)
     consecutive: bool  # blocks numbered one after another: keys read as one slice of storage
 
 
@@ -53,8 +54,7 @@ class PagedKVPool:
         # never take the whole sequence from the cache: the last token must be computed
         hits = self.blocks.match_prefix(token_ids[:-1]) if token_ids else []
         slot = self._free_slots.pop()
-        self._tables[slot] = BlockTable(hits, len(hits) * self.block_size, len(hits),
-                                        self._rows_of_blocks(hits), _consecutive(hits))
+        self._tables[slot] = BlockTable(hits, len(hits) * self.block_size, len(hits), None, _consecutive(hits))
         return slot, len(hits) * self.block_size
 
     def free_slot(self, slot: int) -> None:
@@ -82,7 +82,8 @@ class PagedKVPool:
         new_blocks = self.blocks.allocate(missing)
         table.consecutive = table.consecutive and _consecutive(table.blocks[-1:] + new_blocks)
         table.blocks.extend(new_blocks)
-        table.rows = torch.cat([table.rows, self._rows_of_blocks(new_blocks)])
+        table.rows = None  # rebuilt when a one-sequence view reads it: a batch's rounds open and
+        # release blocks every step, and most never run alone
         return True
 
     def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView:
@@ -97,6 +98,8 @@ class PagedKVPool:
             t.length = n + c
         if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
             t, n, c = tables[0], lengths[0], chunk_lens[0]
+            if t.rows is None:
+                t.rows = self._rows_of_blocks(t.blocks)
             read_rows, read_slice = t.rows[:n + c].view(1, n + c), None
             if t.consecutive:  # keys read as a slice of storage, not gathered
                 first = t.blocks[0] * self.block_size
@@ -124,7 +127,7 @@ class PagedKVPool:
         if len(t.blocks) > keep:
             self.blocks.release(t.blocks[keep:])
             del t.blocks[keep:]
-            t.rows = t.rows[:keep * self.block_size]
+            t.rows = None if t.rows is None else t.rows[:keep * self.block_size]
             t.consecutive = t.consecutive or _consecutive(t.blocks)
         t.length = new_len
 

@@ -97,6 +97,21 @@ def test_paged_sequence_on_consecutive_blocks_reads_a_slice_and_others_gather():
     assert write(pool, a, 1, 3.0)[0, 0, :, 0].tolist() == [1.0] * 6 + [2.0] + [3.0]
 
 
+def test_a_sequence_grown_in_batches_then_read_alone_reads_what_was_written():
+    """Batched views grow slots without building their one-sequence row maps; the first view of
+    the slot alone builds it from the blocks the slot holds by then (interleaved, so gathered)."""
+    pool = paged(num_blocks=8, block_size=4, prefix=False)
+    a, _ = pool.allocate_slot([1])
+    b, _ = pool.allocate_slot([1])
+    for value in (1.0, 2.0, 3.0):
+        view = pool.view([a, b], [2, 2])
+        k = torch.full((2, 2, 1, 2), value)
+        view.write(0, k, k)
+    assert pool.block_table(a) == [0, 2]
+    pool.truncate_to(a, 5)
+    assert write(pool, a, 2, 4.0)[0, 0, :, 0].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 4.0, 4.0]
+
+
 def test_blocks_released_by_a_rollback_are_taken_again_in_order():
     """A sequence cut back by several blocks and extended again gets its blocks back in order,
     so it still reads its keys as one slice."""
