@@ -4,8 +4,9 @@ model, the draft pool; allocation, reservation, rollback, release and the prefix
 - A request holds KV from `allocate` until `free` (finish, abort or preemption); its record is the
   only place its slots live, its computed length the target pool's length of its slot.
 - The draft pool fills lazily (the draft proposer), up to the request's tokens (`draft_len`).
-- `rollback(request, length)` keeps the first `length` tokens in both pools; shared prefix
-  blocks are never released by it.
+- `rollback(request, length)` keeps the first `length` tokens in both pools and the storage the
+  round had reserved past them (the next round reserves as much again); shared prefix blocks
+  are never released by it.
 - With an EAGLE-3 head, the draft pool holds the head's KV and `features` the target features
   it has yet to read (engine/kv/features.py); both are released and rolled back with the rest.
 """
@@ -76,11 +77,12 @@ class KVManager:
         return slot is None or self.draft.ensure_capacity(slot, request.num_tokens + num_tokens)
 
     def rollback(self, request: Request, length: int) -> None:
-        """Keeps the first `length` tokens' K/V in both pools."""
+        """Keeps the first `length` tokens' K/V in both pools, and their storage past it."""
         record = self._records[request.request_id]
-        self.target.truncate_to(record.target_slot, length)
+        self.target.truncate_to(record.target_slot, length, keep_storage=True)
         if record.draft_slot is not None:
-            self.draft.truncate_to(record.draft_slot, min(self.draft.seq_len(record.draft_slot), length))
+            self.draft.truncate_to(record.draft_slot, min(self.draft.seq_len(record.draft_slot), length),
+                                   keep_storage=True)
         if self.features is not None:
             self.features.truncate_to(request.request_id, length)
 

@@ -116,7 +116,7 @@ class PagedKVPool:
 
         return build_view(self.storage, lengths, chunk_lens, rows_at, width)
 
-    def truncate_to(self, slot: int, new_len: int) -> None:
+    def truncate_to(self, slot: int, new_len: int, keep_storage: bool = False) -> None:
         t = self._tables[slot]
         if not 0 <= new_len <= t.length:
             raise ValueError(f"truncate_to: new_len must be in [0, {t.length}], got {new_len}")
@@ -124,7 +124,7 @@ class PagedKVPool:
         if keep < t.prefix_blocks:
             raise ValueError(f"truncate_to({new_len}) would cut into the {t.prefix_blocks} "
                              "shared prefix blocks of this slot")
-        if len(t.blocks) > keep:
+        if len(t.blocks) > keep and not keep_storage:
             self.blocks.release(t.blocks[keep:])
             del t.blocks[keep:]
             t.rows = None if t.rows is None else t.rows[:keep * self.block_size]

@@ -74,7 +74,7 @@ class EagleProposer:
                                 loop)
         finally:  # the draft steps' K/V goes: the next round feeds the target's features there
             for r, n in zip(reqs, real):
-                self.kv.draft.truncate_to(self.kv.draft_slot(r), n)
+                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
 
     def _catch_up(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each request's pending features; its last logits [N, V] and outputs [N, H] (Eagle3Head.step's)."""

@@ -55,7 +55,7 @@ def test_reservations_count_the_target_computed_tokens_and_the_draft_whole_seque
     assert kv.target.free_token_capacity() == 4 and kv.free_tokens() == kv.draft.free_token_capacity() == 0
 
 
-def test_rollback_trims_both_pools_never_past_what_the_draft_has():
+def test_rollback_trims_both_pools_never_past_what_the_draft_has_and_keeps_their_storage():
     kv = KVManager(pool(), pool(prefix=False))
     r = request("a", list(range(8)))
     kv.allocate(r)
@@ -65,7 +65,10 @@ def test_rollback_trims_both_pools_never_past_what_the_draft_has():
     assert kv.computed(r) == 9 and kv.draft_len(r) == 5
     kv.rollback(r, 3)
     assert kv.computed(r) == 3 and kv.draft_len(r) == 3
-    assert kv.target.block_table(kv.target_slot(r)) == [0] and kv.draft.block_table(kv.draft_slot(r)) == [0]
+    # the rejected positions' blocks stay: the next round writes there again
+    assert kv.target.block_table(kv.target_slot(r)) == [0, 1, 2] and kv.draft.block_table(kv.draft_slot(r)) == [0, 1]
+    kv.free(r)
+    assert kv.target.num_used_blocks() == kv.draft.num_used_blocks() == 0
 
 
 def test_the_prefix_cache_serves_a_second_request_through_the_manager():

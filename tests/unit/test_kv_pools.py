@@ -66,6 +66,27 @@ def test_paged_truncate_frees_exactly_blocks_past_the_new_length():
     assert pool.num_used_blocks() == 0 and pool.num_used_slots() == 0
 
 
+
+def test_a_rollback_that_keeps_storage_reopens_no_block_and_rewrites_in_place():
+    """A speculative round reserves, writes, and is rolled back with keep_storage: the slot keeps
+    its blocks, the next round writes over the rejected positions without allocating, reads
+    back what it wrote, and free_slot releases everything."""
+    pool = paged()
+    slot, _ = pool.allocate_slot([1])
+    write(pool, slot, 3, 1.0)
+    assert pool.ensure_capacity(slot, 3 + 5) and pool.num_used_blocks() == 2  # the round's reservation
+    write(pool, slot, 5, 2.0)  # the round's tokens, positions 3..7
+    pool.truncate_to(slot, 4, keep_storage=True)  # one accepted: positions 4..7 are rejected
+    assert pool.seq_len(slot) == 4 and pool.num_used_blocks() == 2
+    blocks = pool.block_table(slot)
+    keys = write(pool, slot, 4, 3.0)  # the next round, over the rejected positions
+    assert pool.block_table(slot) == blocks
+    assert keys[0, 0, :, 0].tolist() == [1.0] * 3 + [2.0] + [3.0] * 4
+    pool.truncate_to(slot, 4)  # without keep_storage the block past the length goes
+    assert pool.num_used_blocks() == 1
+    pool.free_slot(slot)
+    assert pool.num_used_blocks() == 0
+
 def test_paged_reads_back_what_was_written_across_blocks():
     pool = paged()
     slot, _ = pool.allocate_slot([1, 2, 3])
