@@ -1,8 +1,8 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
-(batch bucket = next power of two, tokens per sequence), interpolated between buckets;
-`calibrate` fills them at start-up. A decode step's time outside its passes (sampling,
+(batch size, tokens per sequence), interpolated between the sizes measured; `calibrate` fills
+them at powers of two at start-up. A decode step's time outside its passes (sampling,
 acceptance, bookkeeping: it grows with B x (K + 1) logits; and the proposer's own work beyond
-the draft passes it times) is measured per (bucket, K) too.
+the draft passes it times) is measured per (batch size, K) too.
 """
 
 from __future__ import annotations
@@ -28,28 +28,31 @@ def batch_bucket(batch: int) -> int:
 
 
 class TimingTable:
-    """weight(batch, T): how much an entry is to be trusted against the other T of its batch
-    bucket: every observation in the bucket decays the bucket's weights by `weight_decay` and
-    adds 1 to the observed entry's, so entries measured recently and often outweigh those
-    last measured long ago (at start-up calibration, over a short context). An entry of little
-    weight takes a new observation at 1 / (1 + weight), between `smoothing` and STALE_STEP: one
-    observation after a long gap replaces half a stale figure, not a fifth of it (nor all of it:
-    a single step can be off by more than the policy's margins)."""
+    """Entries are kept per exact batch size: a batch draining as its requests finish runs passes
+    over fewer rows, and those must not price the full batch (a verify pass over 20 rows is far
+    cheaper than over 32, and plain decoding, which drains all at once, has no such passes).
+
+    weight(batch, T): how much an entry is to be trusted against the other T of its batch
+    bucket (next power of two): every observation in the bucket decays the bucket's weights by
+    `weight_decay` and adds 1 to the observed T's, so entries measured recently and often
+    outweigh those last measured long ago (at start-up calibration, over a short context). An
+    entry of little weight takes a new observation at 1 / (1 + weight), between `smoothing` and
+    STALE_STEP: one observation after a long gap replaces half a stale figure, not a fifth of it
+    (nor all of it: a single step can be off by more than the policy's margins)."""
 
     STALE_STEP = 0.5
 
     def __init__(self, smoothing: float = 0.2, weight_decay: float = 0.98):
         self.smoothing = smoothing
         self.weight_decay = weight_decay
-        self._ema: dict[int, dict[int, float]] = defaultdict(dict)  # tokens_per_seq -> bucket -> s
+        self._ema: dict[int, dict[int, float]] = defaultdict(dict)  # tokens_per_seq -> batch -> s
         self._weight: dict[int, dict[int, float]] = defaultdict(dict)  # bucket -> tokens_per_seq -> weight
 
     def observe(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         row = self._ema[tokens_per_seq]
-        b = batch_bucket(batch)
-        weights = self._weight[b]
+        weights = self._weight[batch_bucket(batch)]
         step = min(self.STALE_STEP, 1.0 / (1.0 + weights.get(tokens_per_seq, 0.0)))
-        row[b] = smoothed(row.get(b), seconds, max(self.smoothing, step))
+        row[batch] = smoothed(row.get(batch), seconds, max(self.smoothing, step))
         for t in weights:
             weights[t] *= self.weight_decay
         weights[tokens_per_seq] = weights.get(tokens_per_seq, 0.0) + 1.0
@@ -62,7 +65,8 @@ class TimingTable:
         """Estimates for each T in `ts` (consecutive) on the line through them, each weighted by its
         trust (at least least_weight): one noisy or stale entry cannot make one T look cheaper."""
         times = [self.estimate(batch, t) or default for t in ts]
-        return line_fit(times, [max(self.weight(batch, t), least_weight) for t in ts])
+        weights = self._weight.get(batch_bucket(batch), {})
+        return line_fit(times, [max(weights.get(t, 0.0), least_weight) for t in ts])
 
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
@@ -72,16 +76,16 @@ class TimingTable:
             row = self._ema[min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t))]
         if batch in row:
             return row[batch]
-        buckets = sorted(row)
-        i = bisect.bisect_left(buckets, batch)
+        sizes = sorted(row)
+        i = bisect.bisect_left(sizes, batch)
         if i == 0:
-            return row[buckets[0]]
-        if i == len(buckets):
-            if len(buckets) == 1:
-                return row[buckets[-1]] * batch / buckets[-1]
-            b0, b1 = buckets[-2], buckets[-1]
+            return row[sizes[0]]
+        if i == len(sizes):
+            if len(sizes) == 1:
+                return row[sizes[-1]] * batch / sizes[-1]
+            b0, b1 = sizes[-2], sizes[-1]
         else:
-            b0, b1 = buckets[i - 1], buckets[i]
+            b0, b1 = sizes[i - 1], sizes[i]
         t0, t1 = row[b0], row[b1]
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
 

@@ -10,7 +10,7 @@ from engine.speculative.policy import (
     AcceptanceByPosition,
     SpecPolicy,
     expected_tokens,
-    expected_tokens_curve,
+    expected_tokens_table,
     first_pass_widths,
 )
 
@@ -140,6 +140,18 @@ def test_a_stale_timing_entry_takes_most_of_a_fresh_observation():
     assert table.estimate(32, 1) == pytest.approx(45e-3)
     table.observe(32, 3, 100e-3)
     assert table.estimate(32, 3) == pytest.approx(84e-3)
+
+
+def test_a_draining_batch_does_not_price_the_full_batch():
+    """Passes over a batch whose requests are finishing (20 of 32 rows left) keep their own entry:
+    the 32-row figure stays, and sizes between are read on the line through the two."""
+    table = TimingTable(smoothing=0.2)
+    table.observe(32, 3, 100e-3)
+    for _ in range(5):
+        table.observe(20, 3, 60e-3)
+    assert table.estimate(32, 3) == pytest.approx(100e-3)
+    assert table.estimate(20, 3) == pytest.approx(60e-3)
+    assert table.estimate(26, 3) == pytest.approx(80e-3)
 
 
 def test_per_step_overhead_favours_longer_rounds():
@@ -359,15 +371,26 @@ def test_first_pass_widths_follow_what_the_proposer_feeds():
     """One request: a head feeding the round's tokens ("round") has a first pass as wide as the
     tokens a round yields, E(K); a draft model ("own") feeds 1, or 2 after a full acceptance.
     Many requests: the longest row sets the width, so it nears K + 1 (round) or 2 (own)."""
-    one = [expected_tokens_curve(0.7, 6)]
-    assert first_pass_widths(one, 6, "round") == pytest.approx([expected_tokens(0.7, k) for k in range(7)])
-    assert first_pass_widths(one, 6, "own") == pytest.approx([1.0] + [1 + 0.7 ** k for k in range(1, 7)])
-    many = [expected_tokens_curve(0.7, 6)] * 64
-    assert first_pass_widths(many, 6, "round") == pytest.approx([1.0 + k for k in range(7)], abs=0.01)
-    assert first_pass_widths(many, 6, "own")[1:] == pytest.approx([2.0] * 6, abs=0.01)
-    capped = [expected_tokens_curve(0.9, 2)]  # a request that may propose 2: no wider than 3
-    assert first_pass_widths(capped, 6, "round")[2:] == pytest.approx([1 + 0.9 + 0.81] * 5)
-    assert first_pass_widths([expected_tokens_curve(0.9, 0)], 3, "own") == [1.0, 1.0, 1.0, 1.0]
+    one = expected_tokens_table([0.7], [6], 6)
+    assert first_pass_widths(one, [6], "round") == pytest.approx([expected_tokens(0.7, k) for k in range(7)])
+    assert first_pass_widths(one, [6], "own") == pytest.approx([1.0] + [1 + 0.7 ** k for k in range(1, 7)])
+    many = expected_tokens_table([0.7] * 64, [6] * 64, 6)
+    assert first_pass_widths(many, [6] * 64, "round") == pytest.approx([1.0 + k for k in range(7)], abs=0.01)
+    assert first_pass_widths(many, [6] * 64, "own")[1:] == pytest.approx([2.0] * 6, abs=0.01)
+    capped = expected_tokens_table([0.9], [2], 6)  # a request that may propose 2: no wider than 3
+    assert first_pass_widths(capped, [2], "round")[2:] == pytest.approx([1 + 0.9 + 0.81] * 5)
+    assert first_pass_widths(capped, [2], "own")[2:] == pytest.approx([1 + 0.81] * 5)  # full at 2 from K = 2 on
+    assert first_pass_widths(expected_tokens_table([0.9], [0], 3), [0], "own") == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_the_expected_tokens_table_holds_each_request_at_its_cap():
+    """Rows of the batch's table: a rate repeated, rates by position (the last carried on), and
+    a request capped below k_max, whose row stops growing at its cap."""
+    table = expected_tokens_table([0.5, (0.5, 1.0), (0.9, 0.8, 0.7)], [4, 4, 1], 4)
+    assert table.shape == (3, 5)
+    assert table[0].tolist() == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
+    assert table[1].tolist() == pytest.approx([1, 1.5, 2.0, 2.5, 3.0])
+    assert table[2].tolist() == pytest.approx([1, 1.9, 1.9, 1.9, 1.9])
 
 
 def test_a_first_pass_that_grows_with_the_round_moves_the_policy_to_a_smaller_k():
@@ -382,7 +405,7 @@ def test_a_first_pass_that_grows_with_the_round_moves_the_policy_to_a_smaller_k(
     rnd = SpecPolicy(costs, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.8] * 4, [100] * 4,
                                                                                    catch_up="round")
     assert 0 < rnd.k < own.k
-    width = first_pass_widths([expected_tokens_curve(0.8, 8)] * 4, 8, "round")[3]
+    width = first_pass_widths(expected_tokens_table([0.8] * 4, [8] * 4, 8), [8] * 4, "round")[3]
     seconds = 1e-3 + 0.5e-3 * width + 2 * 0.5e-3 + costs.verify_times(4, 8)[3]
     assert rnd.goodput[3] == pytest.approx(4 * expected_tokens(0.8, 3) / seconds)
 
