@@ -193,13 +193,9 @@ class SpecPolicy:
             seconds += self.costs.catch_up_time(catch_up_tokens) / steps_left
         return tokens / seconds
 
-    def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
-               catch_up_tokens: int = 0, catch_up: CatchUp = "own") -> Choice:
-        """alphas: estimated acceptance per request (a rate, or rates by position); k_caps: most
-        each may propose; draft_rows: how many a model drafts (None = all, 0 = a lookup);
-        catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose;
-        catch_up: what the model proposer's first pass feeds (proposer.CatchUp)."""
-        batch = len(alphas)
+    def settled(self, batch: int, k_caps: list[int]) -> Choice | None:
+        """The choice where no estimate enters (the batch disables speculation, no request has
+        room, fixed mode); None: the adaptive choice decides."""
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:
             return Choice(0, "disabled_batch_size", {})
         k_max = min(self.spec_length, max(k_caps, default=0))
@@ -207,6 +203,18 @@ class SpecPolicy:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
             return Choice(k_max, "fixed", {})
+        return None
+
+    def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
+               catch_up_tokens: int = 0, catch_up: CatchUp = "own") -> Choice:
+        """alphas: estimated acceptance per request (a rate, or rates by position); k_caps: most
+        each may propose; draft_rows: how many a model drafts (None = all, 0 = a lookup);
+        catch_up_tokens: tokens the draft must feed in long catch-ups before it can propose;
+        catch_up: what the model proposer's first pass feeds (proposer.CatchUp)."""
+        settled = self.settled(len(alphas), k_caps)
+        if settled is not None:
+            return settled
+        batch, k_max = len(alphas), min(self.spec_length, max(k_caps))
         table = expected_tokens_table(alphas, k_caps, k_max)  # [B, k_max + 1]
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
         tokens = table.sum(axis=0).tolist()  # the batch's expected tokens at K = 0..k_max

@@ -7,6 +7,7 @@ accepted length). Requests without a proposal ride along with k = 0: exactly a p
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import SpecConfig
@@ -18,7 +19,7 @@ from engine.speculative.costs import MeasuredCosts
 from engine.speculative.eagle import EagleProposer
 from engine.speculative.hybrid import HybridProposer
 from engine.speculative.ngram import NgramProposer
-from engine.speculative.policy import AcceptanceEstimates, SpecPolicy
+from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
 
@@ -93,9 +94,11 @@ class SpeculativeDecoder:
             self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position),
                                      phases.other + self._proposer_overhead)
 
-    def decode(self, reqs: list[Request]) -> DecodeResult:
+    def decode(self, reqs: list[Request], joining: Sequence[Request] = ()) -> DecodeResult:
+        """One step for `reqs`; `joining`: requests that decode from a coming step on (admitted,
+        still prefilling or prefilled this step), with which the adaptive choice prices a catch-up."""
         self._proposer_overhead = 0.0
-        plan = self._plan(reqs)
+        plan = self._plan(reqs, joining)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
@@ -121,22 +124,34 @@ class SpeculativeDecoder:
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds)
 
-    def _plan(self, reqs: list[Request]) -> RoundPlan:
+    def _plan(self, reqs: list[Request], joining: Sequence[Request]) -> RoundPlan:
         if not self.settings.use_speculative_decoding:
             return RoundPlan(0, "disabled", [])
         if all(r.params.spec_length == 0 for r in reqs):
             return RoundPlan(0, "request_opt_out", [])
         caps = [self._cap(r) for r in reqs]
-        rates = self.acceptance.rates([r.request_id for r in reqs], self.policy.spec_length)
-        draft_rows = None if self.proposer.runs_model else 0
-        behind = 0
-        if self.proposer.runs_model and self.policy.mode == "adaptive":
-            behind = sum(n for n in self.proposer.lag(reqs) if n > self.proposer.long_catch_up)
-        choice = self.policy.choose(rates, caps, draft_rows, behind, self.proposer.catch_up)
+        choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, joining)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
         return RoundPlan(choice.k, choice.reason, ks)
+
+    def _adaptive_choice(self, reqs: list[Request], caps: list[int], joining: Sequence[Request]) -> Choice:
+        """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
+        model proposer has not read) is paid now and paid back by the steps after it: while
+        requests are joining, those run at the batch they make, so the choice is priced there
+        (the joining requests' proposer has read none of their text yet)."""
+        ids = [r.request_id for r in reqs]
+        behind = 0
+        if self.proposer.runs_model:
+            long = self.proposer.long_catch_up
+            behind = sum(n for n in self.proposer.lag(reqs) if n > long)
+            if behind and joining:
+                ids += [r.request_id for r in joining]
+                caps = caps + [self._cap(r) for r in joining]
+                behind += sum(r.num_tokens for r in joining if r.num_tokens > long)
+        rates = self.acceptance.rates(ids, self.policy.spec_length)
+        return self.policy.choose(rates, caps, None if self.proposer.runs_model else 0, behind, self.proposer.catch_up)
 
     def _cap(self, r: Request) -> int:
         """Most tokens r may propose: its KV positions (max_seq_len), its max_tokens budget (the

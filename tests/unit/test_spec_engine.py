@@ -275,7 +275,7 @@ def test_the_proposers_time_outside_its_passes_counts_in_the_steps_other_time(ti
     phases, drafted = eng.last_step.phases, costs.draft_pass_seconds - passes
     assert eng.last_step.decode.k == 3 and phases.draft > drafted > 0
     assert seen == [(4, 3, pytest.approx(phases.other + phases.draft - drafted))]
-    eng.speculation.policy.choose = lambda *a, **k: Choice(0, "policy", {})
+    eng.speculation.policy.settled = lambda *a: Choice(0, "policy", {})  # fixed mode: settled without estimates
     eng.step()
     assert eng.last_step.decode.k == 0 and seen[1:] == [(4, 0, pytest.approx(eng.last_step.phases.other))]
 
@@ -325,3 +325,43 @@ def test_requests_that_opt_out_are_counted_apart_from_the_length_guard(tiny_mode
     while eng.has_unfinished_requests():
         metrics.on_step(eng, eng.step())
     assert rec.total("specserve_non_spec_decode_steps_total", reason="length_guard") == 1
+
+
+def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model, tiny_draft):
+    """While a request still prefills, the adaptive choice for the decoding ones sees it too:
+    its acceptance row, its cap, and its whole text as catch-up, since a catch-up paid now is
+    paid back by the steps after it, which it will join. Without a catch-up the step is priced
+    at its own batch. The step itself decodes only the requests that are ready, and stays exact."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS[:2] + ["x = [1, 2, 3]\n" * 4]  # the last takes several prefill chunks
+    reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(prompts, greedy)
+    eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive", max_num_batched_tokens=40).engine
+    spec = eng.speculation
+    seen = []
+    choose = spec.policy.choose
+
+    def spy(alphas, caps, draft_rows=None, catch_up_tokens=0, catch_up="own"):
+        seen.append((len(alphas), list(caps), catch_up_tokens))
+        return choose(alphas, caps, draft_rows, catch_up_tokens, catch_up)
+
+    spec.policy.choose = spy
+    ids = [eng.add_request(p, greedy) for p in prompts]
+    long_req = eng.scheduler.waiting[-1]
+    joined = []
+    while eng.has_unfinished_requests():
+        ready = [r for r in eng.scheduler.running if not eng.scheduler.is_prefilling(r)]
+        behind = sum(n for n in spec.proposer.lag(ready) if n > spec.proposer.long_catch_up)
+        prefilling = eng.scheduler.is_prefilling(long_req) and long_req in eng.scheduler.running
+        before = len(seen)
+        eng.step()
+        decode = eng.last_step.decode
+        if prefilling and decode is not None and len(seen) > before:
+            assert decode.batch_size == 2
+            if behind:
+                assert seen[-1][0] == 3 and seen[-1][1][2] == greedy.max_tokens - 1
+                assert seen[-1][2] == behind + long_req.num_tokens
+                joined.append(seen[-1])
+            else:  # nothing to catch up on: no investment, the step is priced at its own batch
+                assert seen[-1][0] == 2 and seen[-1][2] == 0
+    assert joined, "no step caught up while the long prompt prefilled"
+    assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
