@@ -149,15 +149,17 @@ def main(argv: list[str] | None = None) -> None:
         row["adaptive_vs_best_paired"] = summarize(
             [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs[ADAPTIVE], runs[best_fixed])], "r")
         row["best_fixed"] = best_fixed
+        held_out = ""
         if args.repeats >= 2:
             row["adaptive_vs_best_held_out"] = summarize([{"r": x} for x in held_out_ratios(runs, ADAPTIVE)], "r")
+            held_out = f", held out {row['adaptive_vs_best_held_out']['median']:.3f}"
         best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != ADAPTIVE)
         row["adaptive_vs_best_end_to_end"] = row[ADAPTIVE]["tok_s_end_to_end"]["median"] / best_e2e
         results[str(b)] = row
         print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
               + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
               f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}"
-              + (f", held out {row['adaptive_vs_best_held_out']['median']:.3f}" if args.repeats >= 2 else "") + "); "
+              + held_out + "); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row[ADAPTIVE]['k_steps']}")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,

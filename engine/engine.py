@@ -247,7 +247,7 @@ class LLMEngine:
         phases.other = max(0.0, time.perf_counter() - t0 - phases.prefill - phases.draft - phases.target)
         if self.speculation is not None and batch.decode and not batch.prefill \
                 and not any(o.finished for o in result.outputs):  # finishing costs the same at any K
-            self.speculation.observe_step(result.decode, phases)
+            self.speculation.observe_step(decoded, phases)
         return result.outputs
 
     def _append_all(self, new_tokens: list[tuple[Request, list[int]]]) -> list[StepOutput]:

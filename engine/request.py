@@ -176,6 +176,7 @@ class DecodeResult:
     stats: DecodeStats
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    proposer_overhead: float = 0.0  # of draft_seconds, what proposing took outside the draft passes it timed
 
 
 @dataclass

@@ -65,8 +65,7 @@ class TimingTable:
         """Estimates for each T in `ts` (consecutive) on the line through them, each weighted by its
         trust (at least least_weight): one noisy or stale entry cannot make one T look cheaper."""
         times = [self.estimate(batch, t) or default for t in ts]
-        weights = self._weight.get(batch_bucket(batch), {})
-        return line_fit(times, [max(weights.get(t, 0.0), least_weight) for t in ts])
+        return line_fit(times, [max(self.weight(batch, t), least_weight) for t in ts])
 
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:

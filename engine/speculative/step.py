@@ -59,7 +59,6 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
-        self._proposer_overhead = 0.0  # this step's proposing time outside the draft passes it timed
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -87,17 +86,17 @@ class SpeculativeDecoder:
     def forget(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
 
-    def observe_step(self, stats: DecodeStats, phases: PhaseSeconds) -> None:
+    def observe_step(self, decoded: DecodeResult, phases: PhaseSeconds) -> None:
         """A decode-only step's time outside its model passes, by its (B, K) (not a probe's): the
         proposer's own bookkeeping (inputs, the first token's read, lookups) included."""
+        stats = decoded.stats
         if stats.reason != "probe":
             self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position),
-                                     phases.other + self._proposer_overhead)
+                                     phases.other + decoded.proposer_overhead)
 
     def decode(self, reqs: list[Request], joining: Sequence[Request] = ()) -> DecodeResult:
         """One step for `reqs`; `joining`: requests that decode from a coming step on (admitted,
         still prefilling or prefilled this step), with which the adaptive choice prices a catch-up."""
-        self._proposer_overhead = 0.0
         plan = self._plan(reqs, joining)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
@@ -110,7 +109,7 @@ class SpeculativeDecoder:
         draft_seconds = time.perf_counter() - t0
         if proposal.k_max == 0:
             return self._plain(reqs, "no_proposal", draft_seconds)
-        self._proposer_overhead = max(0.0, draft_seconds - (self.costs.draft_pass_seconds - passes))
+        overhead = max(0.0, draft_seconds - (self.costs.draft_pass_seconds - passes))
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         logits = self.runner.forward(reqs, [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)],
@@ -122,7 +121,7 @@ class SpeculativeDecoder:
         self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
         tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
         stats = self._record(reqs, plan, proposal, num_accepted)
-        return DecodeResult(tokens, stats, draft_seconds, target_seconds)
+        return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
     def _plan(self, reqs: list[Request], joining: Sequence[Request]) -> RoundPlan:
         if not self.settings.use_speculative_decoding:
