@@ -133,7 +133,7 @@ class SpeculativeDecoder:
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
-        return RoundPlan(choice.k, choice.reason, ks)
+        return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
 
     def _adaptive_choice(self, reqs: list[Request], caps: list[int], joining: Sequence[Request]) -> Choice:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the

@@ -331,10 +331,14 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
     """While a request still prefills, the adaptive choice for the decoding ones sees it too:
     its acceptance row, its cap, and its whole text as catch-up, since a catch-up paid now is
     paid back by the steps after it, which it will join. Without a catch-up the step is priced
-    at its own batch. The step itself decodes only the requests that are ready, and stays exact."""
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    at its own batch. The step itself decodes only the requests that are ready, its K within
+    their caps (the joining request's cap is larger), and stays exact."""
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # caps <= 3 < spec_length
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = PROMPTS[:2] + ["x = [1, 2, 3]\n" * 4]  # the last takes several prefill chunks
-    reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(prompts, greedy)
+    params = [short, short, long]
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160)
+    reference = [plain.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive", max_num_batched_tokens=40).engine
     spec = eng.speculation
     seen = []
@@ -345,7 +349,7 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
         return choose(alphas, caps, draft_rows, catch_up_tokens, catch_up)
 
     spec.policy.choose = spy
-    ids = [eng.add_request(p, greedy) for p in prompts]
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     long_req = eng.scheduler.waiting[-1]
     joined = []
     while eng.has_unfinished_requests():
@@ -356,12 +360,13 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
         eng.step()
         decode = eng.last_step.decode
         if prefilling and decode is not None and len(seen) > before:
-            assert decode.batch_size == 2
+            n = len(ready)  # 2, or 1 once a short request has finished
+            assert decode.batch_size == n and decode.k <= max(seen[-1][1][:n])
             if behind:
-                assert seen[-1][0] == 3 and seen[-1][1][2] == greedy.max_tokens - 1
+                assert seen[-1][0] == n + 1 and seen[-1][1][n] == long.max_tokens - 1
                 assert seen[-1][2] == behind + long_req.num_tokens
                 joined.append(seen[-1])
             else:  # nothing to catch up on: no investment, the step is priced at its own batch
-                assert seen[-1][0] == 2 and seen[-1][2] == 0
+                assert seen[-1][0] == n and seen[-1][2] == 0
     assert joined, "no step caught up while the long prompt prefilled"
-    assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+    assert [eng.get_output(i).token_ids for i in ids] == reference
