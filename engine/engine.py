@@ -235,10 +235,8 @@ class LLMEngine:
         if batch.decode:
             if self.speculation is None:
                 decoded = self.runner.decode(batch.decode)
-            else:  # the running requests not decoding this step join in a coming one
-                decoding = {id(r) for r in batch.decode}
-                joining = [r for r in self.scheduler.running if id(r) not in decoding]
-                decoded = self.speculation.decode(batch.decode, joining)
+            else:
+                decoded = self.speculation.decode(batch.decode, self.scheduler.running)
             new_tokens += decoded.tokens
             result.decode = decoded.stats
             result.phases.draft, result.phases.target = decoded.draft_seconds, decoded.target_seconds

@@ -49,7 +49,7 @@ from pair.eagle_head import (  # noqa: E402
     step_weights,
 )
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
-from pair.train import apply_update, resume  # noqa: E402
+from pair.train import apply_update, resume, training_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("recipe.eagle")
@@ -65,19 +65,25 @@ def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int
     return torch.from_numpy(top.astype(np.int64))
 
 
-def target_pass(target, ids: torch.Tensor, aux: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def autocast(dtype: torch.dtype):
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+
+def target_pass(target, ids: torch.Tensor, aux: list[int], dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """features [B, W, 3H] (inputs of the aux layers), embeddings [B, W, H], logits [B, W, V]."""
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), autocast(dtype):
         out = target(input_ids=ids, output_hidden_states=True)
     hs = out.hidden_states  # hs[i]: the input of layer i
     return torch.cat([hs[i] for i in aux], dim=-1).float(), hs[0].float(), out.logits.float()
 
 
-def rollout_loss(head, feats, embeds, logits, d2t, steps, weights) -> tuple[torch.Tensor, list[float], list[float]]:
+def rollout_loss(head, feats, embeds, logits, d2t, steps, weights, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, list[float], list[float]]:
     """Weighted loss over the rollout, and per step the argmax agreement with the target and the
     expected acceptance sum(min(p, q)) at temperature 1."""
     T = feats.shape[1] - steps
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast(dtype):
         outs = head.rollout(feats[:, :T], embeds[:, 1:], steps)
     loss = feats.new_zeros(())
     agree, accept = [], []
@@ -107,10 +113,14 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=512, help="target-written rows (0: corpus only)")
     ap.add_argument("--extra-generations", type=int, default=0,
                     help="rows of a second target-written set (new prompts, two thirds greedy)")
+    ap.add_argument("--more-generations", type=int, default=0,
+                    help="rows of a third target-written set (other new prompts, two thirds greedy)")
     ap.add_argument("--generated-per-batch", type=int, default=None, help="rows of a batch the target wrote "
                     "(default: half the batch)")
     ap.add_argument("--run", default="eagle3", help="checkpoint and log folder under --work (one per run)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="autocast dtype (auto: the faster on this CPU, timed at start)")
     ap.add_argument("--aux-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="target layers whose inputs the head reads, e.g. 1,4,7 (default: recipe_aux_layers)")
     ap.add_argument("--init-from", type=Path, default=None,
@@ -133,8 +143,10 @@ def main() -> None:
                               sampled_every=2) if args.generations else None
     extra_path = generate_rows(args.work, args.target, n_rows=args.extra_generations, seed=31,
                                name="generations_eagle2", sampled_every=3) if args.extra_generations else None
+    more_path = generate_rows(args.work, args.target, n_rows=args.more_generations, seed=47,
+                              name="generations_eagle3", sampled_every=3) if args.more_generations else None
     torch.set_num_threads(args.threads)
-    written = [p for p in (rows_path, extra_path) if p]
+    written = [p for p in (rows_path, extra_path, more_path) if p]
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
     exported = exported_vocabulary(args.init_from) if args.init_from else None
     if "d2t" in saved:
@@ -172,6 +184,7 @@ def main() -> None:
     log.info("head: %.2fM parameters; aux layers %s; %d steps of %d x %d, rollout %d", sum(
         p.numel() for p in head.parameters()) / 1e6, aux, args.steps, args.batch, args.seq, args.ttt_steps)
     weights = step_weights(args.ttt_steps)
+    dtype = training_dtype(args.dtype)
     log_path = work / "log.jsonl"
     last_ckpt, started = time.monotonic(), time.monotonic()
     bar = tqdm(total=args.steps, initial=step, desc="train eagle3 head", unit="step")
@@ -184,8 +197,8 @@ def main() -> None:
         else:
             starts = rng.integers(0, stream.size - window - 1, args.batch)
             ids = torch.from_numpy(np.stack([stream[s:s + window] for s in starts]).astype(np.int64))
-        feats, embeds, logits = target_pass(target, ids, aux)
-        loss, agree, accept = rollout_loss(head, feats, embeds, logits, d2t, args.ttt_steps, weights)
+        feats, embeds, logits = target_pass(target, ids, aux, dtype)
+        loss, agree, accept = rollout_loss(head, feats, embeds, logits, d2t, args.ttt_steps, weights, dtype)
         apply_update(loss, head, opt)
         step += 1
         elapsed += time.monotonic() - t0
@@ -194,8 +207,8 @@ def main() -> None:
         record = {"step": step, "loss": loss.item(), "agree": agree, "accept": accept, "elapsed_s": round(elapsed, 1)}
         if step % 100 == 0 or step == args.steps:
             with torch.no_grad():
-                vf, ve, vl = target_pass(target, val, aux)
-                _, vagree, vaccept = rollout_loss(head, vf, ve, vl, d2t, args.ttt_steps, weights)
+                vf, ve, vl = target_pass(target, val, aux, dtype)
+                _, vagree, vaccept = rollout_loss(head, vf, ve, vl, d2t, args.ttt_steps, weights, dtype)
             record.update(val_agree=vagree, val_accept=vaccept)
             log.info("step %d: val argmax agreement by step %s, expected acceptance %s", step,
                      [round(a, 3) for a in vagree], [round(a, 3) for a in vaccept])

@@ -94,10 +94,11 @@ class SpeculativeDecoder:
             self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position),
                                      phases.other + decoded.proposer_overhead)
 
-    def decode(self, reqs: list[Request], joining: Sequence[Request] = ()) -> DecodeResult:
-        """One step for `reqs`; `joining`: requests that decode from a coming step on (admitted,
-        still prefilling or prefilled this step), with which the adaptive choice prices a catch-up."""
-        plan = self._plan(reqs, joining)
+    def decode(self, reqs: list[Request], running: Sequence[Request] = ()) -> DecodeResult:
+        """One step for `reqs`; `running`: every request the scheduler runs (reqs among them). The
+        others decode from a coming step on (still prefilling, or prefilled this step): the
+        adaptive choice prices a catch-up with them."""
+        plan = self._plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
@@ -123,19 +124,19 @@ class SpeculativeDecoder:
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
-    def _plan(self, reqs: list[Request], joining: Sequence[Request]) -> RoundPlan:
+    def _plan(self, reqs: list[Request], running: Sequence[Request]) -> RoundPlan:
         if not self.settings.use_speculative_decoding:
             return RoundPlan(0, "disabled", [])
         if all(r.params.spec_length == 0 for r in reqs):
             return RoundPlan(0, "request_opt_out", [])
         caps = [self._cap(r) for r in reqs]
-        choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, joining)
+        choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, running)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
         return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
 
-    def _adaptive_choice(self, reqs: list[Request], caps: list[int], joining: Sequence[Request]) -> Choice:
+    def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
         model proposer has not read) is paid now and paid back by the steps after it: while
         requests are joining, those run at the batch they make, so the choice is priced there
@@ -145,7 +146,9 @@ class SpeculativeDecoder:
         if self.proposer.runs_model:
             long = self.proposer.long_catch_up
             behind = sum(n for n in self.proposer.lag(reqs) if n > long)
-            if behind and joining:
+            if behind:
+                decoding = {id(r) for r in reqs}
+                joining = [r for r in running if id(r) not in decoding]
                 ids += [r.request_id for r in joining]
                 caps = caps + [self._cap(r) for r in joining]
                 behind += sum(r.num_tokens for r in joining if r.num_tokens > long)
