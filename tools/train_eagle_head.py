@@ -49,7 +49,7 @@ from pair.eagle_head import (  # noqa: E402
     step_weights,
 )
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
-from pair.train import apply_update, resume, training_dtype  # noqa: E402
+from pair.train import apply_update, autocast, resume, training_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("recipe.eagle")
@@ -63,10 +63,6 @@ def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int
     covered = counts[top].sum() / counts.sum()
     log.info("draft vocabulary: %d ids cover %.2f%% of training tokens", size, 100 * covered)
     return torch.from_numpy(top.astype(np.int64))
-
-
-def autocast(dtype: torch.dtype):
-    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
 
 def target_pass(target, ids: torch.Tensor, aux: list[int], dtype: torch.dtype

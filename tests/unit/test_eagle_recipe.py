@@ -104,3 +104,17 @@ def test_aux_layers_are_three_distinct_layers_in_order_and_a_resumed_run_keeps_i
             chosen_layers(bad, 8, None)
     with pytest.raises(ValueError, match="resumed reads layers"):
         chosen_layers([1, 4, 7], 8, [2, 4, 5])
+
+
+def test_the_training_dtype_is_a_named_choice_or_the_faster_one_timed():
+    from pair.train import autocast, training_dtype
+
+    assert training_dtype("float32") is torch.float32 and training_dtype("bfloat16") is torch.bfloat16
+    assert training_dtype("auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        training_dtype("float16")
+    x = torch.randn(4, 8)
+    with autocast(torch.float32):
+        assert (x @ x.T).dtype is torch.float32  # float32: no autocast at all
+    with autocast(torch.bfloat16):
+        assert (x @ x.T).dtype is torch.bfloat16

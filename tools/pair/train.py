@@ -1,6 +1,6 @@
 """Stages 3 and 4: train the target from scratch, then distill the draft from it.
 
-Both stages use `transformers.LlamaForCausalLM` with bf16 autocast on CPU, random windows of
+Both stages use `transformers.LlamaForCausalLM` with bf16 autocast on CPU (float32 where bf16 is slower), random windows of
 the uint16 token stream (seeded), AdamW with warmup + cosine decay, and a resumable checkpoint
 (model + optimizer + step + data RNG) written atomically every `ckpt_every` seconds.
 
@@ -108,15 +108,15 @@ def _val_windows(work: Path, seq: int, n: int = 48) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _eval(model, teacher, windows: torch.Tensor) -> dict[str, float]:
+def _eval(model, teacher, windows: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
     model.eval()
     losses, agree, kls = [], [], []
     for chunk in windows.split(8):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(dtype):
             logits = model(input_ids=chunk).logits.float()  # [b, seq, vocab]
         losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), chunk[:, 1:].flatten()).item())
         if teacher is not None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast(dtype):
                 t_logits = teacher(input_ids=chunk).logits.float()
             agree.append((t_logits.argmax(-1) == logits.argmax(-1)).float().mean().item())
             kls.append(F.kl_div(logits.log_softmax(-1), t_logits.log_softmax(-1),
@@ -157,6 +157,11 @@ def training_dtype(choice: str) -> torch.dtype:
     log.info("training dtype: %s (matmul %.1f ms float32, %.1f ms bfloat16)", chosen,
              1e3 * best[torch.float32] / 3, 1e3 * best[torch.bfloat16] / 3)
     return chosen
+
+
+def autocast(dtype: torch.dtype):
+    """Autocast to `dtype` on CPU; float32: none."""
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
 
 def apply_update(loss: torch.Tensor, model, opt) -> None:
@@ -222,6 +227,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
     stream = np.memmap(work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
     windows = _val_windows(work, cfg.seq_len)
     log_path = out / "log.jsonl"
+    dtype = training_dtype("auto")
     last_ckpt = time.monotonic()
     model.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.name}", unit="step")
@@ -230,7 +236,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         ids = batches(rng) if batches else _batch(stream, rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(dtype):
             logits = model(input_ids=ids).logits  # [batch, seq, vocab]
             if teacher is None:
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -247,7 +253,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
         record = {"step": step, "loss": loss.item(), "lr": _lr_at(step - 1, cfg),
                   "tokens": step * cfg.batch_size * cfg.seq_len, "elapsed_s": round(elapsed, 1)}
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            record.update(_eval(model, teacher, windows))
+            record.update(_eval(model, teacher, windows, dtype))
             log.info("%s step %d: %s", cfg.name, step, record)
         with open(log_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
