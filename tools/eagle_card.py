@@ -80,18 +80,20 @@ def theory(alpha: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-RUNS = ("eagle3", "eagle3-r2", "eagle3-r3", "eagle3-r4")  # the shipped head's runs (tools/train_eagle_head.py's commands)
+RUNS = ("eagle3", "eagle3-r2", "eagle3-r3", "eagle3-r4", "eagle3-r6")  # the shipped head's runs (tools/train_eagle_head.py's commands)
 
 
 def joined_logs(paths: list[Path]) -> list[dict]:
     """The records of several runs, each continuing the last: steps and training time counted on
-    from where the previous run stopped, each record tagged with its run (0, 1, ...)."""
+    from where the previous run stopped, each record tagged with its run (0, 1, ...). A log this
+    card wrote (training_log.jsonl: runs already joined, tagged) may come first."""
     out: list[dict] = []
-    for run, path in enumerate(paths):
-        step0, seconds0 = (out[-1]["step"], out[-1]["elapsed_s"]) if out else (0, 0.0)
+    for path in paths:
+        step0, seconds0, run0 = (out[-1]["step"], out[-1]["elapsed_s"], out[-1]["run"] + 1) if out else (0, 0.0, 0)
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            out.append({**r, "run": run, "step": r["step"] + step0, "elapsed_s": r["elapsed_s"] + seconds0})
+            out.append({**r, "run": run0 + r.get("run", 0), "step": r["step"] + step0,
+                        "elapsed_s": r["elapsed_s"] + seconds0})
     return out
 
 
