@@ -356,6 +356,7 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
         ready = [r for r in eng.scheduler.running if not eng.scheduler.is_prefilling(r)]
         behind = sum(n for n in spec.proposer.lag(ready) if n > spec.proposer.long_catch_up)
         prefilling = eng.scheduler.is_prefilling(long_req) and long_req in eng.scheduler.running
+        long_tokens = long_req.num_tokens  # as the choice sees it (the step may append its first token)
         before = len(seen)
         eng.step()
         decode = eng.last_step.decode
@@ -364,7 +365,7 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
             assert decode.batch_size == n and decode.k <= max(seen[-1][1][:n])
             if behind:
                 assert seen[-1][0] == n + 1 and seen[-1][1][n] == long.max_tokens - 1
-                assert seen[-1][2] == behind + long_req.num_tokens
+                assert seen[-1][2] == behind + long_tokens
                 joined.append(seen[-1])
             else:  # nothing to catch up on: no investment, the step is priced at its own batch
                 assert seen[-1][0] == n and seen[-1][2] == 0
