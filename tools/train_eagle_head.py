@@ -99,6 +99,14 @@ def rollout_loss(head, feats, embeds, logits, d2t, steps, weights, dtype: torch.
     return loss / steps, agree, accept
 
 
+def generated_set(value: str) -> tuple[int, int]:
+    """--generated-set SEED:ROWS -> (seed, rows)."""
+    seed, sep, rows = value.partition(":")
+    if not sep or not seed.isdigit() or not rows.isdigit() or int(rows) < 1:
+        raise argparse.ArgumentTypeError(f"--generated-set wants SEED:ROWS (two integers, ROWS >= 1), got {value!r}")
+    return int(seed), int(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "specserve-recipe")
@@ -115,6 +123,9 @@ def main() -> None:
                     help="rows of a second target-written set (new prompts, two thirds greedy)")
     ap.add_argument("--more-generations", type=int, default=0,
                     help="rows of a third target-written set (other new prompts, two thirds greedy)")
+    ap.add_argument("--generated-set", type=generated_set, action="append", default=[], metavar="SEED:ROWS",
+                    help="another target-written set: ROWS rows from prompts drawn with SEED (two thirds greedy); "
+                    "repeatable")
     ap.add_argument("--generated-per-batch", type=int, default=None, help="rows of a batch the target wrote "
                     "(default: half the batch)")
     ap.add_argument("--run", default="eagle3", help="checkpoint and log folder under --work (one per run)")
@@ -145,8 +156,10 @@ def main() -> None:
                                name="generations_eagle2", sampled_every=3) if args.extra_generations else None
     more_path = generate_rows(args.work, args.target, n_rows=args.more_generations, seed=47,
                               name="generations_eagle3", sampled_every=3) if args.more_generations else None
+    set_paths = [generate_rows(args.work, args.target, n_rows=n, seed=seed, name=f"generations_seed{seed}",
+                               sampled_every=3) for seed, n in args.generated_set]
     torch.set_num_threads(args.threads)
-    written = [p for p in (rows_path, extra_path, more_path) if p]
+    written = [p for p in (rows_path, extra_path, more_path, *set_paths) if p]
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
     exported = exported_vocabulary(args.init_from) if args.init_from else None
     if "d2t" in saved:

@@ -118,3 +118,14 @@ def test_the_training_dtype_is_a_named_choice_or_the_faster_one_timed():
         assert (x @ x.T).dtype is torch.float32  # float32: no autocast at all
     with autocast(torch.bfloat16):
         assert (x @ x.T).dtype is torch.bfloat16
+
+
+def test_another_generated_set_is_named_by_seed_and_rows():
+    import argparse
+
+    from train_eagle_head import generated_set
+
+    assert generated_set("59:2048") == (59, 2048)
+    for bad in ("59", "59:", ":2048", "59:0", "a:1", "59:-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="SEED:ROWS"):
+            generated_set(bad)
