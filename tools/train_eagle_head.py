@@ -152,16 +152,13 @@ def main() -> None:
     saved = torch.load(ckpt, weights_only=False) if ckpt.exists() else {}  # a run resumes on its own layers and vocabulary
     aux = chosen_layers(args.aux_layers, target_cfg["num_hidden_layers"], saved.get("aux"))
     stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
-    rows_path = generate_rows(args.work, args.target, n_rows=args.generations, seed=23, name="generations_eagle",
-                              sampled_every=2) if args.generations else None
-    extra_path = generate_rows(args.work, args.target, n_rows=args.extra_generations, seed=31,
-                               name="generations_eagle2", sampled_every=3) if args.extra_generations else None
-    more_path = generate_rows(args.work, args.target, n_rows=args.more_generations, seed=47,
-                              name="generations_eagle3", sampled_every=3) if args.more_generations else None
-    set_paths = [generate_rows(args.work, args.target, n_rows=n, seed=seed, name=f"generations_seed{seed}",
-                               sampled_every=3) for seed, n in args.generated_set]
+    sets = [(args.generations, 23, "generations_eagle", 2),  # (rows, seed, folder, sampled_every)
+            (args.extra_generations, 31, "generations_eagle2", 3),
+            (args.more_generations, 47, "generations_eagle3", 3),
+            *((n, seed, f"generations_seed{seed}", 3) for seed, n in args.generated_set)]
+    written = [generate_rows(args.work, args.target, n_rows=n, seed=seed, name=name, sampled_every=every)
+               for n, seed, name, every in sets if n]
     torch.set_num_threads(args.threads)
-    written = [p for p in (rows_path, extra_path, more_path, *set_paths) if p]
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
     exported = exported_vocabulary(args.init_from) if args.init_from else None
     if "d2t" in saved:
