@@ -162,6 +162,9 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
     held_out = all("adaptive_vs_best_held_out" in row for row in r["results"].values())
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
                "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
+    if "prefill_budget" in r:  # every batch prefilled in one step: the proposer's catch-up on the prompts is in the window
+        measure += ("; every batch's prompts prefill in one step, so the proposer's catch-up on them counts for "
+                    "every variant")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
              f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {_plan(r)}; {_host(r['machine'])}"
              f"; {measure}:", "",
