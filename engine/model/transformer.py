@@ -208,7 +208,7 @@ class Transformer:
             raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
                              "x86-64 CPU with AVX2, widths that are multiples of 8, and the kernels built)")
         layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]
-        return OneSequencePath(layers, kernels.linear, head)
+        return OneSequencePath(layers, functools.partial(kernels.linear, streamed=True), head)  # a target's weights
 
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls faster, and each row's

@@ -158,8 +158,9 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
 
 def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
     """Each output row is the same bits whatever the number of rows in the call (1 to 30, across
-    the kernel's groups of up to 12, split evenly), and bf16 weights give the bits of their
-    float32 copies."""
+    the kernel's groups of up to 12, split evenly) and whether the weights are streamed (one
+    weight row at a time) or cached (several side by side), and bf16 weights give the bits of
+    their float32 copies."""
     from engine.model.kernels import one_sequence
 
     kernels = one_sequence.load()
@@ -178,6 +179,8 @@ def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
                 torch.set_num_threads(n_threads)
                 for rows in (1, 2, 3, 7, 8, 9, 12, 13, 17, 24, 25):
                     assert torch.equal(kernels.linear(x[:rows], w), full[:rows])
+                    assert torch.equal(kernels.linear(x[:rows], w, streamed=True), full[:rows])
+                    assert torch.equal(kernels.linear(x[:rows], w.float(), streamed=True), full[:rows])
             torch.set_num_threads(threads)
             assert kernels.linear(x[:20].view(4, 5, 136), w).shape == (4, 5, out_features)
     finally:

@@ -35,7 +35,7 @@ class OneSequenceKernels:
         self.bf16 = lib.one_sequence_bf16
         for fn in (self.f32, self.bf16):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
             fn.restype = None
         # token_rows(model*, rows*, n, out_rows*, n_out, logits*, threads)
         self.token_rows = lib.token_rows
@@ -58,14 +58,16 @@ class OneSequenceKernels:
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, streamed: bool = False) -> torch.Tensor:
+        """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out].
+        streamed: the weights come from memory each pass (a target's), not from cache (a proposer's);
+        it picks how many weight rows go side by side, never the result's bits."""
         out_features, in_features = weight.shape
         rows = x.reshape(-1, in_features).to(torch.float32).contiguous()  # [M, in]
         y = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device="cpu")  # [M, out]
         fn = self.bf16 if weight.dtype == torch.bfloat16 else self.f32
         fn(weight.data_ptr(), rows.data_ptr(), y.data_ptr(), out_features, in_features, rows.shape[0],
-           torch.get_num_threads())
+           int(streamed), torch.get_num_threads())
         return y.view(*x.shape[:-1], out_features)
 
 

@@ -25,9 +25,10 @@
 #include <stdint.h>
 #include <string.h>
 
-void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int threads);
+void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int streamed,
+                      int threads);
 void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M,
-                       int threads);
+                       int streamed, int threads);
 
 enum WeightKind { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1 };
 
@@ -103,13 +104,13 @@ static inline float lanes_total(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* y [rows, n] = x [rows, k] @ w [n, k].T */
+/* y [rows, n] = x [rows, k] @ w [n, k].T (a proposer's weights: small, they stay in cache between passes) */
 static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int64_t rows,
                    int threads) {
     if (m->kind == WEIGHTS_BF16)
-        one_sequence_bf16((const uint16_t *)w, x, y, n, k, rows, threads);
+        one_sequence_bf16((const uint16_t *)w, x, y, n, k, rows, 0, threads);
     else
-        one_sequence_f32((const float *)w, x, y, n, k, rows, threads);
+        one_sequence_f32((const float *)w, x, y, n, k, rows, 0, threads);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
