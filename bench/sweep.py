@@ -31,7 +31,6 @@ from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, 
 from bench.workloads import load_prompts
 from engine.request import PHASES
 
-
 PREFILL_BUDGET = 8192  # tokens a step may take: every batch's prompts in one step (4,744 at batch 64)
 
 
