@@ -141,14 +141,16 @@ def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
-    wall time went (engine.request.PhaseSeconds). Returns the outputs and seconds per phase."""
+    wall time went (engine.request.PhaseSeconds). `params`: one SamplingParams for every prompt,
+    or a list of one per prompt. Returns the outputs and seconds per phase."""
     from engine.request import PHASES
 
     eng = llm.engine
     seconds = dict.fromkeys(PHASES, 0.0)
     outs = []
-    for prompt in prompts:
-        rid = eng.add_request(prompt, params)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for prompt, prompt_params in zip(prompts, per_prompt, strict=True):
+        rid = eng.add_request(prompt, prompt_params)
         while eng.has_unfinished_requests():
             eng.step()
             for phase, s in eng.last_step.phases.items():

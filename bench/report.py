@@ -53,6 +53,16 @@ def engine_vs_hf(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _seeds(r: dict) -> str:
+    """How a sampled spec run chose its seeds (runs before the per-repeat seeds used one seed)."""
+    if r["temperature"] == 0:
+        return ""
+    if "seeds" in r:
+        return (f", each repeat on its own seeds ({r['prompts'] * r['repeats']} sampled texts per configuration, "
+                "the same seeds for every configuration of a repeat)")
+    return ", one seed for every run (each configuration judged on its own sampled text per prompt)"
+
+
 def spec(r: dict) -> list[str]:
     m = r["machine"]
     costs = r["costs_interleaved"]  # batch 1, measured between the configurations of every repeat
@@ -61,7 +71,7 @@ def spec(r: dict) -> list[str]:
          "forward passes alone, measured between the configurations)")
     lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
              f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
-             f"interleaved runs; {c}; {_plan(r)}; {_host(m)}, {m['threads']} threads "
+             f"interleaved runs{_seeds(r)}; {c}; {_plan(r)}; {_host(m)}, {m['threads']} threads "
              f"(`python -m bench spec --workload {r['workload']}"
              f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
              "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) "

@@ -131,7 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         write("spec_costs", {"costs": costs}, llm)
         return
     prompts = load_prompts(args.workload, args.prompts)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
+    # Repeat r samples prompt i with seed r * prompts + i, the same seeds for every configuration:
+    # at temperature > 0 each configuration is judged on as many sampled texts as prompts x
+    # repeats, and the configurations of one repeat on the same seeds (with one seed for every
+    # run, each configuration would be judged on its own single text per prompt).
+    def params_of(repeat: int) -> list:
+        return [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
+                               seed=repeat * len(prompts) + i) for i in range(len(prompts))]
     configs: dict[str, dict] = {"plain": PLAIN}
     engines = {"plain": llm}
     for m in args.methods:
@@ -140,8 +146,13 @@ def main(argv: list[str] | None = None) -> None:
             configs[name], engines[name] = cfg, engine
 
     def run(name, cfg):
+        repeats_done = 0
+
         def go():
+            nonlocal repeats_done
             engines[name].engine.reconfigure_speculation(**cfg)
+            params = params_of(repeats_done)
+            repeats_done += 1
             t0 = time.perf_counter()
             outs, phase_seconds = generate_each(engines[name], prompts, params)
             dt = time.perf_counter() - t0
@@ -169,7 +180,6 @@ def main(argv: list[str] | None = None) -> None:
     in_run = interleaved_costs(runs.pop(COSTS))
     in_run_eagle = interleaved_costs(runs.pop(EAGLE_COSTS)) if llm_eagle is not None else None
     plain = summarize(runs["plain"], "tok_s")["median"]
-    reference = runs["plain"][0]["tokens"]
     c = in_run["c"]["median"]
     print(f"batch 1, measured between configurations: c = {c:.3f} (range {in_run['c']['min']:.3f} to "
           f"{in_run['c']['max']:.3f}), target T=1 {in_run['target_T1']:.2f} ms, draft step {in_run['draft_T1']:.2f} ms")
@@ -179,14 +189,17 @@ def main(argv: list[str] | None = None) -> None:
     table = {}
     for name, rs in runs.items():
         s = summarize(rs, "tok_s")
-        r0 = rs[0]
-        alpha = r0["accepted"] / r0["drafted"] if r0["drafted"] else None
+        # acceptance over every repeat's texts (at temperature 0 the repeats repeat one text)
+        drafted, accepted, rounds, rejections = (sum(r[key] for r in rs)
+                                                 for key in ("drafted", "accepted", "rounds", "rejections"))
+        alpha = accepted / drafted if drafted else None
         k = configs[name].get("spec_length", 0) if configs[name]["use_speculative_decoding"] else 0
-        alpha_token = r0["accepted"] / (r0["accepted"] + r0["rejections"]) if r0["drafted"] else None
+        alpha_token = accepted / (accepted + rejections) if drafted else None
         entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
-                 "mean_accepted_length": r0["accepted"] / r0["rounds"] if r0["rounds"] else None,
+                 "mean_accepted_length": accepted / rounds if rounds else None,
                  # share of (prompt, repeat) greedy outputs equal to plain's, token for token
-                 "identical_to_plain": statistics.fmean(a == b for r in rs for a, b in zip(r["tokens"], reference))
+                 "identical_to_plain": statistics.fmean(a == b for r, p in zip(rs, runs["plain"])
+                                                        for a, b in zip(r["tokens"], p["tokens"]))
                  if args.temperature == 0 else None,
                  # median over repeats of each phase's milliseconds per generated token
                  "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "costs": costs, "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle,
+        "repeats": args.repeats, "seeds": "repeat * prompts + prompt index", "costs": costs, "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle,
         "results": table}, llm)
     print(f"wrote {path}")
 
