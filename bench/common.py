@@ -46,6 +46,15 @@ def interleave(variants: dict[str, Callable[[], dict]], repeats: int, desc: str)
     return runs
 
 
+def theoretical(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
+    """Leviathan et al., Thm 3.8: speedup of K proposals at per-token acceptance alpha and cost
+    ratio c, a verify pass costing verify_cost decode steps (1: the paper's assumption)."""
+    if k == 0:
+        return 1.0
+    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + verify_cost)
+
+
 def summarize(runs: list[dict], key: str) -> dict:
     values = [r[key] for r in runs]
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

@@ -27,7 +27,17 @@ import time
 
 import torch
 
-from bench.common import PLAIN, adaptive, add_model_options, fixed, generate_each, interleave, summarize, write
+from bench.common import (
+    PLAIN,
+    adaptive,
+    add_model_options,
+    fixed,
+    generate_each,
+    interleave,
+    summarize,
+    theoretical,
+    write,
+)
 from bench.workloads import load_prompts
 from engine.request import PHASES
 
@@ -89,13 +99,6 @@ def interleaved_costs(rows: list[dict]) -> dict:
             "target_T1": statistics.median(r["target_T1"] for r in rows),
             "draft_T1": statistics.median(r["draft_T1"] for r in rows),
             "verify_ratio": {t: statistics.median(r["verify_ratio"][t] for r in rows) for t in rows[0]["verify_ratio"]}}
-
-
-def theoretical(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
-    if k == 0:
-        return 1.0
-    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + verify_cost)
 
 
 def main(argv: list[str] | None = None) -> None:
