@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.proposer import CatchUp
 
@@ -98,44 +96,52 @@ def expected_tokens(acceptance: Acceptance, k: int) -> float:
     """E[tokens per round] with k proposals, the final token included: 1 + h_1 + h_1 h_2 + ...
     (positions past the rates' end reuse the last; one rate a gives (1 - a^(k+1)) / (1 - a))."""
     k = max(k, 0)
-    return float(expected_tokens_table([acceptance], [k], k)[0, k])
+    return expected_tokens_table([acceptance], [k], k)[0][k]
 
 
-def _rates_matrix(alphas: Sequence[Acceptance], k_max: int) -> np.ndarray:
-    """[B, k_max]: h_1..h_k_max of each request (a single rate repeated; past a request's rates, its last)."""
-    lengths = {len(a) if isinstance(a, tuple) else -1 for a in alphas}
-    if len(lengths) == 1 and min(lengths) >= k_max:  # the engine's case: rates of one length, spec_length
-        return np.array(alphas, dtype=float).reshape(len(alphas), -1)[:, :k_max]
-    rates = np.empty((len(alphas), k_max))
-    for i, a in enumerate(alphas):
-        given = [a] if isinstance(a, (int, float)) else list(a[:k_max])
-        rates[i] = given + [given[-1]] * (k_max - len(given))
-    return rates
+def _rates(acceptance: Acceptance, k_max: int) -> Sequence[float]:
+    """h_1..h_k_max of one request (a single rate repeated; past its rates, its last)."""
+    if isinstance(acceptance, (int, float)):
+        return [float(acceptance)] * k_max
+    if len(acceptance) >= k_max:  # the engine's case: rates for spec_length positions
+        return acceptance[:k_max]
+    return [*acceptance, *[acceptance[-1]] * (k_max - len(acceptance))]
 
 
-def expected_tokens_table(alphas: Sequence[Acceptance], caps: Sequence[int], k_max: int) -> np.ndarray:
-    """[B, k_max + 1]: row i is E_i(0), ..., E_i(k_max) for request i, held at E_i(cap_i) past its cap."""
-    table = np.ones((len(alphas), k_max + 1))  # [B, k_max + 1]
-    np.cumprod(_rates_matrix(alphas, k_max), axis=1, out=table[:, 1:])  # h_1 ... h_j: chance all j are accepted
-    if min(caps, default=k_max) < k_max:  # nothing past a request's cap
-        table[:, 1:] *= np.arange(1, k_max + 1)[None, :] <= np.asarray(caps)[:, None]
-    return np.cumsum(table, axis=1, out=table)
+# The policy's arithmetic is plain Python over lists: it plans a few requests x 8 positions between
+# model passes, where each numpy call's fixed cost (paid cold there) exceeded the arithmetic.
 
 
-def first_pass_widths(table: np.ndarray, caps: Sequence[int], catch_up: CatchUp) -> list[float]:
+def expected_tokens_table(alphas: Sequence[Acceptance], caps: Sequence[int], k_max: int) -> list[list[float]]:
+    """[B][k_max + 1]: row i is E_i(0), ..., E_i(k_max) for request i, held at E_i(cap_i) past its cap."""
+    table = []
+    for acceptance, cap in zip(alphas, caps, strict=True):
+        row, expected, all_accepted = [1.0], 1.0, 1.0
+        for t, h in enumerate(_rates(acceptance, k_max), 1):
+            if t <= cap:  # nothing past a request's cap
+                all_accepted *= h  # chance the first t proposals are all accepted
+                expected += all_accepted
+            row.append(expected)
+        table.append(row)
+    return table
+
+
+def first_pass_widths(table: list[list[float]], caps: Sequence[int], catch_up: CatchUp) -> list[float]:
     """Expected width (tokens of its longest row) of a round's first draft pass after rounds at
-    K = 0..k_max, from the requests' expected_tokens_table [B, k_max + 1] (E(t) - E(t - 1) is the
+    K = 0..k_max, from the requests' expected_tokens_table [B][k_max + 1] (E(t) - E(t - 1) is the
     chance a request accepts at least t; 0 past its cap). "round": a + 1 tokens a row, so the
     longest is at least t + 1 unless no row accepts t or more; "own": 2 tokens where a row
     accepted all it proposed (min(K, its cap))."""
-    k_max = table.shape[1] - 1
-    reach = np.diff(table, axis=1)  # [B, k_max] column t - 1: P(the row accepts at least t)
-    if catch_up == "round":
-        return [1.0] + (1.0 + np.cumsum(1.0 - np.prod(1.0 - reach, axis=0))).tolist()
-    caps = np.minimum(np.asarray(caps)[:, None], k_max)  # [B, 1]
-    at = np.minimum(np.arange(1, k_max + 1)[None, :], caps) - 1  # [B, k_max] position of a full acceptance at K
-    full = np.take_along_axis(reach, np.maximum(at, 0), axis=1) * (caps > 0)  # [B, k_max]
-    return [1.0] + (2.0 - np.prod(1.0 - full, axis=0)).tolist()
+    k_max = len(table[0]) - 1 if table else 0
+    widths = [1.0]
+    for k in range(1, k_max + 1):
+        none = 1.0  # "round": chance no row accepts k or more; "own": no row accepts all it proposed
+        for row, cap in zip(table, caps, strict=True):
+            t = k if catch_up == "round" else min(k, cap)
+            if t > 0:
+                none *= 1.0 - (row[t] - row[t - 1])
+        widths.append(widths[-1] + 1.0 - none if catch_up == "round" else 2.0 - none)
+    return widths
 
 
 def _at(values: list[float], x: float) -> float:
@@ -215,9 +221,9 @@ class SpecPolicy:
         if settled is not None:
             return settled
         batch, k_max = len(alphas), min(self.spec_length, max(k_caps))
-        table = expected_tokens_table(alphas, k_caps, k_max)  # [B, k_max + 1]
+        table = expected_tokens_table(alphas, k_caps, k_max)  # [B][k_max + 1]
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
-        tokens = table.sum(axis=0).tolist()  # the batch's expected tokens at K = 0..k_max
+        tokens = [sum(column) for column in zip(*table)]  # the batch's expected tokens at K = 0..k_max
         left = sum(k_caps) + batch
         scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)

@@ -387,10 +387,10 @@ def test_the_expected_tokens_table_holds_each_request_at_its_cap():
     """Rows of the batch's table: a rate repeated, rates by position (the last carried on), and
     a request capped below k_max, whose row stops growing at its cap."""
     table = expected_tokens_table([0.5, (0.5, 1.0), (0.9, 0.8, 0.7)], [4, 4, 1], 4)
-    assert table.shape == (3, 5)
-    assert table[0].tolist() == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
-    assert table[1].tolist() == pytest.approx([1, 1.5, 2.0, 2.5, 3.0])
-    assert table[2].tolist() == pytest.approx([1, 1.9, 1.9, 1.9, 1.9])
+    assert [len(row) for row in table] == [5, 5, 5]
+    assert table[0] == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
+    assert table[1] == pytest.approx([1, 1.5, 2.0, 2.5, 3.0])
+    assert table[2] == pytest.approx([1, 1.9, 1.9, 1.9, 1.9])
 
 
 def test_a_first_pass_that_grows_with_the_round_moves_the_policy_to_a_smaller_k():
