@@ -260,7 +260,8 @@ def _eagle_bound(r: dict) -> str:
         return ""
     alpha, c, verify = max(e["alpha_per_token"] for e in fixed_k), costs["c"]["median"], costs["verify_ratio"]
     bound, k = max((theoretical(alpha, k, c, verify[str(k + 1)]), k) for k in range(1, len(verify)))
-    return f" (bound on this host {bound:.2f}x at K = {k}: Thm 3.8 with α {alpha:.3f}, c {c:.3f} and the measured verify costs)"
+    return (f" (bound on this host {bound:.2f}x at K = {k}: Thm 3.8 with α {alpha:.3f}, c {c:.3f} and the measured "
+            "verify costs)")
 
 
 def summary() -> str:

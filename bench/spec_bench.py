@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
               f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "seeds": "repeat * prompts + prompt index", "costs": costs, "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle,
-        "results": table}, llm)
+        "repeats": args.repeats, "seeds": "repeat * prompts + prompt index", "costs": costs,
+        "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle, "results": table}, llm)
     print(f"wrote {path}")
 
 

@@ -108,8 +108,9 @@ def _rates(acceptance: Acceptance, k_max: int) -> Sequence[float]:
     return [*acceptance, *[acceptance[-1]] * (k_max - len(acceptance))]
 
 
-# The policy's arithmetic is plain Python over lists: it plans a few requests x 8 positions between
-# model passes, where each numpy call's fixed cost (paid cold there) exceeded the arithmetic.
+# Plain Python over lists, not numpy: between model passes each numpy call's fixed cost (paid with
+# cold caches) exceeded this arithmetic up to batch 32 (docs/performance-notes.md, "The policy's
+# arithmetic in plain Python").
 
 
 def expected_tokens_table(alphas: Sequence[Acceptance], caps: Sequence[int], k_max: int) -> list[list[float]]:
