@@ -1,7 +1,7 @@
 """Batch sweep: throughput of plain decode, fixed-K speculation and the adaptive policy at 1..64
 concurrent requests, and which K the adaptive policy picked at each batch size.
 
-    python -m bench sweep [--batches 1 2 4 8 16 32 64] [--tokens 64] [--repeats 3]
+    python -m bench sweep [--batches 1 2 4 8 16 32 64] [--tokens 128] [--repeats 3]
     python -m bench sweep --method eagle      # the EAGLE-3 head (embedded:eagle3) instead of the draft
 
 All requests of a run are submitted at once (distinct held-out prompts: code, then edit) and
@@ -16,6 +16,8 @@ proposer's catch-up on the prompts (an EAGLE-3 head reads them before it can pro
 the window for every variant: chunked over several steps, fixed K would pay it for the requests
 prefilled first before the window opens, while the adaptive policy, choosing plain there, pays
 it inside. The whole run, prefill and drain included, is reported too (`tok_s_end_to_end`).
+128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.1-0.3 s), and
+the host's swings over so short a window outweighed the few percent the sweep is to judge.
 Variants are interleaved (A B C ... A B C ...) within each batch size; medians reported.
 """
 
@@ -98,7 +100,7 @@ def run_batch(llm, prompts: list[str], params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = parser("sweep", __doc__, tokens=64)
+    ap = parser("sweep", __doc__, tokens=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
                     help="the model proposer (eagle: --draft defaults to the embedded EAGLE-3 head)")

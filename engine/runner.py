@@ -55,6 +55,20 @@ class ModelRunner:
         or [B, T, vocab] of every position (a verify pass)."""
         return self._pass(reqs, chunks, [self.kv.computed(r) for r in reqs], all_logits)
 
+    def verify(self, reqs: list[Request], chunks: list[list[int]], groups: list[list[int]]) -> torch.Tensor:
+        """Appends chunks[i] to reqs[i]'s target KV in one pass per group of row indices: logits
+        [B, T, vocab] of every position (T the longest chunk; a row's positions past its chunk
+        are padding, zeros where its group's pass was narrower)."""
+        if len(groups) == 1:
+            return self.forward(reqs, chunks, all_logits=True)
+        logits = None
+        for rows in groups:
+            part = self.forward([reqs[i] for i in rows], [chunks[i] for i in rows], all_logits=True)  # [b, t, V]
+            if logits is None:
+                logits = part.new_zeros(len(reqs), max(len(c) for c in chunks), part.shape[-1])  # [B, T, V]
+            logits[torch.tensor(rows, device=part.device), :part.shape[1]] = part
+        return logits
+
     def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool) -> torch.Tensor:
         slots = [self.kv.target_slot(r) for r in reqs]
         if not self.capture:

@@ -1,7 +1,8 @@
 """A speculative decode step: plan (the policy's K, capped per request by KV and max_tokens) ->
 propose (up to k tokens each, with q when sampling needs it) -> verify (one target pass over
 [g, t_1..t_k], g the last sampled token) -> accept (exact) -> commit (both pools roll back to the
-accepted length). Requests without a proposal ride along with k = 0: exactly a plain step.
+accepted length). Requests without a proposal ride along with k = 0 (padded in the verify pass, or
+in a one-token pass of their own where the measured costs price that cheaper): exactly a plain step.
 """
 
 from __future__ import annotations
@@ -113,16 +114,33 @@ class SpeculativeDecoder:
         overhead = max(0.0, draft_seconds - (self.costs.draft_pass_seconds - passes))
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
-        logits = self.runner.forward(reqs, [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)],
-                                     all_logits=True)  # [N, K+1, V]
+        chunks = [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)]
+        groups = self._verify_groups([len(c) for c in chunks])
+        logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
         if masks is not None:
             logits = mask_logits(logits, masks)
         num_accepted, finals = accept(reqs, proposal, logits)
         target_seconds = time.perf_counter() - t1
-        self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
+        if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
+            self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
         tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
+
+    def _verify_groups(self, widths: list[int]) -> list[list[int]]:
+        """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a
+        proposal padded to the longest; or, where the measured costs price it cheaper, a pass
+        over the rows with a proposal and a one-token pass over the rest (a probe speculates for
+        one row of the batch; n-gram lookups find no match for some rows)."""
+        everyone = [list(range(len(widths)))]
+        bare = [i for i, w in enumerate(widths) if w == 1]
+        if not bare:
+            return everyone
+        proposing = [i for i, w in enumerate(widths) if w > 1]
+        k = max(widths) - 1
+        together = self.costs.verify_times(len(widths), k)[k]
+        apart = self.costs.verify_times(len(bare), 0)[0] + self.costs.verify_times(len(proposing), k)[k]
+        return [proposing, bare] if apart < together else everyone
 
     def _plan(self, reqs: list[Request], running: Sequence[Request]) -> RoundPlan:
         if not self.settings.use_speculative_decoding:

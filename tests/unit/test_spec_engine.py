@@ -223,6 +223,73 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 
+def _priced(costs, verify_per_token: float) -> None:
+    """Target pass times at batch 1..4, T = 1..5: 0.2 s a pass, 0.1 s a row for one token, plus
+    verify_per_token a row for each further token."""
+    from engine.speculative.costs import TimingTable
+
+    costs.target = TimingTable()
+    for b in range(1, 5):
+        for t in range(1, 6):
+            costs.observe_target(b, t, 0.2 + b * (0.1 + verify_per_token * (t - 1)))
+
+
+def test_verify_rows_without_a_proposal_get_their_own_one_token_pass_where_it_is_priced_cheaper(tiny_model, tiny_draft):
+    eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine
+    decoder = eng.speculation
+    _priced(decoder.costs, verify_per_token=0.1)  # padding 2 rows to 3 tokens costs more than a second pass
+    assert decoder._verify_groups([3, 1, 1, 3]) == [[0, 3], [1, 2]]
+    assert decoder._verify_groups([3, 2, 3]) == [[0, 1, 2]]  # every row proposes: one pass
+    _priced(decoder.costs, verify_per_token=0.001)  # verify nearly free: padding costs less than a second pass
+    assert decoder._verify_groups([3, 1, 1, 3]) == [[0, 1, 2, 3]]
+
+
+def test_a_verify_pass_split_in_groups_gives_every_row_the_logits_of_one_pass(tiny_model, tiny_draft):
+    import torch
+
+    eng = spec_llm(tiny_model[0], tiny_draft[0]).engine
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = [eng.add_request(p, greedy) for p in PROMPTS[:3]]
+    while not all(eng.get_output(i).token_ids for i in ids):
+        eng.step()
+    reqs = [eng.request(i) for i in ids]
+    starts = [eng.kv.computed(r) for r in reqs]
+    chunks = [[r.output_token_ids[-1]] + extra for r, extra in zip(reqs, [[5, 9], [], [7]])]
+
+    def run(groups):
+        logits = eng.runner.verify(reqs, chunks, groups)
+        kv_after = [eng.kv.computed(r) for r in reqs]
+        for r, s in zip(reqs, starts):
+            eng.kv.rollback(r, s)
+        return logits, kv_after
+
+    one, kv_one = run([[0, 1, 2]])
+    split, kv_split = run([[0, 2], [1]])
+    assert one.shape == split.shape == (3, 3, one.shape[-1])
+    assert kv_one == kv_split == [s + len(c) for s, c in zip(starts, chunks)]
+    for i, c in enumerate(chunks):
+        torch.testing.assert_close(split[i, :len(c)], one[i, :len(c)], atol=1e-4, rtol=1e-4)
+    assert torch.all(split[1, 1:] == 0)
+
+
+def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft):
+    from engine.speculative.policy import Choice
+
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
+    eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine
+    _priced(eng.speculation.costs, verify_per_token=0.1)
+    eng.speculation.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
+    passes = []
+    verify = eng.runner.verify
+    eng.runner.verify = lambda reqs, chunks, groups: passes.append(len(groups)) or verify(reqs, chunks, groups)
+    ids = [eng.add_request(p, greedy) for p in PROMPTS]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert 2 in passes
+    assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+
+
 def test_a_plain_probe_decodes_the_whole_step_plainly_and_measures_the_plain_pass(tiny_model, tiny_draft):
     """A plain probe (one plain step in a run of speculative ones) decodes every request plainly,
     is counted under its own reason, refreshes plain decoding's pass time and step overhead,
