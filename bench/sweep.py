@@ -16,8 +16,8 @@ proposer's catch-up on the prompts (an EAGLE-3 head reads them before it can pro
 the window for every variant: chunked over several steps, fixed K would pay it for the requests
 prefilled first before the window opens, while the adaptive policy, choosing plain there, pays
 it inside. The whole run, prefill and drain included, is reported too (`tok_s_end_to_end`).
-128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.1-0.3 s), and
-the host's swings over so short a window outweighed the few percent the sweep is to judge.
+128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.2 s at batch
+1), and the host's swings over so short a window outweighed the few percent the sweep is to judge.
 Variants are interleaved (A B C ... A B C ...) within each batch size; medians reported.
 """
 
