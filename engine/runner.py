@@ -61,11 +61,10 @@ class ModelRunner:
         are padding, zeros where its group's pass was narrower)."""
         if len(groups) == 1:
             return self.forward(reqs, chunks, all_logits=True)
-        logits = None
-        for rows in groups:
-            part = self.forward([reqs[i] for i in rows], [chunks[i] for i in rows], all_logits=True)  # [b, t, V]
-            if logits is None:
-                logits = part.new_zeros(len(reqs), max(len(c) for c in chunks), part.shape[-1])  # [B, T, V]
+        parts = [self.forward([reqs[i] for i in rows], [chunks[i] for i in rows], all_logits=True)
+                 for rows in groups]  # each [b, t, V]
+        logits = parts[0].new_zeros(len(reqs), max(len(c) for c in chunks), parts[0].shape[-1])  # [B, T, V]
+        for rows, part in zip(groups, parts):
             logits[torch.tensor(rows, device=part.device), :part.shape[1]] = part
         return logits
 
