@@ -193,6 +193,10 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
         lines += ["", "The paired column is the median, over repeats, of each repeat's adaptive run ÷ the same "
                   "repeat's run of the best other variant (min-max in brackets): the two ran minutes apart, so "
                   "the host's slow drifts cancel, where the ratio of medians compares runs up to a sweep apart."]
+    if r.get("prompts_per_repeat") == "next":
+        lines += ["", "Each repeat of a batch size decodes the next prompts of the pool (wrapping), the same for "
+                  "every variant of that repeat: the paired ratio compares runs on the same text, the ratio of "
+                  "medians runs on different texts."]
     if held_out:
         lines += ["", "The held-out column pairs the same way, but picks the best other variant for each repeat "
                   "by its median over the other repeats: the best of several near-tied medians is the luckiest, "

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps {row[ADAPTIVE]['k_steps']}")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
-                           "prefill_budget": PREFILL_BUDGET,
+                           "prefill_budget": PREFILL_BUDGET, "prompts_per_repeat": "next",
                            "variants": VARIANTS, "results": results}, llm)
     print(f"wrote {path}")
 
