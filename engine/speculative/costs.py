@@ -1,6 +1,7 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
 (batch size, tokens per sequence), interpolated between the sizes measured; `calibrate` fills
-them at powers of two at start-up. A decode step's time outside its passes (sampling,
+them at powers of two at start-up. A round's further one-token draft steps are timed together
+(a call that runs them all has a fixed cost of its own), by how many. A decode step's time outside its passes (sampling,
 acceptance, bookkeeping: it grows with B x (K + 1) logits; and the proposer's own work beyond
 the draft passes it times) is measured per (batch size, K) too.
 """
@@ -67,6 +68,10 @@ class TimingTable:
         times = [self.estimate(batch, t) or default for t in ts]
         return line_fit(times, [max(self.weight(batch, t), least_weight) for t in ts])
 
+    def observed(self, tokens_per_seq: int) -> bool:
+        """Whether any batch size was observed at tokens_per_seq."""
+        return tokens_per_seq in self._ema
+
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
             return None
@@ -128,7 +133,7 @@ class CostObserver(Protocol):
 class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by (B, width)
     (it catches up on the tokens the proposer has not seen, `width` for the longest row, and
-    gives the first proposal) and each further one-token draft step by B; long (prefill-like)
+    gives the first proposal) and its further one-token draft steps by (B, how many); long (prefill-like)
     draft catch-ups per token; and a step's time outside the passes by (B, K) (paid once per
     step, so it favours longer rounds)."""
 
@@ -137,7 +142,7 @@ class MeasuredCosts:
     def __init__(self, smoothing: float = 0.1):
         self.target = TimingTable()
         self.draft_first = TimingTable()
-        self.draft = TimingTable()
+        self.draft = TimingTable()  # (B, steps) -> seconds of a round's `steps` further one-token steps
         self.smoothing = smoothing
         self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
@@ -152,7 +157,7 @@ class MeasuredCosts:
 
     def observe_draft_steps(self, batch: int, steps: int, seconds: float) -> None:
         """`steps` one-token draft steps over `batch` rows took `seconds` in all."""
-        self.draft.observe(batch, 1, seconds / steps)
+        self.draft.observe(batch, steps, seconds)
         self.draft_pass_seconds += seconds
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
@@ -175,11 +180,18 @@ class MeasuredCosts:
         return [self.other.estimate(batch, 0) or 0.0] + self.other.fitted(batch, range(1, k_max + 1),
                                                                         self.STALE_WEIGHT, 0.0)
 
-    def draft_times(self, rows: int, k_max: int) -> tuple[list[float], float]:
-        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1 (on a fitted
-        line) and each further one-token step (0 until measured)."""
-        step = self.draft.estimate(rows, 1) or 0.0
-        return self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, step), step
+    def draft_times(self, rows: int, k_max: int) -> tuple[list[float], list[float]]:
+        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1, and its 0..k_max - 1
+        further one-token steps, each on a fitted line (a fixed part and a part per width or step;
+        a step count never observed is priced as that many single steps; 0 until measured)."""
+        one = self.draft.estimate(rows, 1) or 0.0
+        first = self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, one)
+        if k_max < 2:
+            return first, [0.0] * max(k_max, 1)
+        counts = range(1, k_max)
+        times = [self.draft.estimate(rows, n) if self.draft.observed(n) else n * one for n in counts]
+        weights = [max(self.draft.weight(rows, n), self.STALE_WEIGHT) for n in counts]
+        return first, [0.0] + line_fit(times, weights)
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
@@ -209,7 +221,8 @@ CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's 
 def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
               max_tokens: int, max_batch: int, repeats: int = 3) -> None:
     """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
-    first, catching up on 1, 2 and max_tokens tokens, and a one-token step) at power-of-two batch
+    first, catching up on 1, 2 and max_tokens tokens, and a one-token step, which prices a
+    round's 1..max_tokens - 1 further steps until they are measured) at power-of-two batch
     sizes up to max_batch, each sequence over CALIBRATION_CONTEXT keys (fewer where the pools are smaller).
     Each shape runs once untimed first (its first call pays one-off costs a policy must not
     mistake for the steady cost); the median of `repeats` is recorded."""
@@ -223,7 +236,9 @@ def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft
         if draft is not None:
             for width in sorted({1, 2, max_tokens}):
                 costs.observe_draft_first(b, width, _median_pass(*draft, b, width, context, repeats))
-            costs.observe_draft_steps(b, 1, _median_pass(*draft, b, 1, context, repeats))
+            step = _median_pass(*draft, b, 1, context, repeats)
+            for n in range(1, max_tokens):
+                costs.draft.observe(b, n, n * step)
         if b >= max_batch:
             return
         batch *= 2

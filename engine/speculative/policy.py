@@ -187,8 +187,8 @@ class SpecPolicy:
         draft_rows = batch if draft_rows is None else draft_rows
         if not draft_rows:
             return [v + o for v, o in zip(verify, other)]
-        first, step = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w
-        return [verify[0] + other[0]] + [_at(first, widths[k] - 1) + (k - 1) * step + verify[k] + other[k]
+        first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
+        return [verify[0] + other[0]] + [_at(first, widths[k] - 1) + further[k - 1] + verify[k] + other[k]
                                          for k in range(1, k_max + 1)]
 
     def _goodput(self, k: int, tokens: float, seconds: float, catch_up_tokens: int, round_tokens_left: int) -> float:

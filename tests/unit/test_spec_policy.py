@@ -31,7 +31,7 @@ class MemoryBoundCosts:
         return self.draft_time(batch)
 
     def draft_times(self, batch, k_max):
-        return [self.draft_first_time(batch)] * (k_max + 1), self.draft_time(batch)
+        return [self.draft_first_time(batch)] * (k_max + 1), [n * self.draft_time(batch) for n in range(max(k_max, 1))]
 
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
@@ -398,7 +398,7 @@ def test_a_first_pass_that_grows_with_the_round_moves_the_policy_to_a_smaller_k(
     width, longer rounds cost more than a draft model's fixed-width first pass, and K falls."""
     class WidthBoundFirstPass(MemoryBoundCosts):
         def draft_times(self, batch, k_max):  # 1 ms plus 0.5 ms per token of the widest row
-            return [1e-3 + 0.5e-3 * w for w in range(1, k_max + 2)], 0.5e-3
+            return [1e-3 + 0.5e-3 * w for w in range(1, k_max + 2)], [0.5e-3 * n for n in range(k_max)]
 
     costs = WidthBoundFirstPass()
     own = SpecPolicy(costs, spec_length=8, mode="adaptive", hysteresis=0.0).choose([0.8] * 4, [100] * 4)
@@ -431,7 +431,8 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     near_end = choose([40] * 8, 8 * 300)
     assert near_end.k == 0
     tokens = 8 * expected_tokens(0.7, k)
-    step = costs.draft_times(8, k)[1] * k + costs.verify_times(8, k)[k]
+    first, further = costs.draft_times(8, k)
+    step = first[0] + further[k - 1] + costs.verify_times(8, k)[k]
     charged = costs.catch_up_time(8 * 300) / (8 * 41 / tokens)
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
 
@@ -443,6 +444,24 @@ def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
     assert line_fit([1, 100, 3], [1, 0, 1]) == pytest.approx([1, 2, 3])  # an entry without weight is ignored
     assert line_fit([7], [1]) == pytest.approx([7])
 
+
+
+def test_a_rounds_further_draft_steps_are_priced_with_the_fixed_cost_of_their_call():
+    """Steps timed together (one call runs a round's K - 1 steps: 0.5 ms of its own plus 0.3 ms
+    a step) are priced on the line through them, not at their average: a round of 7 steps costs
+    2.6 ms, where 7 times the 4-step average (0.425 ms) would price it 3.0 ms. A count never
+    timed is that many single steps until it is."""
+    costs = MeasuredCosts()
+    assert costs.draft_times(1, 4)[1] == [0.0, 0.0, 0.0, 0.0]  # nothing measured yet
+    costs.observe_draft_steps(1, 1, 0.8e-3)
+    assert costs.draft_times(1, 4)[1] == pytest.approx([0.0, 0.8e-3, 1.6e-3, 2.4e-3])
+    for _ in range(20):
+        for n in (2, 4, 6):
+            costs.observe_draft_steps(1, n, 0.5e-3 + 0.3e-3 * n)
+    further = costs.draft_times(1, 8)[1]
+    assert further[0] == 0.0 and further[7] == pytest.approx(2.6e-3, rel=0.05)
+    assert further[4] == pytest.approx(1.7e-3, rel=0.05)
+    assert costs.draft_times(1, 1)[1] == [0.0]  # K = 1: the first pass alone
 
 
 def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k():
