@@ -63,10 +63,9 @@ class TimingTable:
         return self._weight.get(batch_bucket(batch), {}).get(tokens_per_seq, 0.0)
 
     def fitted(self, batch: int, ts: range, least_weight: float, default: float) -> list[float]:
-        """Estimates for each T in `ts` (consecutive) on the line through them, each weighted by its
-        trust (at least least_weight): one noisy or stale entry cannot make one T look cheaper."""
+        """Estimates for each T in `ts` (consecutive): trusted_line over their entries."""
         times = [self.estimate(batch, t) or default for t in ts]
-        return line_fit(times, [max(self.weight(batch, t), least_weight) for t in ts])
+        return trusted_line(times, [self.weight(batch, t) for t in ts], least_weight)
 
     def observed(self, tokens_per_seq: int) -> bool:
         """Whether any batch size was observed at tokens_per_seq."""
@@ -169,7 +168,7 @@ class MeasuredCosts:
 
     def verify_times(self, batch: int, k_max: int) -> list[float]:
         """Target pass seconds for K = 0..k_max (K + 1 tokens per sequence): plain (one token, the
-        last position's logits only) as measured, K >= 1 on the line fitted through all (the
+        last position's logits only) as measured, K >= 1 fitted through all (trusted_line; the
         cost per token falls a little with T, so the line prices T = 1 above its own figure)."""
         line = self.target.fitted(batch, range(1, k_max + 2), self.STALE_WEIGHT, 1.0)
         plain = self.target.estimate(batch, 1)
@@ -190,12 +189,25 @@ class MeasuredCosts:
             return first, [0.0] * max(k_max, 1)
         counts = range(1, k_max)
         times = [self.draft.estimate(rows, n) if self.draft.observed(n) else n * one for n in counts]
-        weights = [max(self.draft.weight(rows, n), self.STALE_WEIGHT) for n in counts]
-        return first, [0.0] + line_fit(times, weights)
+        return first, [0.0] + trusted_line(times, [self.draft.weight(rows, n) for n in counts], self.STALE_WEIGHT)
 
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
         return self.catch_up(tokens)
+
+
+LINE_TRUST = 4.0  # observations' worth of trust a fitted line has against an entry's own figure
+
+
+def trusted_line(values: Sequence[float], weights: Sequence[float], least_weight: float) -> list[float]:
+    """Each of values[0], values[1], ... (at x = 0, 1, ...) shrunk towards the line fitted through
+    all (each weighted by its trust, at least least_weight): (w v + LINE_TRUST line) / (w +
+    LINE_TRUST), w its trust. An entry measured once or long ago keeps little of its own figure,
+    so one noisy or stale entry can neither lure the policy to its K nor drive it away; one
+    measured often and lately keeps most of it, where a line misses the steps in a kernel's cost
+    by rows (batch 1, AVX2 host: a verify pass over 5 tokens cost more than one over 6)."""
+    line = line_fit(values, [max(w, least_weight) for w in weights])
+    return [(w * v + LINE_TRUST * fit) / (w + LINE_TRUST) for v, w, fit in zip(values, weights, line)]
 
 
 def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit
+from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit, trusted_line
 from engine.speculative.ngram import ngram_propose
 from engine.speculative.policy import (
     AcceptanceByPosition,
@@ -117,7 +117,8 @@ def test_plain_decoding_is_priced_by_its_own_pass_not_the_verify_line():
     assert line[0] > 43.0  # what the policy used to believe about plain decoding
     verify = costs.verify_times(32, 2)
     assert verify[0] == pytest.approx(41.7e-3)
-    assert verify[1:] == pytest.approx([v * 1e-3 for v in line[1:]])
+    trusted = trusted_line([41.7, 61.7, 79.5], [costs.target.weight(32, t) for t in (1, 2, 3)], MeasuredCosts.STALE_WEIGHT)
+    assert verify[1:] == pytest.approx([v * 1e-3 for v in trusted[1:]])
     for t in (1, 2, 3):
         costs.observe_other(32, t - 1, 2e-3)
     # 32 requests at h = 0.43: K = 1 yields 45.8 tokens a step, ~720 tok/s
@@ -437,6 +438,25 @@ def test_a_draft_far_behind_must_win_by_more_than_its_catch_up():
     assert abs(near_end.goodput[k] - tokens / (step + charged)) < 1e-6
 
 
+def test_a_cost_measured_often_keeps_its_own_figure_where_the_line_misses_it():
+    """Batch 1, AVX2 host: a verify pass over 5 tokens (K = 4) cost more than one over 6 (the
+    kernel's row groups), which no line through T = 1..6 shows. Measured often and lately, T = 5
+    and 6 keep their own figures (K = 5 is priced below K = 4); T = 3, measured once at a noisy
+    25 ms, stays near the line."""
+    costs = MeasuredCosts()
+    costs.observe_target(1, 3, 25e-3)
+    for _ in range(30):
+        for t, ms in [(1, 7.0), (4, 9.0), (5, 11.0), (6, 10.5)]:
+            costs.observe_target(1, t, ms * 1e-3)
+    verify = costs.verify_times(1, 5)
+    assert verify[4] > verify[5]  # K = 4 dearer than K = 5, as measured
+    assert verify[4] == pytest.approx(11.0e-3, rel=0.03) and verify[5] == pytest.approx(10.5e-3, rel=0.03)
+    line = line_fit([7.0, 9.0, 25.0, 9.0, 11.0, 10.5], [max(costs.target.weight(1, t), MeasuredCosts.STALE_WEIGHT)
+                                                       for t in range(1, 7)])
+    assert abs(verify[2] * 1e3 - line[2]) < 0.1 * (25.0 - line[2])  # the noisy entry: on the line, nearly
+    assert trusted_line([1.0, 5.0], [0.0, 100.0], 0.05) == pytest.approx([1.0, 5.0 * 100 / 104 + 4 * 5.0 / 104])
+
+
 def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
     assert line_fit([1, 2, 3], [1, 1, 1]) == pytest.approx([1, 2, 3])
     assert line_fit([1, 3, 2, 4], [1, 1, 1, 1]) == pytest.approx([1.3, 2.1, 2.9, 3.7])  # slope 0.8
@@ -475,8 +495,13 @@ def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k(
         measured.observe_other(8, k, seconds)
     other = measured.other_times(6, 6)  # bucket 8
     assert other[0] == pytest.approx(1e-3)
-    slope = other[2] - other[1]  # K = 3, 5, 6 never measured: nearest K, little weight
-    assert slope == pytest.approx(1.41e-3, rel=0.01) and other[1:] == pytest.approx([other[1] + slope * i for i in range(6)])
+    # K = 3, 5, 6 never measured (nearest K, little weight): on the line, 1.41 ms a K; K = 1, 2, 4
+    # measured once each keep a fifth of their own figures
+    line = line_fit([2.0, 5.0, 5.0, 7.0, 7.0, 7.0], [max(measured.other.weight(8, k), MeasuredCosts.STALE_WEIGHT)
+                                                    for k in range(1, 7)])
+    assert line[1] - line[0] == pytest.approx(1.41, rel=0.01)
+    assert other[3] * 1e3 == pytest.approx(line[2], rel=0.02) and other[1] * 1e3 == pytest.approx(0.8 * line[0] + 0.2 * 2.0, rel=0.02)
+    assert all(a < b for a, b in zip(other[1:], other[2:]))  # dearer with every K
     costs.per_k = 1.5e-3
     after = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
     assert 0 < after.k < before.k
