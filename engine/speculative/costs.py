@@ -1,9 +1,9 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
 (batch size, tokens per sequence), interpolated between the sizes measured; `calibrate` fills
-them at powers of two at start-up. A round's further one-token draft steps are timed together
-(a call that runs them all has a fixed cost of its own), by how many. A decode step's time outside its passes (sampling,
-acceptance, bookkeeping: it grows with B x (K + 1) logits; and the proposer's own work beyond
-the draft passes it times) is measured per (batch size, K) too.
+them at powers of two at start-up. A round's further one-token draft steps are timed together,
+by how many (the call that runs them has a fixed cost of its own). A decode step's time outside
+its passes (sampling, acceptance, bookkeeping: it grows with B x (K + 1) logits; and the
+proposer's own work beyond the draft passes it times) is measured per (batch size, K) too.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ class CostObserver(Protocol):
 class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by (B, width)
     (it catches up on the tokens the proposer has not seen, `width` for the longest row, and
-    gives the first proposal) and its further one-token draft steps by (B, how many); long (prefill-like)
-    draft catch-ups per token; and a step's time outside the passes by (B, K) (paid once per
-    step, so it favours longer rounds)."""
+    gives the first proposal) and its further one-token draft steps by (B, how many); long
+    (prefill-like) draft catch-ups per token; and a step's time outside the passes by (B, K)
+    (paid once per step, so it favours longer rounds)."""
 
     STALE_WEIGHT = 0.05  # least weight of a time in a line fit (calibrated, never measured since)
 
@@ -180,9 +180,10 @@ class MeasuredCosts:
                                                                         self.STALE_WEIGHT, 0.0)
 
     def draft_times(self, rows: int, k_max: int) -> tuple[list[float], list[float]]:
-        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1, and its 0..k_max - 1
-        further one-token steps, each on a fitted line (a fixed part and a part per width or step;
-        a step count never observed is priced as that many single steps; 0 until measured)."""
+        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1, and its
+        0..k_max - 1 further one-token steps, each on a fitted line (a fixed part and a part per
+        width or step; a step count never observed is priced as that many single steps; 0 until
+        measured)."""
         one = self.draft.estimate(rows, 1) or 0.0
         first = self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, one)
         if k_max < 2:

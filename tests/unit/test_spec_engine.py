@@ -244,6 +244,18 @@ def test_verify_rows_without_a_proposal_get_their_own_one_token_pass_where_it_is
     assert decoder._verify_groups([3, 1, 1, 3]) == [[0, 1, 2, 3]]
 
 
+def test_calibration_prices_every_count_of_a_rounds_further_draft_steps(tiny_model, tiny_draft):
+    """Start-up calibration times one draft step at each power-of-two batch size and enters n of
+    them as the price of a round's n further steps, for every n a round may take (spec_length
+    4: calibrated up to 8), so no count is priced from another batch size's figure."""
+    costs = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine.speculation.costs
+    for batch in (1, 2, 4, 8):
+        one = costs.draft.estimate(batch, 1)
+        assert one > 0
+        assert [costs.draft.estimate(batch, n) for n in range(1, 9)] == pytest.approx([n * one for n in range(1, 9)])
+        assert costs.draft_times(batch, 8)[1] == pytest.approx([n * one for n in range(8)])
+
+
 def test_a_verify_pass_split_in_groups_gives_every_row_the_logits_of_one_pass(tiny_model, tiny_draft):
     import torch
 
