@@ -53,7 +53,10 @@ class Switch:
         self.policy.choose = self._choose
 
     def _old_verify(self, batch: int, k_max: int) -> list[float]:
-        return self.costs.target.fitted(batch, range(1, k_max + 2), self.costs.STALE_WEIGHT, 1.0)
+        """Every K, plain included, on the weighted line alone (no entry keeps its own figure)."""
+        table, ts = self.costs.target, range(1, k_max + 2)
+        times = [table.estimate(batch, t) or 1.0 for t in ts]
+        return costs_module.line_fit(times, [max(table.weight(batch, t), self.costs.STALE_WEIGHT) for t in ts])
 
     def _choose(self, *args, **kwargs) -> Choice:
         choice = self.new_choose(*args, **kwargs)

@@ -71,12 +71,16 @@ class TimingTable:
         """Whether any batch size was observed at tokens_per_seq."""
         return tokens_per_seq in self._ema
 
+    def nearest(self, tokens_per_seq: int) -> int | None:
+        """The observed T nearest tokens_per_seq (the smaller on a tie); None before any observation."""
+        return min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t)) if self._ema else None
+
     def estimate(self, batch: int, tokens_per_seq: int) -> float | None:
         if not self._ema:
             return None
         row = self._ema.get(tokens_per_seq)  # the policy asks for measured T nearly always
         if row is None:
-            row = self._ema[min(self._ema, key=lambda t: (abs(t - tokens_per_seq), t))]
+            row = self._ema[self.nearest(tokens_per_seq)]
         if batch in row:
             return row[batch]
         sizes = sorted(row)
@@ -180,11 +184,14 @@ class MeasuredCosts:
                                                                         self.STALE_WEIGHT, 0.0)
 
     def draft_times(self, rows: int, k_max: int) -> tuple[list[float], list[float]]:
-        """Over `rows` sequences: a round's first draft pass at widths 1..k_max + 1, and its
-        0..k_max - 1 further one-token steps, each on a fitted line (a fixed part and a part per
-        width or step; a step count never observed is priced as that many single steps; 0 until
-        measured)."""
-        one = self.draft.estimate(rows, 1) or 0.0
+        """Over `rows` sequences (k_max >= 1): a round's first draft pass at widths 1..k_max + 1,
+        and its 0..k_max - 1 further one-token steps, each on trusted_line (a fixed part and a part
+        per width or step). A step count never observed enters the line at least weight as that
+        many steps at the per-step time of the count observed nearest 1 (calibration observes
+        them all; an engine switched to the adaptive policy later has seen only its fixed K's).
+        0 until measured."""
+        nearest = self.draft.nearest(1)
+        one = (self.draft.estimate(rows, nearest) or 0.0) / nearest if nearest else 0.0
         first = self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, one)
         if k_max < 2:
             return first, [0.0] * max(k_max, 1)

@@ -36,10 +36,10 @@ class MemoryBoundCosts:
     def target_weight(self, batch, tokens_per_seq):
         return 1.0
 
-    def verify_times(self, batch, k_max):  # as MeasuredCosts gives them: plain as measured, K >= 1 on a line
+    def verify_times(self, batch, k_max):  # as MeasuredCosts gives them: plain as measured, K >= 1 on trusted_line
         ts = range(1, k_max + 2)
-        line = line_fit([self.target_time(batch, t) for t in ts],
-                        [max(self.target_weight(batch, t), MeasuredCosts.STALE_WEIGHT) for t in ts])
+        line = trusted_line([self.target_time(batch, t) for t in ts], [self.target_weight(batch, t) for t in ts],
+                            MeasuredCosts.STALE_WEIGHT)
         return [self.target_time(batch, 1)] + line[1:]
 
     def catch_up_time(self, tokens):
@@ -451,10 +451,12 @@ def test_a_cost_measured_often_keeps_its_own_figure_where_the_line_misses_it():
     verify = costs.verify_times(1, 5)
     assert verify[4] > verify[5]  # K = 4 dearer than K = 5, as measured
     assert verify[4] == pytest.approx(11.0e-3, rel=0.03) and verify[5] == pytest.approx(10.5e-3, rel=0.03)
-    line = line_fit([7.0, 9.0, 25.0, 9.0, 11.0, 10.5], [max(costs.target.weight(1, t), MeasuredCosts.STALE_WEIGHT)
+    line = line_fit([7.0, 7.0, 25.0, 9.0, 11.0, 10.5], [max(costs.target.weight(1, t), MeasuredCosts.STALE_WEIGHT)
                                                        for t in range(1, 7)])
     assert abs(verify[2] * 1e3 - line[2]) < 0.1 * (25.0 - line[2])  # the noisy entry: on the line, nearly
-    assert trusted_line([1.0, 5.0], [0.0, 100.0], 0.05) == pytest.approx([1.0, 5.0 * 100 / 104 + 4 * 5.0 / 104])
+    fit = line_fit([1.0, 5.0, 3.0], [0.05, 100.0, 0.05])  # the trusted middle entry pulls the line through it
+    assert trusted_line([1.0, 5.0, 3.0], [0.0, 100.0, 0.0], 0.05) == pytest.approx(
+        [fit[0], (100 * 5.0 + 4 * fit[1]) / 104, fit[2]])
 
 
 def test_line_fit_is_weighted_least_squares_with_a_slope_never_below_zero():
@@ -482,6 +484,10 @@ def test_a_rounds_further_draft_steps_are_priced_with_the_fixed_cost_of_their_ca
     assert further[0] == 0.0 and further[7] == pytest.approx(2.6e-3, rel=0.05)
     assert further[4] == pytest.approx(1.7e-3, rel=0.05)
     assert costs.draft_times(1, 1)[1] == [0.0]  # K = 1: the first pass alone
+    switched = MeasuredCosts()  # an engine set to the adaptive policy after fixed K = 4: no calibration
+    for _ in range(10):
+        switched.observe_draft_steps(1, 3, 1.4e-3)
+    assert switched.draft_times(1, 4)[1] == pytest.approx([0.0, 1.4e-3 / 3, 2.8e-3 / 3, 1.4e-3])  # not 1.4 ms each
 
 
 def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k():
