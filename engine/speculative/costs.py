@@ -193,9 +193,7 @@ class MeasuredCosts:
         nearest = self.draft.nearest(1)
         one = (self.draft.estimate(rows, nearest) or 0.0) / nearest if nearest else 0.0
         first = self.draft_first.fitted(rows, range(1, k_max + 2), self.STALE_WEIGHT, one)
-        if k_max < 2:
-            return first, [0.0] * max(k_max, 1)
-        counts = range(1, k_max)
+        counts = range(1, k_max)  # empty for k_max <= 1: no further steps
         times = [self.draft.estimate(rows, n) if self.draft.observed(n) else n * one for n in counts]
         return first, [0.0] + trusted_line(times, [self.draft.weight(rows, n) for n in counts], self.STALE_WEIGHT)
 
@@ -258,7 +256,7 @@ def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft
                 costs.observe_draft_first(b, width, _median_pass(*draft, b, width, context, repeats))
             step = _median_pass(*draft, b, 1, context, repeats)
             for n in range(1, max_tokens):
-                costs.draft.observe(b, n, n * step)
+                costs.observe_draft_steps(b, n, n * step)
         if b >= max_batch:
             return
         batch *= 2
