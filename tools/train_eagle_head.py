@@ -53,6 +53,7 @@ from pair.eagle_head import (  # noqa: E402
     exported_vocabulary,
     load_exported,
     step_weights,
+    wider_vocabulary,
 )
 from pair.generations import generate_rows, mixed_batches  # noqa: E402
 from pair.train import apply_update, autocast, resume, training_dtype  # noqa: E402
@@ -61,14 +62,22 @@ REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("recipe.eagle")
 
 
-def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int, eos: int) -> torch.Tensor:
-    """The `size` most frequent token ids of the training text (EOS always in), sorted: d2t."""
+def by_frequency(stream: np.ndarray, rows: np.ndarray, vocab: int, eos: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Target ids, most frequent in the training text first (EOS first of all), and the counts [vocab]."""
     counts = np.bincount(stream, minlength=vocab) + np.bincount(rows, minlength=vocab)  # [vocab]
     counts[eos] = counts.max() + 1
-    top = np.sort(np.argsort(-counts, kind="stable")[:size])
-    covered = counts[top].sum() / counts.sum()
+    return torch.from_numpy(np.argsort(-counts, kind="stable").astype(np.int64)), counts
+
+
+def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int, eos: int,
+                     exported: torch.Tensor | None) -> torch.Tensor:
+    """d2t, sorted: the `size` most frequent token ids of the training text (EOS always in), or,
+    larger than an exported head's vocabulary, all of that and the most frequent others."""
+    order, counts = by_frequency(stream, rows, vocab, eos)
+    top = wider_vocabulary(exported, order, size) if exported is not None else order[:size].sort().values
+    covered = counts[top.numpy()].sum() / counts.sum()
     log.info("draft vocabulary: %d ids cover %.2f%% of training tokens", size, 100 * covered)
-    return torch.from_numpy(top.astype(np.int64))
+    return top
 
 
 def target_pass(target, ids: torch.Tensor, aux: list[int], dtype: torch.dtype
@@ -163,11 +172,12 @@ def main() -> None:
     exported = exported_vocabulary(args.init_from) if args.init_from else None
     if "d2t" in saved:
         d2t = saved["d2t"]
-    elif exported is not None and args.draft_vocab >= len(exported):
+    elif exported is not None and args.draft_vocab == len(exported):
         d2t = exported
-    else:  # a fresh head, or a smaller vocabulary than the exported head's: its most frequent ids
+    else:  # a fresh head, or a smaller (its most frequent ids) or larger vocabulary than the exported head's
         d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab,
-                               target_cfg["eos_token_id"])
+                               target_cfg["eos_token_id"],
+                               exported if exported is not None and args.draft_vocab > len(exported) else None)
     window = args.seq  # chains: the first seq - ttt_steps positions
     generated = args.batch // 2 if args.generated_per_batch is None else args.generated_per_batch
     batches = mixed_batches(args.work, written, batch=args.batch, generated=generated, seq=window) if written else None

@@ -22,6 +22,7 @@ from pair.eagle_head import (  # noqa: E402
     chosen_layers,
     exported_vocabulary,
     load_exported,
+    wider_vocabulary,
 )
 
 AUX = [0, 1, 1]  # the tiny target's two layers (layer 0's input is the embedding)
@@ -79,8 +80,28 @@ def test_an_exported_head_starts_a_new_run_only_with_its_own_vocabulary(tmp_path
     fresh = _head(cfg, d2t.numel(), seed=3)
     load_exported(fresh, tmp_path, d2t)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
-    with pytest.raises(ValueError, match="draft vocabulary lacks"):
+    with pytest.raises(ValueError, match="neither a part of the other"):
         load_exported(fresh, tmp_path, d2t + 1)
+
+
+def test_a_larger_draft_vocabulary_keeps_the_exported_rows_and_starts_the_others_from_the_warm_start(tmp_path,
+                                                                                                     tiny_model):
+    cfg = json.loads((tiny_model[0] / "config.json").read_text())
+    d2t = torch.arange(0, cfg["vocab_size"], 2)
+    trained = _head(cfg, d2t.numel(), seed=2)
+    trained.export(tmp_path, d2t, cfg["vocab_size"], cfg, AUX, dtype=torch.float32)
+    by_frequency = torch.tensor([7, 4, 9, 0, 11, 13])  # 4 and 0 are in the export already
+    wider = wider_vocabulary(d2t, by_frequency, d2t.numel() + 3)
+    assert torch.equal(wider, torch.tensor(sorted(d2t.tolist() + [7, 9, 11])))
+    with pytest.raises(ValueError, match="only"):
+        wider_vocabulary(d2t, by_frequency, d2t.numel() + 5)
+    larger = _head(cfg, wider.numel(), seed=3)
+    start = larger.lm_head.weight.detach().clone()  # [len(wider), H]: the warm start's rows
+    load_exported(larger, tmp_path, wider)
+    old = torch.isin(wider, d2t)
+    torch.testing.assert_close(larger.lm_head.weight[old], trained.lm_head.weight)
+    torch.testing.assert_close(larger.lm_head.weight[~old], start[~old])
+    assert torch.equal(larger.fc.weight, trained.fc.weight)
 
 
 def test_a_smaller_draft_vocabulary_keeps_the_exported_output_rows_of_its_ids(tmp_path, tiny_model):

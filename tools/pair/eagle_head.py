@@ -181,24 +181,37 @@ def exported_vocabulary(path: Path) -> torch.Tensor:
 
 def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> None:
     """Copies the weights of a head exported by `export` into `head`, as the start of a new run.
-    `d2t` is the exported head's draft vocabulary or a part of it (a smaller vocabulary keeps the
-    output rows of its ids)."""
+    `d2t` is the exported head's draft vocabulary, a part of it (a smaller vocabulary keeps the
+    output rows of its ids) or a larger one holding all of it (see wider_vocabulary): the output
+    rows of the ids the export lacks keep what `head` has (the recipe's warm start: the target's)."""
     from safetensors.torch import load_file
 
     w = load_file(str(Path(path) / "model.safetensors"))
     exported = exported_vocabulary(path)
     row_of = {int(t): i for i, t in enumerate(exported)}
-    missing = [int(t) for t in d2t if int(t) not in row_of]
-    if missing:
-        raise ValueError(f"{path}: its draft vocabulary lacks {len(missing)} of this run's ids "
-                         f"(e.g. {missing[:3]}; --draft-vocab)")
-    w["lm_head.weight"] = w["lm_head.weight"][torch.tensor([row_of[int(t)] for t in d2t], dtype=torch.long)]
+    known = [i for i, t in enumerate(d2t.tolist()) if t in row_of]  # rows of d2t the export has
+    if len(known) != min(len(d2t), len(exported)):
+        raise ValueError(f"{path}: its draft vocabulary ({len(exported)} ids) and this run's ({len(d2t)}) are "
+                         "neither a part of the other (--draft-vocab)")
     state = head.state_dict()
+    lm_head = state["lm_head.weight"].clone()  # [len(d2t), H]
+    lm_head[known] = w["lm_head.weight"][[row_of[int(d2t[i])] for i in known]].float()
+    w["lm_head.weight"] = lm_head
     for name, key in _EXPORTED.items():
         if w[name].shape != state[key].shape:
             raise ValueError(f"{path}: {name} is {tuple(w[name].shape)}, this head's is {tuple(state[key].shape)}")
         state[key] = w[name].float()
     head.load_state_dict(state)
+
+
+def wider_vocabulary(exported: torch.Tensor, by_frequency: torch.Tensor, size: int) -> torch.Tensor:
+    """A draft vocabulary of `size` ids holding all of `exported` and then the most frequent
+    others (`by_frequency`: target ids, most frequent first), sorted: d2t."""
+    have = set(exported.tolist())
+    extra = [t for t in by_frequency.tolist() if t not in have][:size - len(have)]
+    if len(have) + len(extra) < size:
+        raise ValueError(f"a draft vocabulary of {size} ids: only {len(have) + len(extra)} ids to choose from")
+    return torch.tensor(sorted(have.union(extra)), dtype=torch.long)
 
 
 def step_weights(steps: int, decay: float = 0.8) -> list[float]:
