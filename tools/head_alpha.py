@@ -3,8 +3,9 @@
     python tools/head_alpha.py embedded:draft models/eagle3 path/to/another/head [--k 5] [--prompts 8 48]
 
 For each proposer (a draft model or an EAGLE-3 head for the embedded target) and each prompt
-count: α = accepted ÷ (accepted + rejections) over all rounds, and tokens per round (the
-target's own token included). Comparing heads from different training runs on the same prompts
+count: α = accepted ÷ (accepted + rejections) over all rounds, tokens per round (the
+target's own token included) and, for a head with a reduced vocabulary, the share of rejections
+at a token it cannot propose. Comparing heads from different training runs on the same prompts
 is what it is for; speed is measured by `python -m bench spec`.
 """
 
@@ -34,6 +35,21 @@ def alpha(outputs) -> tuple[float, float]:
     return accepted / max(1, accepted + rejected), (accepted + rounds) / max(1, rounds)
 
 
+def rejections_outside(outputs, vocabulary: set[int]) -> float:
+    """Share of rejections whose target token lies outside the proposer's draft vocabulary: a
+    certain rejection under greedy decoding, whatever the head learned. Rounds start after the
+    prefill's token; a round yields its accepted proposals, then the target's own token."""
+    rejected = outside = 0
+    for o in outputs:
+        at = 1
+        for a, k in zip(o.accepted_per_round, o.proposed_per_round):
+            if a < k:
+                rejected += 1
+                outside += o.token_ids[at + a] not in vocabulary
+            at += a + 1
+    return outside / max(1, rejected)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("proposers", nargs="+", help="draft models or EAGLE-3 heads (paths or embedded:NAME)")
@@ -52,8 +68,14 @@ def main() -> None:
             method = "eagle" if is_eagle3(resolve_model_path(proposer)) else "draft"
             llm = LLM(draft_model=proposer, speculative_method=method, spec_policy="fixed", spec_length=args.k,
                       max_batch_size=args.batch)
-            a, per_round = alpha(llm.generate(prompts, params))
-            print(f"{n} prompts, K={args.k}, batch {args.batch}, {proposer}: alpha {a:.3f}, tokens per round {per_round:.2f}", flush=True)
+            outputs = llm.generate(prompts, params)
+            a, per_round = alpha(outputs)
+            head = llm.engine.draft_model
+            outside = "" if method != "eagle" or head.identity_vocab else (
+                f", rejections at a token outside its {head.draft_to_target.numel()} ids "
+                f"{rejections_outside(outputs, set(head.draft_to_target.tolist())):.3f}")
+            print(f"{n} prompts, K={args.k}, batch {args.batch}, {proposer}: alpha {a:.3f}, tokens per round "
+                  f"{per_round:.2f}{outside}", flush=True)
             del llm
 
 

@@ -150,3 +150,16 @@ def test_another_generated_set_is_named_by_seed_and_rows():
     for bad in ("59", "59:", ":2048", "59:0", "a:1", "59:-3"):
         with pytest.raises(argparse.ArgumentTypeError, match="SEED:ROWS"):
             generated_set(bad)
+
+
+def test_rejections_at_tokens_outside_the_draft_vocabulary_are_counted_where_the_round_stopped():
+    from types import SimpleNamespace
+
+    from head_alpha import rejections_outside
+
+    # prefill token 5; round 1 accepts 2 of 3 then the target's 9; round 2 accepts all 2 (+ bonus 4);
+    # round 3 accepts 0 of 2, the target's 8
+    out = SimpleNamespace(token_ids=[5, 1, 2, 9, 3, 3, 4, 8], accepted_per_round=[2, 2, 0], proposed_per_round=[3, 2, 2])
+    assert rejections_outside([out], {1, 2, 3, 4, 5, 8}) == 0.5  # 9 is outside, 8 inside
+    assert rejections_outside([out], {1, 2, 3, 4, 5}) == 1.0
+    assert rejections_outside([out], set(range(10))) == 0.0
