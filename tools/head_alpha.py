@@ -38,11 +38,17 @@ def alpha(outputs) -> tuple[float, float]:
 def rejections_outside(outputs, vocabulary: set[int]) -> float:
     """Share of rejections whose target token lies outside the proposer's draft vocabulary: a
     certain rejection under greedy decoding, whatever the head learned. Rounds start after the
-    prefill's token; a round yields its accepted proposals, then the target's own token."""
+    prefill's token; a round yields its accepted proposals, then the target's own token. Plain
+    steps may follow the rounds (the length guard's last token of a fixed-K run), but a step
+    without a proposal between rounds would shift the rest: rounds that claim more tokens than
+    the output has are an error."""
     rejected = outside = 0
     for o in outputs:
         at = 1
         for a, k in zip(o.accepted_per_round, o.proposed_per_round):
+            if at + a >= len(o.token_ids):
+                raise ValueError(f"{len(o.token_ids)} tokens, fewer than the prefill and the recorded rounds "
+                                 "yield: some came from steps without a proposal")
             if a < k:
                 rejected += 1
                 outside += o.token_ids[at + a] not in vocabulary

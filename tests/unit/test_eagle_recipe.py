@@ -71,7 +71,7 @@ def test_a_recipe_head_drafts_in_the_engine_as_it_was_trained(tmp_path, tiny_mod
     torch.testing.assert_close(logits[0, d2t], step2[0, T - 1], rtol=1e-4, atol=1e-4)
 
 
-def test_an_exported_head_starts_a_new_run_only_with_its_own_vocabulary(tmp_path, tiny_model):
+def test_an_exported_head_starts_a_new_run_only_with_a_vocabulary_inside_or_around_its_own(tmp_path, tiny_model):
     cfg = json.loads((tiny_model[0] / "config.json").read_text())
     d2t = torch.arange(0, cfg["vocab_size"], 2)
     trained = _head(cfg, d2t.numel(), seed=2)
@@ -82,6 +82,9 @@ def test_an_exported_head_starts_a_new_run_only_with_its_own_vocabulary(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
     with pytest.raises(ValueError, match="neither a part of the other"):
         load_exported(fresh, tmp_path, d2t + 1)
+    overlapping = torch.cat([d2t[:-1], torch.tensor([1])])  # the same size, one id not the export's
+    with pytest.raises(ValueError, match="neither a part of the other"):
+        load_exported(fresh, tmp_path, overlapping)
 
 
 def test_a_larger_draft_vocabulary_keeps_the_exported_rows_and_starts_the_others_from_the_warm_start(tmp_path,
@@ -95,6 +98,8 @@ def test_a_larger_draft_vocabulary_keeps_the_exported_rows_and_starts_the_others
     assert torch.equal(wider, torch.tensor(sorted(d2t.tolist() + [7, 9, 11])))
     with pytest.raises(ValueError, match="only"):
         wider_vocabulary(d2t, by_frequency, d2t.numel() + 5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        wider_vocabulary(d2t, by_frequency, d2t.numel() - 1)
     larger = _head(cfg, wider.numel(), seed=3)
     start = larger.lm_head.weight.detach().clone()  # [len(wider), H]: the warm start's rows
     load_exported(larger, tmp_path, wider)
@@ -163,3 +168,8 @@ def test_rejections_at_tokens_outside_the_draft_vocabulary_are_counted_where_the
     assert rejections_outside([out], {1, 2, 3, 4, 5, 8}) == 0.5  # 9 is outside, 8 inside
     assert rejections_outside([out], {1, 2, 3, 4, 5}) == 1.0
     assert rejections_outside([out], set(range(10))) == 0.0
+    out.token_ids.append(6)  # a plain step after the rounds (the length guard's last token)
+    assert rejections_outside([out], {1, 2, 3, 4, 5, 8}) == 0.5
+    out.token_ids[:] = out.token_ids[:6]  # rounds that claim more tokens than the output has
+    with pytest.raises(ValueError, match="steps without a proposal"):
+        rejections_outside([out], set(range(10)))

@@ -194,6 +194,8 @@ def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> N
         raise ValueError(f"{path}: its draft vocabulary ({len(exported)} ids) and this run's ({len(d2t)}) are "
                          "neither a part of the other (--draft-vocab)")
     state = head.state_dict()
+    if state["lm_head.weight"].shape[0] != len(d2t):
+        raise ValueError(f"the head has {state['lm_head.weight'].shape[0]} output rows for {len(d2t)} draft ids")
     lm_head = state["lm_head.weight"].clone()  # [len(d2t), H]
     lm_head[known] = w["lm_head.weight"][[row_of[int(d2t[i])] for i in known]].float()
     w["lm_head.weight"] = lm_head
@@ -208,6 +210,8 @@ def wider_vocabulary(exported: torch.Tensor, by_frequency: torch.Tensor, size: i
     """A draft vocabulary of `size` ids holding all of `exported` and then the most frequent
     others (`by_frequency`: target ids, most frequent first), sorted: d2t."""
     have = set(exported.tolist())
+    if size < len(have):
+        raise ValueError(f"a draft vocabulary of {size} ids cannot hold the exported head's {len(have)}")
     extra = [t for t in by_frequency.tolist() if t not in have][:size - len(have)]
     if len(have) + len(extra) < size:
         raise ValueError(f"a draft vocabulary of {size} ids: only {len(have) + len(extra)} ids to choose from")
