@@ -73,10 +73,14 @@ def by_frequency(stream: np.ndarray, rows: np.ndarray, vocab: int, eos: int) -> 
 
 def draft_vocabulary(stream: np.ndarray, rows: np.ndarray, vocab: int, size: int, eos: int,
                      exported: torch.Tensor | None) -> torch.Tensor:
-    """d2t, sorted: the `size` most frequent token ids of the training text (EOS always in), or,
-    larger than an exported head's vocabulary, all of that and the most frequent others."""
+    """d2t, sorted: an exported head's own vocabulary when `size` is its size; all of it and the
+    most frequent others when larger; else (a fresh head, or a smaller vocabulary) the `size` most
+    frequent token ids of the training text (EOS always in)."""
+    if exported is not None and size == len(exported):
+        return exported
     order, counts = by_frequency(stream, rows, vocab, eos)
-    top = wider_vocabulary(exported, order, size) if exported is not None else order[:size].sort().values
+    wider = exported is not None and size > len(exported)
+    top = wider_vocabulary(exported, order, size) if wider else order[:size].sort().values
     covered = counts[top.numpy()].sum() / counts.sum()
     log.info("draft vocabulary: %d ids cover %.2f%% of training tokens", size, 100 * covered)
     return top
@@ -172,14 +176,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
     exported = exported_vocabulary(args.init_from) if args.init_from else None
-    if "d2t" in saved:
-        d2t = saved["d2t"]
-    elif exported is not None and args.draft_vocab == len(exported):
-        d2t = exported
-    else:  # a fresh head, or a smaller (its most frequent ids) or larger vocabulary than the exported head's
-        d2t = draft_vocabulary(np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab,
-                               target_cfg["eos_token_id"],
-                               exported if exported is not None and args.draft_vocab > len(exported) else None)
+    d2t = saved["d2t"] if "d2t" in saved else draft_vocabulary(
+        np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"], exported)
     window = args.seq  # chains: the first seq - ttt_steps positions
     generated = args.batch // 2 if args.generated_per_batch is None else args.generated_per_batch
     batches = mixed_batches(args.work, written, batch=args.batch, generated=generated, seq=window) if written else None

@@ -189,7 +189,8 @@ def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> N
     w = load_file(str(Path(path) / "model.safetensors"))
     exported = exported_vocabulary(path)
     row_of = {int(t): i for i, t in enumerate(exported)}
-    known = [i for i, t in enumerate(d2t.tolist()) if t in row_of]  # rows of d2t the export has
+    ids = d2t.tolist()
+    known = [i for i, t in enumerate(ids) if t in row_of]  # rows of d2t the export has
     if len(known) != min(len(d2t), len(exported)):
         raise ValueError(f"{path}: its draft vocabulary ({len(exported)} ids) and this run's ({len(d2t)}) are "
                          "neither a part of the other (--draft-vocab)")
@@ -197,7 +198,7 @@ def load_exported(head: TrainableEagle3Head, path: Path, d2t: torch.Tensor) -> N
     if state["lm_head.weight"].shape[0] != len(d2t):
         raise ValueError(f"the head has {state['lm_head.weight'].shape[0]} output rows for {len(d2t)} draft ids")
     lm_head = state["lm_head.weight"].clone()  # [len(d2t), H]
-    lm_head[known] = w["lm_head.weight"][[row_of[int(d2t[i])] for i in known]].float()
+    lm_head[known] = w["lm_head.weight"][[row_of[ids[i]] for i in known]].float()
     w["lm_head.weight"] = lm_head
     for name, key in _EXPORTED.items():
         if w[name].shape != state[key].shape:
