@@ -169,6 +169,7 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
     adaptive_name = next(n for n in names if n.endswith("adaptive"))
     windowed = "tok_s_end_to_end" in next(iter(r["results"].values()))[names[0]]
     paired = "adaptive_vs_best_paired" in next(iter(r["results"].values()))
+    k_in_window = "window_k_steps" in next(iter(r["results"].values()))[adaptive_name]
     held_out = all("adaptive_vs_best_held_out" in row for row in r["results"].values())
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
                "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
@@ -178,12 +179,14 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
              f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {_plan(r)}; {_host(r['machine'])}"
              f"; {measure}:", "",
-             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used (steps) |"
+             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used ("
+             + ("steps in the window" if k_in_window else "steps") + ") |"
              + (" adaptive ÷ best, whole run |" if windowed else "") + (" adaptive ÷ best, paired |" if paired else "")
              + (" adaptive ÷ best, held out |" if held_out else ""),
              "| --- |" + " --- |" * (len(names) + 2 + windowed + paired + held_out)]
     for b, row in r["results"].items():
-        ks = ", ".join(f"K={k}: {n}" for k, n in row[adaptive_name]["k_steps"].items())
+        counted = row[adaptive_name].get("window_k_steps", row[adaptive_name]["k_steps"])  # older runs: whole run
+        ks = ", ".join(f"K={k}: {n}" for k, n in counted.items())
         lines.append(f"| {b} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f}" for n in names)
                      + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |"
                      + (f" {row['adaptive_vs_best_end_to_end']:.3f} |" if windowed else "")

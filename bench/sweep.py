@@ -72,6 +72,7 @@ def run_batch(llm, prompts: list[str], params) -> dict:
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
     ks: Counter[int] = Counter()  # decode steps by the K they used (0 = plain decode)
+    window_ks: Counter[int] = Counter()  # ... of those, the steps inside the window
     started: set[str] = set()  # requests with their first token
     window_tokens, window_seconds, window_steps = 0, 0.0, 0
     window_phases = dict.fromkeys(PHASES, 0.0)  # where the window's step time went
@@ -81,7 +82,8 @@ def run_batch(llm, prompts: list[str], params) -> dict:
         t_step = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - t_step
-        if window == "open":
+        in_window = window == "open"
+        if in_window:
             window_tokens += len(outputs)
             window_seconds += seconds
             window_steps += 1
@@ -96,6 +98,8 @@ def run_batch(llm, prompts: list[str], params) -> dict:
         stats = engine.last_step.decode
         if stats is not None:  # None: the step decoded nothing (prefill only)
             ks[stats.k] += 1
+            if in_window:
+                window_ks[stats.k] += 1
     dt = time.perf_counter() - t0
     outs = [engine.get_output(rid) for rid in ids]
     for rid in ids:
@@ -104,6 +108,7 @@ def run_batch(llm, prompts: list[str], params) -> dict:
     total = sum(len(o.token_ids) for o in outs)
     return {"tok_s": window_tokens / window_seconds if window_seconds else total / dt,
             "tok_s_end_to_end": total / dt, "window_steps": window_steps, "k_steps": dict(ks),
+            "window_k_steps": dict(window_ks),
             "window_ms_per_token": {ph: sec * 1e3 / window_tokens for ph, sec in window_phases.items()}
             if window_tokens else None,
             "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
@@ -155,8 +160,10 @@ def main(argv: list[str] | None = None) -> None:
             s = summarize(rs, "tok_s")
             end_to_end = summarize(rs, "tok_s_end_to_end")
             ks: Counter[int] = Counter()
+            window_ks: Counter[int] = Counter()
             for r in rs:
                 ks.update(r["k_steps"])
+                window_ks.update(r["window_k_steps"])
             row[name] = {"tok_s": s, "vs_plain": s["median"] / plain, "tok_s_end_to_end": end_to_end,
                          "window_steps": statistics.median(r["window_steps"] for r in rs),
                          "acceptance": rs[0]["acceptance"],
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  for ph in PHASES} if all(r["window_ms_per_token"] for r in rs)
                          else None,
                          "k_steps": {str(k): n for k, n in sorted(ks.items())},
+                         "window_k_steps": {str(k): n for k, n in sorted(window_ks.items())},
                          "identical_to_plain": statistics.fmean(
                              a == b for r, p in zip(rs, runs["plain"]) for a, b in zip(r["tokens"], p["tokens"]))}
         best_fixed = max((n for n in row if n != ADAPTIVE), key=lambda n: row[n]["tok_s"]["median"])
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}"
               + held_out + "); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
-              f"adaptive K steps {row[ADAPTIVE]['k_steps']}")
+              f"adaptive K steps in the window {row[ADAPTIVE]['window_k_steps']} (whole run {row[ADAPTIVE]['k_steps']})")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
                            "prefill_budget": PREFILL_BUDGET, "prompts_per_repeat": "next",
                            "variants": VARIANTS, "results": results}, llm)

@@ -3,9 +3,11 @@ judged on) and its prompts (each repeat of a batch size decodes other prompts)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from bench.sweep import held_out_ratios, repeat_prompts
+from bench.sweep import held_out_ratios, repeat_prompts, run_batch
 
 
 def test_the_best_fixed_variant_is_picked_on_the_other_repeats():
@@ -22,3 +24,40 @@ def test_each_repeat_takes_the_next_prompts_of_the_pool_wrapping():
     assert [repeat_prompts(pool, 1, r) for r in range(6)] == [["p0"], ["p1"], ["p2"], ["p3"], ["p4"], ["p0"]]
     assert [repeat_prompts(pool, 2, r) for r in range(3)] == [["p0", "p1"], ["p2", "p3"], ["p4", "p0"]]
     assert repeat_prompts(pool, 5, 1) == pool  # the whole pool: every repeat decodes all of it
+
+
+class _ScriptedEngine:
+    """Plays a scripted run: each step lists (request, finished) outputs and the K it used (None:
+    a prefill-only step)."""
+
+    def __init__(self, script):
+        self.script, self.last_step = list(script), None
+
+    def add_request(self, prompt, params):
+        return prompt
+
+    def has_unfinished_requests(self):
+        return bool(self.script)
+
+    def step(self):
+        outputs, k = self.script.pop(0)
+        self.last_step = SimpleNamespace(phases={"target": 0.001},
+                                         decode=None if k is None else SimpleNamespace(k=k))
+        return [SimpleNamespace(request_id=rid, finished=done) for rid, done in outputs]
+
+    def get_output(self, rid):
+        return SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0, token_ids=[1])
+
+    def release(self, rid):
+        pass
+
+
+def test_the_k_counts_of_the_window_leave_out_the_steps_before_and_the_drain():
+    """Two requests: a step that starts only one, two steps with both in flight (the second ends
+    one), then a drain step at K = 1 for the other: the window holds the two K = 4 steps."""
+    script = [([("a", False)], None), ([("a", False), ("b", False)], 2),
+              ([("a", False), ("b", False)], 4), ([("a", True), ("b", False)], 4), ([("b", True)], 1)]
+    run = run_batch(SimpleNamespace(engine=_ScriptedEngine(script)), ["a", "b"], None)
+    assert run["k_steps"] == {2: 1, 4: 2, 1: 1}
+    assert run["window_k_steps"] == {4: 2}
+    assert run["window_steps"] == 2
