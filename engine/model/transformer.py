@@ -150,11 +150,12 @@ class LayerWeights:
 
 class OneSequencePath(NamedTuple):
     """What a target's passes over one sequence of at most ONE_SEQUENCE_MAX_TOKENS tokens multiply
-    with: per-layer weights for the one-sequence kernel (norms shared), the kernel, the output layer."""
+    with: per-layer weights packed for the column-block kernel (norms shared), the kernel, the
+    output layer."""
 
-    layers: list[LayerWeights]
-    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    lm_head: torch.Tensor
+    layers: list[LayerWeights]  # matmul weights as one_sequence.ColumnBlocks
+    kernel: Callable[[torch.Tensor, one_sequence.ColumnBlocks], torch.Tensor]
+    lm_head: one_sequence.ColumnBlocks
 
 
 class Transformer:
@@ -199,16 +200,18 @@ class Transformer:
         return tensors + ([] if self.lm_head is self.embed else [self.lm_head])
 
     def _one_sequence_path(self) -> OneSequencePath:
-        """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the one-sequence
-        kernel; a weight whose values are all bf16 values is kept in bf16 (half the bytes)."""
+        """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the column-block
+        kernel (weights packed for it); a weight whose values are all bf16 values is kept in bf16
+        (half the bytes)."""
         kernels = one_sequence.load() if self.device.type == "cpu" and self.dtype == torch.float32 else None
-        weights = [{n: one_sequence.bf16_if_exact(getattr(lw, n)) for n in MATMULS} for lw in self.layers]
-        head = one_sequence.bf16_if_exact(self.lm_head)
-        if kernels is None or not all(one_sequence.supports(w) for w in [head, *(w for d in weights for w in d.values())]):
+        if kernels is None:
             raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
-                             "x86-64 CPU with AVX2, widths that are multiples of 8, and the kernels built)")
-        layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, weights)]
-        return OneSequencePath(layers, functools.partial(kernels.linear, streamed=True), head)  # a target's weights
+                             "x86-64 CPU with AVX2 and FMA, and the kernels built)")
+        packed = [{n: one_sequence.pack_columns(one_sequence.bf16_if_exact(getattr(lw, n))) for n in MATMULS}
+                  for lw in self.layers]
+        layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, packed)]
+        head = one_sequence.pack_columns(one_sequence.bf16_if_exact(self.lm_head))
+        return OneSequencePath(layers, kernels.column_linear, head)
 
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls faster, and each row's

@@ -124,7 +124,8 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     onednn = load_model(tmp_path, F32, "cpu", max_positions=256)
     few = target._one_sequence
     assert few is not None and onednn._one_sequence is None
-    assert {lw.gate_up.dtype for lw in few.layers} == {checkpoint_dtype} and few.lm_head.dtype == checkpoint_dtype
+    assert {lw.gate_up.blocks.dtype for lw in few.layers} == {checkpoint_dtype}
+    assert few.lm_head.blocks.dtype == checkpoint_dtype
     calls = []
 
     def counted(x, w):
@@ -156,10 +157,11 @@ def test_a_target_runs_one_sequence_passes_on_the_cpu_kernel_row_invariantly(tmp
     assert torch.equal(two["target"], two["onednn"]) and not calls
 
 
-def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
+def test_the_one_sequence_kernels_rows_do_not_depend_on_the_pass():
     """Each output row is the same bits whatever the number of rows in the call (1 to 30, across
-    the kernel's groups of up to 12, split evenly) and whether the weights are streamed (one
-    weight row at a time) or cached (several side by side), and bf16 weights give the bits of
+    the kernels' groups of up to 12, split evenly) and the number of threads, for both kernels:
+    the row kernel (a proposer's cached weights) and the column-block kernel (a target's streamed
+    weights, packed; outputs not a multiple of 16 padded and cut); bf16 weights give the bits of
     their float32 copies."""
     from engine.model.kernels import one_sequence
 
@@ -169,19 +171,42 @@ def test_the_one_sequence_kernel_rows_do_not_depend_on_the_pass():
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
-        for out_features in (72, 13):  # 13 outputs: fewer per thread, split unevenly
+        for out_features in (72, 13, 100):  # 13 outputs: fewer per thread, split unevenly
             w = torch.randn(out_features, 136).bfloat16()  # [out, in]
             x = torch.randn(30, 136)  # [rows, in]
-            full = kernels.linear(x, w)  # [30, out]
-            torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
-            assert torch.equal(full, kernels.linear(x, w.float()))
+            by_rows = kernels.linear(x, w)  # [30, out]
+            by_columns = kernels.column_linear(x, one_sequence.pack_columns(w))  # [30, out]
+            for full in (by_rows, by_columns):
+                torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
+            assert torch.equal(by_rows, kernels.linear(x, w.float()))
+            assert torch.equal(by_columns, kernels.column_linear(x, one_sequence.pack_columns(w.float())))
             for n_threads in (1, 3):
                 torch.set_num_threads(n_threads)
-                for rows in (1, 2, 3, 7, 8, 9, 12, 13, 17, 24, 25):
-                    assert torch.equal(kernels.linear(x[:rows], w), full[:rows])
-                    assert torch.equal(kernels.linear(x[:rows], w, streamed=True), full[:rows])
-                    assert torch.equal(kernels.linear(x[:rows], w.float(), streamed=True), full[:rows])
+                for rows in (1, 2, 3, 4, 6, 7, 8, 9, 12, 13, 17, 24, 25):
+                    assert torch.equal(kernels.linear(x[:rows], w), by_rows[:rows])
+                    assert torch.equal(kernels.column_linear(x[:rows], one_sequence.pack_columns(w)), by_columns[:rows])
             torch.set_num_threads(threads)
             assert kernels.linear(x[:20].view(4, 5, 136), w).shape == (4, 5, out_features)
+            packed = one_sequence.pack_columns(w)
+            assert kernels.column_linear(x[:20].view(4, 5, 136), packed).shape == (4, 5, out_features)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_column_block_kernel_sums_each_output_in_order_of_k():
+    """Each output of the column-block kernel is one chain of fused multiply-adds over k in order,
+    so it equals a float32 running sum of the products (fused: each product rounded only with its
+    addition; with products exact in float32 the two agree bit for bit)."""
+    from engine.model.kernels import one_sequence
+
+    kernels = one_sequence.load()
+    if kernels is None:
+        pytest.skip("the one-sequence CPU kernel does not build on this machine")
+    torch.manual_seed(1)
+    # small integers times powers of two: every product is exact, every partial sum rounds
+    w = (torch.randint(-8, 9, (32, 40)) * 2.0 ** torch.randint(-12, 12, (32, 40))).float()  # [out, in]
+    x = (torch.randint(-8, 9, (3, 40)) * 2.0 ** torch.randint(-12, 12, (3, 40))).float()  # [rows, in]
+    running = torch.zeros(3, 32)
+    for k in range(40):
+        running = running + x[:, k:k + 1] * w[:, k]
+    assert torch.equal(kernels.column_linear(x, one_sequence.pack_columns(w)), running)

@@ -38,9 +38,8 @@ static inline __m256 load_bf16(const uint16_t *p) {
 
 /* Rows [n0, n1) of y for a group of exactly M rows of x (M a compile-time constant), RW weight
  * rows at a time: each output's chain of fused multiply-adds is as above, but RW x M chains run
- * side by side, so a pass of one to three rows over weights in cache is not held to one FMA per
- * FMA latency. Weights streamed from memory (a target's) go one row at a time: there the side by
- * side rows cost more than they save (docs/performance-notes.md#streamed-weights-one-row-at-a-time). */
+ * side by side, so a pass of one to three rows over weights in cache (a proposer's) is not held
+ * to one FMA per FMA latency. A target's weights, streamed from memory, take column_blocks.c. */
 #define GROUP(WT, NAME, M, RW)                                                              \
     static void NAME##_##M##_##RW(const WT *w, const float *x, float *y, int64_t n0, int64_t n1, \
                            int64_t N, int64_t K) {                                          \
@@ -74,21 +73,19 @@ static inline __m256 load_bf16(const uint16_t *p) {
     }
 
 #define KERNEL(WT, NAME)                                                                      \
-    GROUP(WT, NAME, 1, 4) GROUP(WT, NAME, 2, 4) GROUP(WT, NAME, 3, 2) GROUP(WT, NAME, 1, 1)   \
-    GROUP(WT, NAME, 2, 1) GROUP(WT, NAME, 3, 1) GROUP(WT, NAME, 4, 1) GROUP(WT, NAME, 5, 1)   \
+    GROUP(WT, NAME, 1, 4) GROUP(WT, NAME, 2, 4) GROUP(WT, NAME, 3, 2)                         \
+    GROUP(WT, NAME, 4, 1) GROUP(WT, NAME, 5, 1)                                               \
     GROUP(WT, NAME, 6, 1) GROUP(WT, NAME, 7, 1) GROUP(WT, NAME, 8, 1) GROUP(WT, NAME, 9, 1)   \
     GROUP(WT, NAME, 10, 1) GROUP(WT, NAME, 11, 1) GROUP(WT, NAME, 12, 1)                      \
     typedef void (*NAME##_group)(const WT *, const float *, float *, int64_t, int64_t,        \
                                  int64_t, int64_t);                                           \
-    /* [streamed][M]: the group function for M rows */                                       \
-    static const NAME##_group NAME##_groups[2][MAX_GROUP + 1] = {                             \
-        {0, NAME##_1_4, NAME##_2_4, NAME##_3_2, NAME##_4_1, NAME##_5_1, NAME##_6_1,           \
-         NAME##_7_1, NAME##_8_1, NAME##_9_1, NAME##_10_1, NAME##_11_1, NAME##_12_1},          \
-        {0, NAME##_1_1, NAME##_2_1, NAME##_3_1, NAME##_4_1, NAME##_5_1, NAME##_6_1,           \
-         NAME##_7_1, NAME##_8_1, NAME##_9_1, NAME##_10_1, NAME##_11_1, NAME##_12_1}};         \
+    /* [M]: the group function for M rows */                                                  \
+    static const NAME##_group NAME##_groups[MAX_GROUP + 1] = {                                \
+        0, NAME##_1_4, NAME##_2_4, NAME##_3_2, NAME##_4_1, NAME##_5_1, NAME##_6_1,            \
+        NAME##_7_1, NAME##_8_1, NAME##_9_1, NAME##_10_1, NAME##_11_1, NAME##_12_1};           \
     void one_sequence_##NAME(const WT *w, const float *x, float *y, int64_t N, int64_t K,     \
-                             int64_t M, int streamed, int threads) {                          \
-        const NAME##_group *table = NAME##_groups[streamed != 0];                             \
+                             int64_t M, int threads) {                                        \
+        const NAME##_group *table = NAME##_groups;                                            \
         _Pragma("omp parallel num_threads(threads)") {                                        \
             int t = omp_get_thread_num(), T = omp_get_num_threads();                          \
             int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;    \

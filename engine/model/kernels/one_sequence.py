@@ -1,9 +1,11 @@
-"""The hand-written CPU kernels: the one-sequence matmul (one_sequence.c) and a draft's whole
-token step (token_step.c), compiled with the system C compiler on first use into one cached
-library and loaded with ctypes; None (logged once) where that cannot happen.
+"""The hand-written CPU kernels: the one-sequence matmuls (one_sequence.c over weights that stay
+in cache, a proposer's; column_blocks.c over weights streamed from memory, a target's) and a
+draft's whole token step (token_step.c), compiled with the system C compiler on first use into
+one cached library and loaded with ctypes; None (logged once) where that cannot happen.
 
-`linear(x, weight)` is x [..., in] @ weight.T for weights [out, in] in float32 or bfloat16, each
-row's bits independent of the number of rows (one_sequence.c says why).
+`linear(x, weight)` and `column_linear(x, pack_columns(weight))` are x [..., in] @ weight.T for
+weights [out, in] in float32 or bfloat16, each row's bits independent of the number of rows (the
+C files say why; the two kernels sum in different orders, so their bits differ).
 """
 
 from __future__ import annotations
@@ -18,12 +20,35 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "token_step.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "column_blocks.c", "token_step.c")]
+COLUMN_BLOCK = 16  # output columns per block of a packed weight (column_blocks.c)
+
+
+class ColumnBlocks(NamedTuple):
+    """A weight [out, in] packed for column_blocks.c (its comment gives the layout)."""
+
+    blocks: torch.Tensor  # [ceil(out / 16), in, 16] float32 or bfloat16; past `out`, zeros
+    out_features: int
+
+
+def pack_columns(weight: torch.Tensor) -> ColumnBlocks:
+    """weight [out, in] (float32 or bfloat16, CPU) in blocks of 16 output columns; in bfloat16, the
+    columns of a block in the order 0, 8, 1, 9, ..., 7, 15, so the 32-bit word j holds columns j
+    (low half) and j + 8 (high half)."""
+    out_features, in_features = weight.shape
+    pad = -out_features % COLUMN_BLOCK
+    padded = torch.cat([weight, weight.new_zeros(pad, in_features)]) if pad else weight
+    blocks = padded.reshape(-1, COLUMN_BLOCK, in_features).transpose(1, 2)  # [blocks, in, 16]
+    if weight.dtype == torch.bfloat16:
+        half = COLUMN_BLOCK // 2
+        blocks = blocks[..., [c for j in range(half) for c in (j, j + half)]]
+    return ColumnBlocks(blocks.contiguous(), out_features)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -33,9 +58,12 @@ class OneSequenceKernels:
     def __init__(self, lib: ctypes.CDLL):
         self.f32 = lib.one_sequence_f32
         self.bf16 = lib.one_sequence_bf16
-        for fn in (self.f32, self.bf16):
+        self.column_f32 = lib.column_blocks_f32
+        self.column_bf16 = lib.column_blocks_bf16
+        for fn in (self.f32, self.bf16, self.column_f32, self.column_bf16):
+            # (w, x, y, N, K, M, threads)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
         # token_rows(model*, rows*, n, out_rows*, n_out, logits*, threads)
         self.token_rows = lib.token_rows
@@ -58,17 +86,34 @@ class OneSequenceKernels:
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, streamed: bool = False) -> torch.Tensor:
-        """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out].
-        streamed: the weights come from memory each pass (a target's), not from cache (a proposer's);
-        it picks how many weight rows go side by side, never the result's bits."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
         out_features, in_features = weight.shape
-        rows = x.reshape(-1, in_features).to(torch.float32).contiguous()  # [M, in]
+        rows = _rows(x, in_features)  # [M, in]
         y = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device="cpu")  # [M, out]
         fn = self.bf16 if weight.dtype == torch.bfloat16 else self.f32
         fn(weight.data_ptr(), rows.data_ptr(), y.data_ptr(), out_features, in_features, rows.shape[0],
-           int(streamed), torch.get_num_threads())
+           torch.get_num_threads())
         return y.view(*x.shape[:-1], out_features)
+
+    def column_linear(self, x: torch.Tensor, weight: ColumnBlocks) -> torch.Tensor:
+        """x [..., in] float32 @ the packed weight's [out, in].T -> [..., out] (column_blocks.c)."""
+        blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
+        rows = _rows(x, in_features)  # [M, in]
+        y = torch.empty(rows.shape[0], blocks * COLUMN_BLOCK, dtype=torch.float32, device="cpu")  # [M, out + pad]
+        fn = self.column_bf16 if weight.blocks.dtype == torch.bfloat16 else self.column_f32
+        fn(weight.blocks.data_ptr(), rows.data_ptr(), y.data_ptr(), blocks * COLUMN_BLOCK, in_features,
+           rows.shape[0], torch.get_num_threads())
+        if y.shape[1] != weight.out_features:
+            y = y[:, :weight.out_features].contiguous()
+        return y.view(*x.shape[:-1], weight.out_features)
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., in] as contiguous float32 rows [M, in] (a view when it already is: this runs for
+    every matmul of a one-sequence pass, where each torch call's fixed cost counts)."""
+    rows = x.reshape(-1, in_features)
+    return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
 
 
 def bf16_if_exact(w: torch.Tensor) -> torch.Tensor:

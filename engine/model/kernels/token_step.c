@@ -25,10 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
-void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int streamed,
-                      int threads);
-void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M,
-                       int streamed, int threads);
+void one_sequence_f32(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int threads);
+void one_sequence_bf16(const uint16_t *w, const float *x, float *y, int64_t N, int64_t K, int64_t M, int threads);
 
 enum WeightKind { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1 };
 
@@ -108,9 +106,9 @@ static inline float lanes_total(__m256 v) {
 static void matmul(const StepModel *m, Weight w, const float *x, float *y, int64_t n, int64_t k, int64_t rows,
                    int threads) {
     if (m->kind == WEIGHTS_BF16)
-        one_sequence_bf16((const uint16_t *)w, x, y, n, k, rows, 0, threads);
+        one_sequence_bf16((const uint16_t *)w, x, y, n, k, rows, threads);
     else
-        one_sequence_f32((const float *)w, x, y, n, k, rows, 0, threads);
+        one_sequence_f32((const float *)w, x, y, n, k, rows, threads);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
