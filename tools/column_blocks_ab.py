@@ -1,5 +1,5 @@
 """The target's one-sequence passes on the row kernel as it was before column_blocks.c (one weight
-row at a time, built from git revision --before) against the column-block kernel, in one process:
+row at a time, built from git revision --before, by default the last before it) against the column-block kernel, in one process:
 plain decoding, eagle K = 5 and eagle adaptive at batch 1 (code prompts one at a time), the two
 kernels alternating run by run, the order reversed every other repeat.
 
@@ -70,7 +70,8 @@ def unpack(weight: one_sequence.ColumnBlocks) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default="HEAD~1", help="git revision whose row kernel is the baseline")
+    ap.add_argument("--before", default="c393de7~1", help="git revision whose row kernel is the baseline (default: the "
+                    "last one before column_blocks.c)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=96)
