@@ -1,7 +1,8 @@
 """The target's one-sequence passes on the row kernel as it was before column_blocks.c (one weight
-row at a time, built from git revision --before, by default the last before it) against the column-block kernel, in one process:
-plain decoding, eagle K = 5 and eagle adaptive at batch 1 (code prompts one at a time), the two
-kernels alternating run by run, the order reversed every other repeat.
+row at a time, built from git revision --before, by default the last before it) against the
+column-block kernel, in one process: plain decoding, eagle K = 5 and eagle adaptive at batch 1
+(code prompts one at a time), the two kernels alternating run by run, the order reversed every
+other repeat.
 
     python tools/column_blocks_ab.py --repeats 8 [--temperature 0.8] [--prompts 16] [--tokens 96]
 
