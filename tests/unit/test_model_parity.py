@@ -189,6 +189,13 @@ def test_the_one_sequence_kernels_rows_do_not_depend_on_the_pass():
             assert kernels.linear(x[:20].view(4, 5, 136), w).shape == (4, 5, out_features)
             packed = one_sequence.pack_columns(w)
             assert kernels.column_linear(x[:20].view(4, 5, 136), packed).shape == (4, 5, out_features)
+        # the column-block kernel takes any input width (the row kernel, multiples of 8)
+        w, x = torch.randn(40, 37).bfloat16(), torch.randn(9, 37)
+        odd = kernels.column_linear(x, one_sequence.pack_columns(w))  # [9, 40]
+        torch.testing.assert_close(odd, x @ w.float().T, atol=1e-4, rtol=1e-4)
+        assert torch.equal(kernels.column_linear(x[:1], one_sequence.pack_columns(w)), odd[:1])
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            one_sequence.pack_columns(w.half())
     finally:
         torch.set_num_threads(threads)
 

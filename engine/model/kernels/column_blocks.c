@@ -9,7 +9,7 @@
  * Why: the row kernel (one_sequence.c) takes each output as a dot product over k. At one row
  * that is one chain of fused multiply-adds, each waiting for the last; at six rows it loads a
  * vector of x for every multiply-add. Here x[m, k] is broadcast into 16 columns at once, a group
- * of rows keeps 8-12 accumulators in flight, each weight vector is loaded once per group, and a
+ * of rows keeps 7-12 accumulators in flight, each weight vector is loaded once per group, and a
  * block's weights stream as one contiguous run (docs/performance-notes.md#column-blocks).
  *
  * Every output is one chain of fused multiply-adds over k = 0, 1, ..., K - 1, starting from zero,
@@ -65,15 +65,16 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
             }                                                                                     \
     }
 
-/* Blocks [b0, b1) for M rows, NB blocks at a time, then one at a time. */
-#define GROUP(WT, NAME, M, NB)                                                                    \
-    BLOCKS(WT, NAME, M, NB)                                                                       \
+/* Blocks [b0, b1) for M rows, NB blocks at a time; the last n < NB blocks as n at a time
+ * (TAIL(n) names the function for n blocks). */
+#define GROUP(WT, NAME, M, NB, TAIL)                                                              \
     static void NAME##_group_##M(const WT *P, const float *x, float *y, int64_t b0, int64_t b1,   \
                                  int64_t N, int64_t K) {                                          \
         int64_t b = b0;                                                                           \
         for (; b + NB <= b1; b += NB) NAME##_blocks_##M##_##NB(P, x, y, b, N, K);                 \
-        for (; b < b1; b++) NAME##_blocks_##M##_1(P, x, y, b, N, K);                              \
+        switch (b1 - b) { TAIL }                                                                  \
     }
+#define TAIL_CASE(NAME, M, n) case n: NAME##_blocks_##M##_##n(P, x, y, b, N, K); break;
 
 /* 7-12 rows: a block's two halves in turn (M accumulators each); the second reads the block's
  * weights from cache. */
@@ -96,9 +97,15 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
 #define MAX_GROUP 12 /* rows a group multiplies into per weight read */
 
 #define KERNEL(WT, NAME)                                                                          \
-    BLOCKS(WT, NAME, 1, 1) BLOCKS(WT, NAME, 2, 1)                                                 \
-    GROUP(WT, NAME, 1, 6) GROUP(WT, NAME, 2, 3) GROUP(WT, NAME, 3, 1) GROUP(WT, NAME, 4, 1)       \
-    GROUP(WT, NAME, 5, 1) GROUP(WT, NAME, 6, 1)                                                   \
+    BLOCKS(WT, NAME, 1, 1) BLOCKS(WT, NAME, 1, 2) BLOCKS(WT, NAME, 1, 3) BLOCKS(WT, NAME, 1, 4)   \
+    BLOCKS(WT, NAME, 1, 5) BLOCKS(WT, NAME, 1, 6) BLOCKS(WT, NAME, 2, 1) BLOCKS(WT, NAME, 2, 2)   \
+    BLOCKS(WT, NAME, 2, 3) BLOCKS(WT, NAME, 3, 1) BLOCKS(WT, NAME, 3, 2) BLOCKS(WT, NAME, 4, 1)   \
+    BLOCKS(WT, NAME, 5, 1) BLOCKS(WT, NAME, 6, 1)                                                 \
+    GROUP(WT, NAME, 1, 6, TAIL_CASE(NAME, 1, 1) TAIL_CASE(NAME, 1, 2) TAIL_CASE(NAME, 1, 3)       \
+          TAIL_CASE(NAME, 1, 4) TAIL_CASE(NAME, 1, 5))                                            \
+    GROUP(WT, NAME, 2, 3, TAIL_CASE(NAME, 2, 1) TAIL_CASE(NAME, 2, 2))                            \
+    GROUP(WT, NAME, 3, 2, TAIL_CASE(NAME, 3, 1))                                                  \
+    GROUP(WT, NAME, 4, 1, ) GROUP(WT, NAME, 5, 1, ) GROUP(WT, NAME, 6, 1, )                       \
     HALVES(WT, NAME, 7) HALVES(WT, NAME, 8) HALVES(WT, NAME, 9) HALVES(WT, NAME, 10)              \
     HALVES(WT, NAME, 11) HALVES(WT, NAME, 12)                                                     \
     typedef void (*NAME##_group)(const WT *, const float *, float *, int64_t, int64_t, int64_t,   \

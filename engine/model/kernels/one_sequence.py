@@ -27,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "column_blocks.c", "token_step.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 COLUMN_BLOCK = 16  # output columns per block of a packed weight (column_blocks.c)
 
 
@@ -41,6 +42,9 @@ def pack_columns(weight: torch.Tensor) -> ColumnBlocks:
     """weight [out, in] (float32 or bfloat16, CPU) in blocks of 16 output columns; in bfloat16, the
     columns of a block in the order 0, 8, 1, 9, ..., 7, 15, so the 32-bit word j holds columns j
     (low half) and j + 8 (high half)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"pack_columns takes a 2-D float32 or bfloat16 CPU weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
     out_features, in_features = weight.shape
     pad = -out_features % COLUMN_BLOCK
     padded = torch.cat([weight, weight.new_zeros(pad, in_features)]) if pad else weight
@@ -49,7 +53,6 @@ def pack_columns(weight: torch.Tensor) -> ColumnBlocks:
         half = COLUMN_BLOCK // 2
         blocks = blocks[..., [c for j in range(half) for c in (j, j + half)]]
     return ColumnBlocks(blocks.contiguous(), out_features)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 class OneSequenceKernels:
