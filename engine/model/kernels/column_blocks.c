@@ -99,13 +99,12 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
 #define KERNEL(WT, NAME)                                                                          \
     BLOCKS(WT, NAME, 1, 1) BLOCKS(WT, NAME, 1, 2) BLOCKS(WT, NAME, 1, 3) BLOCKS(WT, NAME, 1, 4)   \
     BLOCKS(WT, NAME, 1, 5) BLOCKS(WT, NAME, 1, 6) BLOCKS(WT, NAME, 2, 1) BLOCKS(WT, NAME, 2, 2)   \
-    BLOCKS(WT, NAME, 2, 3) BLOCKS(WT, NAME, 3, 1) BLOCKS(WT, NAME, 3, 2) BLOCKS(WT, NAME, 4, 1)   \
+    BLOCKS(WT, NAME, 3, 1) BLOCKS(WT, NAME, 4, 1)                                                 \
     BLOCKS(WT, NAME, 5, 1) BLOCKS(WT, NAME, 6, 1)                                                 \
     GROUP(WT, NAME, 1, 6, TAIL_CASE(NAME, 1, 1) TAIL_CASE(NAME, 1, 2) TAIL_CASE(NAME, 1, 3)       \
           TAIL_CASE(NAME, 1, 4) TAIL_CASE(NAME, 1, 5))                                            \
-    GROUP(WT, NAME, 2, 3, TAIL_CASE(NAME, 2, 1) TAIL_CASE(NAME, 2, 2))                            \
-    GROUP(WT, NAME, 3, 2, TAIL_CASE(NAME, 3, 1))                                                  \
-    GROUP(WT, NAME, 4, 1, ) GROUP(WT, NAME, 5, 1, ) GROUP(WT, NAME, 6, 1, )                       \
+    GROUP(WT, NAME, 2, 2, TAIL_CASE(NAME, 2, 1))                                                  \
+    GROUP(WT, NAME, 3, 1, ) GROUP(WT, NAME, 4, 1, ) GROUP(WT, NAME, 5, 1, ) GROUP(WT, NAME, 6, 1, ) \
     HALVES(WT, NAME, 7) HALVES(WT, NAME, 8) HALVES(WT, NAME, 9) HALVES(WT, NAME, 10)              \
     HALVES(WT, NAME, 11) HALVES(WT, NAME, 12)                                                     \
     typedef void (*NAME##_group)(const WT *, const float *, float *, int64_t, int64_t, int64_t,   \
