@@ -9,7 +9,7 @@
  * Why: the row kernel (one_sequence.c) takes each output as a dot product over k. At one row
  * that is one chain of fused multiply-adds, each waiting for the last; at six rows it loads a
  * vector of x for every multiply-add. Here x[m, k] is broadcast into 16 columns at once, a group
- * of rows keeps 7-12 accumulators in flight, each weight vector is loaded once per group, and a
+ * of rows keeps 6-12 accumulators in flight, each weight vector is loaded once per group, and a
  * block's weights stream as one contiguous run (docs/performance-notes.md#column-blocks).
  *
  * Every output is one chain of fused multiply-adds over k = 0, 1, ..., K - 1, starting from zero,
