@@ -25,7 +25,8 @@ run 5 (more steps on run 3's data) lowered α and was not shipped, nor was run 7
 run 6 on 2,048 sequences of yet other prompts, --generations 0 --generated-set 59:2048): α
 0.867 -> 0.862 and 0.863 -> 0.864 (tools/head_alpha.py, 8 and 48 prompts), a plateau. Run 8
 (--draft-vocab 6144 from run 6, on run 7's data: wider_vocabulary) read α 0.853 and 0.876 with a
-19% dearer step, not shipped (docs/performance-notes.md, "where its rejections fall").
+19% dearer step, not shipped, nor run 9 (--draft-vocab 5120: 0.865 and 0.873; batch 1 K = 5 at
+par, adaptive 0.93x) (docs/performance-notes.md, "where its rejections fall").
 
 Data: corpus windows and sequences the target wrote itself (on-policy, as for the draft), the
 target's features (inputs of the --aux-layers) and its distributions computed on the fly with
