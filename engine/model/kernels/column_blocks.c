@@ -66,7 +66,7 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
     }
 
 /* Blocks [b0, b1) for M rows, NB blocks at a time; the last n < NB blocks as n at a time
- * (TAIL(n) names the function for n blocks). */
+ * (TAIL: one TAIL_CASE for each such n). */
 #define GROUP(WT, NAME, M, NB, TAIL)                                                              \
     static void NAME##_group_##M(const WT *P, const float *x, float *y, int64_t b0, int64_t b1,   \
                                  int64_t N, int64_t K) {                                          \
