@@ -20,6 +20,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "row_groups.h"
+
 /* The 16 columns of block row p as two vectors: columns 0-7 (lo) and 8-15 (hi). */
 static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
     *lo = _mm256_loadu_ps(p);
@@ -94,8 +96,6 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
             }                                                                                     \
     }
 
-#define MAX_GROUP 12 /* rows a group multiplies into per weight read */
-
 #define KERNEL(WT, NAME)                                                                          \
     BLOCKS(WT, NAME, 1, 1) BLOCKS(WT, NAME, 1, 2) BLOCKS(WT, NAME, 1, 3) BLOCKS(WT, NAME, 1, 4)   \
     BLOCKS(WT, NAME, 1, 5) BLOCKS(WT, NAME, 1, 6) BLOCKS(WT, NAME, 2, 1) BLOCKS(WT, NAME, 2, 2)   \
@@ -121,12 +121,7 @@ static inline __m256 half_bf16(const uint16_t *p, int h) {
         _Pragma("omp parallel num_threads(threads)") {                                            \
             int t = omp_get_thread_num(), T = omp_get_num_threads();                              \
             int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;                               \
-            int64_t groups = (M + MAX_GROUP - 1) / MAX_GROUP;                                     \
-            for (int64_t i = 0, m0 = 0; i < groups && b0 < b1; i++) {                             \
-                int64_t g = (M - m0) / (groups - i);                                              \
-                NAME##_groups[g](P, x + m0 * K, y + m0 * N, b0, b1, N, K);                        \
-                m0 += g;                                                                          \
-            }                                                                                     \
+            FOR_EACH_ROW_GROUP(NAME##_groups, P, x, y, b0, b1, N, K, M);                          \
         }                                                                                         \
     }
 

@@ -17,6 +17,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "row_groups.h"
+
 static inline float lanes_sum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     __m128 odd = _mm_movehdup_ps(s);
@@ -30,11 +32,6 @@ static inline __m256 load_bf16(const uint16_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-
-/* The most rows a group multiplies into per weight read: a pass of M rows reads each weight
- * ceil(M / MAX_GROUP) times, in groups of near-equal size. 12 accumulators and the weight vector
- * fit AVX2's 16 registers (docs/performance-notes.md#one-sequence-row-groups). */
-#define MAX_GROUP 12
 
 /* Rows [n0, n1) of y for a group of exactly M rows of x (M a compile-time constant), RW weight
  * rows at a time: each output's chain of fused multiply-adds is as above, but RW x M chains run
@@ -85,16 +82,10 @@ static inline __m256 load_bf16(const uint16_t *p) {
         NAME##_7_1, NAME##_8_1, NAME##_9_1, NAME##_10_1, NAME##_11_1, NAME##_12_1};           \
     void one_sequence_##NAME(const WT *w, const float *x, float *y, int64_t N, int64_t K,     \
                              int64_t M, int threads) {                                        \
-        const NAME##_group *table = NAME##_groups;                                            \
         _Pragma("omp parallel num_threads(threads)") {                                        \
             int t = omp_get_thread_num(), T = omp_get_num_threads();                          \
             int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;    \
-            int64_t groups = (M + MAX_GROUP - 1) / MAX_GROUP;                                 \
-            for (int64_t i = 0, m0 = 0; i < groups && n0 < n1; i++) {                         \
-                int64_t g = (M - m0) / (groups - i);                                          \
-                table[g](w, x + m0 * K, y + m0 * N, n0, n1, N, K);                            \
-                m0 += g;                                                                      \
-            }                                                                                 \
+            FOR_EACH_ROW_GROUP(NAME##_groups, w, x, y, n0, n1, N, K, M);                      \
         }                                                                                     \
     }
 

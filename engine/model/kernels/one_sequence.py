@@ -27,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "column_blocks.c", "token_step.c")]
+HEADERS = [Path(__file__).with_name("row_groups.h")]  # included by the sources: part of the digest, not compiled alone
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 COLUMN_BLOCK = 16  # output columns per block of a packed weight (column_blocks.c)
 
@@ -91,25 +92,26 @@ class OneSequenceKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 @ weight [out, in] (float32 or bfloat16, contiguous).T -> [..., out]."""
-        out_features, in_features = weight.shape
-        rows = _rows(x, in_features)  # [M, in]
-        y = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device="cpu")  # [M, out]
         fn = self.bf16 if weight.dtype == torch.bfloat16 else self.f32
-        fn(weight.data_ptr(), rows.data_ptr(), y.data_ptr(), out_features, in_features, rows.shape[0],
-           torch.get_num_threads())
-        return y.view(*x.shape[:-1], out_features)
+        out_features, in_features = weight.shape
+        return _matmul(fn, weight, x, out_features, in_features, out_features)
 
     def column_linear(self, x: torch.Tensor, weight: ColumnBlocks) -> torch.Tensor:
         """x [..., in] float32 @ the packed weight's [out, in].T -> [..., out] (column_blocks.c)."""
-        blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
-        rows = _rows(x, in_features)  # [M, in]
-        y = torch.empty(rows.shape[0], blocks * COLUMN_BLOCK, dtype=torch.float32, device="cpu")  # [M, out + pad]
         fn = self.column_bf16 if weight.blocks.dtype == torch.bfloat16 else self.column_f32
-        fn(weight.blocks.data_ptr(), rows.data_ptr(), y.data_ptr(), blocks * COLUMN_BLOCK, in_features,
-           rows.shape[0], torch.get_num_threads())
-        if y.shape[1] != weight.out_features:
-            y = y[:, :weight.out_features].contiguous()
-        return y.view(*x.shape[:-1], weight.out_features)
+        blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
+        return _matmul(fn, weight.blocks, x, blocks * COLUMN_BLOCK, in_features, weight.out_features)
+
+
+def _matmul(fn, w: torch.Tensor, x: torch.Tensor, width: int, in_features: int, out_features: int) -> torch.Tensor:
+    """x [..., in] through the kernel `fn` over the weight storage `w`, which computes `width`
+    outputs a row; the first `out_features` of them -> [..., out_features]."""
+    rows = _rows(x, in_features)  # [M, in]
+    y = torch.empty(rows.shape[0], width, dtype=torch.float32, device="cpu")  # [M, width]
+    fn(w.data_ptr(), rows.data_ptr(), y.data_ptr(), width, in_features, rows.shape[0], torch.get_num_threads())
+    if width != out_features:
+        y = y[:, :out_features].contiguous()
+    return y.view(*x.shape[:-1], out_features)
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -152,7 +154,7 @@ def cpuinfo() -> dict[str, str]:
 def build_digest() -> str:
     """What the library is built from (sources and flags): it names the build, and forward plans
     measured with another build are not reused."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str) -> Path:
