@@ -52,12 +52,13 @@ class _ScriptedEngine:
         pass
 
 
-def test_the_k_counts_of_the_window_leave_out_the_steps_before_and_the_drain():
-    """Two requests: a step that starts only one, two steps with both in flight (the second ends
-    one), then a drain step at K = 1 for the other: the window holds the two K = 4 steps."""
-    script = [([("a", False)], None), ([("a", False), ("b", False)], 2),
+def test_the_window_leaves_out_the_steps_before_the_catch_up_step_and_the_drain():
+    """Two requests: a step that starts only one, one that starts the other, the step after it
+    (the proposer's catch-up on the prompts, K = 3), two steps with both in flight (the second
+    ends one), then a drain step at K = 1 for the other: the window holds the two K = 4 steps."""
+    script = [([("a", False)], None), ([("a", False), ("b", False)], 2), ([("a", False), ("b", False)], 3),
               ([("a", False), ("b", False)], 4), ([("a", True), ("b", False)], 4), ([("b", True)], 1)]
     run = run_batch(SimpleNamespace(engine=_ScriptedEngine(script)), ["a", "b"], None)
-    assert run["k_steps"] == {2: 1, 4: 2, 1: 1}
+    assert run["k_steps"] == {2: 1, 3: 1, 4: 2, 1: 1}
     assert run["window_k_steps"] == {4: 2}
     assert run["window_steps"] == 2
