@@ -173,7 +173,10 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
     held_out = all("adaptive_vs_best_held_out" in row for row in r["results"].values())
     measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
                "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
-    if "prefill_budget" in r:  # every batch prefilled in one step: the proposer's catch-up on the prompts is in the window
+    if r.get("window") == "after_catch_up":  # the first decode step (the proposer reading the prompts) left out
+        measure += ("; every batch's prompts prefill in one step, and the first decode step, where the proposer "
+                    "catches up on them, is left out for every variant (it is in the whole run)")
+    elif "prefill_budget" in r:  # every batch prefilled in one step: the proposer's catch-up on the prompts is in the window
         measure += ("; every batch's prompts prefill in one step, so the proposer's catch-up on them counts for "
                     "every variant")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "

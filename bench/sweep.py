@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps in the window {row[ADAPTIVE]['window_k_steps']} (whole run {row[ADAPTIVE]['k_steps']})")
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
-                           "prefill_budget": PREFILL_BUDGET, "prompts_per_repeat": "next",
+                           "prefill_budget": PREFILL_BUDGET, "prompts_per_repeat": "next", "window": "after_catch_up",
                            "variants": VARIANTS, "results": results}, llm)
     print(f"wrote {path}")
 
