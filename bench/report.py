@@ -176,7 +176,7 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
     if r.get("window") == "after_catch_up":  # the first decode step (the proposer reading the prompts) left out
         measure += ("; every batch's prompts prefill in one step, and the first decode step, where the proposer "
                     "catches up on them, is left out for every variant (it is in the whole run)")
-    elif "prefill_budget" in r:  # every batch prefilled in one step: the proposer's catch-up on the prompts is in the window
+    elif "prefill_budget" in r:  # prefilled in one step: the proposer's catch-up on the prompts is in the window
         measure += ("; every batch's prompts prefill in one step, so the proposer's catch-up on them counts for "
                     "every variant")
     lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "

@@ -4,22 +4,23 @@ concurrent requests, and which K the adaptive policy picked at each batch size.
     python -m bench sweep [--batches 1 2 4 8 16 32 64] [--tokens 128] [--repeats 3]
     python -m bench sweep --method eagle      # the EAGLE-3 head (embedded:eagle3) instead of the draft
 
-All requests of a run are submitted at once (distinct held-out prompts: code, then edit) and
-the engine steps until all finish. Throughput at batch B (`tok_s`) is decode throughput while
-all B requests are in flight: tokens emitted by the steps from the second after every request
-has its first token, up to and including the step in which the first request finishes, over
-those steps' wall time. That leaves out the prefill (paid once by every variant) and the drain
-at the end, where speculative runs finish requests at different steps and the batch shrinks
-below B while plain decoding keeps all B to the last step; a sweep over batch sizes should not
-mix batch sizes. Every batch's prompts prefill in one step (the token budget holds them all), so
-a proposer's catch-up on the prompts (an EAGLE-3 head reads them before it can propose) falls in
-the first decode step, which is left out for every variant: it is paid once per run, while the
-window's length in tokens depends on K (it closes when the fastest request finishes), so inside
-it the same cost weighed about 3% more on adaptive (K = 4-5, 22 steps) than on fixed K = 2 (43
-steps) at batch 32, where it took 0.4-0.6 s of a 4-6 s window. If the adaptive policy decodes
-plainly in that step, it pays the catch-up inside the window. The whole run, prefill and drain
-included, is reported too (`tok_s_end_to_end`). 128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.2 s at batch
-1), and the host's swings over so short a window outweighed the few percent the sweep is to judge.
+All requests of a run are submitted at once (distinct held-out prompts: code, then edit) and the
+engine steps until all finish. Throughput at batch B (`tok_s`) is decode throughput while all B
+requests are in flight: tokens emitted from the second decode step after every request has its first
+token (the first is the catch-up, below), up to and including the step in which the first request
+finishes, over those steps' wall time. That leaves out the prefill (paid once by every variant) and
+the drain at the end, where speculative runs finish requests at different steps and the batch
+shrinks below B while plain decoding keeps all B to the last step; a sweep over batch sizes should
+not mix batch sizes. Every batch's prompts prefill in one step (the token budget holds them all), so
+a proposer's catch-up on the prompts (an EAGLE-3 head reads them before it can propose) falls in the
+first decode step, which is left out for every variant: it is paid once per run, while the window's
+length in tokens depends on K (it closes when the fastest request finishes), so inside it the same
+cost weighed about 3% more on adaptive (K = 4-5, 22 steps) than on fixed K = 2 (43 steps) at batch
+32, where it took 0.3-0.6 s of a 4-6 s window. If the adaptive policy decodes plainly in that step,
+it pays the catch-up inside the window. The whole run, prefill and drain included, is reported too
+(`tok_s_end_to_end`). 128 new tokens by default: at 64 the window of fixed K = 4 spans about 15
+steps (0.2 s at batch 1), and the host's swings over so short a window outweighed the few percent
+the sweep is to judge.
 Variants are interleaved (A B C ... A B C ...) within each batch size; medians reported.
 Repeat r of batch B decodes the B prompts after those of repeat r - 1 (the pool wraps), the same
 for every variant of that repeat: greedy text is deterministic, so with one prompt the same few
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         llm.engine.reconfigure_speculation(**PLAIN)
         run_batch(llm, pool[:b], params)  # warm-up
         runs = interleave({name: variant(cfg) for name, cfg in VARIANTS.items()}, args.repeats, f"batch {b}")
+        if any(r["window_steps"] == 0 for rs in runs.values() for r in rs):
+            print(f"batch {b}: a request finished before the window opened, so some runs report the whole run's "
+                  "tok/s (raise --tokens)")
         plain = summarize(runs["plain"], "tok_s")["median"]
         row = {}
         for name, rs in runs.items():
@@ -200,9 +204,9 @@ def main(argv: list[str] | None = None) -> None:
               + held_out + "); "
               f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
               f"adaptive K steps in the window {row[ADAPTIVE]['window_k_steps']} (whole run {row[ADAPTIVE]['k_steps']})")
-    path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0,
-                           "prefill_budget": PREFILL_BUDGET, "prompts_per_repeat": "next", "window": "after_catch_up",
-                           "variants": VARIANTS, "results": results}, llm)
+    payload = {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0, "prefill_budget": PREFILL_BUDGET,
+               "prompts_per_repeat": "next", "window": "after_catch_up", "variants": VARIANTS, "results": results}
+    path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", payload, llm)
     print(f"wrote {path}")
 
 

@@ -154,7 +154,8 @@ def cpuinfo() -> dict[str, str]:
 def build_digest() -> str:
     """What the library is built from (sources and flags): it names the build, and forward plans
     measured with another build are not reused."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str) -> Path:
