@@ -13,14 +13,13 @@ the drain at the end, where speculative runs finish requests at different steps 
 shrinks below B while plain decoding keeps all B to the last step; a sweep over batch sizes should
 not mix batch sizes. Every batch's prompts prefill in one step (the token budget holds them all), so
 a proposer's catch-up on the prompts (an EAGLE-3 head reads them before it can propose) falls in the
-first decode step, which is left out for every variant: it is paid once per run, while the window's
-length in tokens depends on K (it closes when the fastest request finishes), so inside it the same
-cost weighed about 3% more on adaptive (K = 4-5, 22 steps) than on fixed K = 2 (43 steps) at batch
-32, where it took 0.3-0.6 s of a 4-6 s window. If the adaptive policy decodes plainly in that step,
-it pays the catch-up inside the window. The whole run, prefill and drain included, is reported too
-(`tok_s_end_to_end`). 128 new tokens by default: at 64 the window of fixed K = 4 spans about 15
-steps (0.2 s at batch 1), and the host's swings over so short a window outweighed the few percent
-the sweep is to judge.
+first decode step, which is left out for every variant: it is paid once a run, while the window's
+length in tokens depends on K (it closes when the fastest request finishes), so inside it the cost
+weighed more on variants choosing long rounds (docs/performance-notes.md, "The sweep's window leaves
+out the catch-up step"). If the adaptive policy decodes plainly in that step, it pays the catch-up
+inside the window. The whole run, prefill and drain included, is reported too (`tok_s_end_to_end`).
+128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.2 s at batch 1),
+and the host's swings over so short a window outweighed the few percent the sweep is to judge.
 Variants are interleaved (A B C ... A B C ...) within each batch size; medians reported.
 Repeat r of batch B decodes the B prompts after those of repeat r - 1 (the pool wraps), the same
 for every variant of that repeat: greedy text is deterministic, so with one prompt the same few
