@@ -9,6 +9,8 @@
     structured  constrained (JSON schema) vs free decoding, speculation off and on, batch 1 and 16
     serve    guidellm against `serve run serve_config.yaml`: concurrency 1..32, plain / fixed K / adaptive
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
+    gpu      the one-command GPU check: correctness, syncs, kernels and speed on random-weight models
+             (at most ~8 minutes on one H100; `--device cpu --smoke` runs the same code on CPU)
     plots    PNGs from bench/results/*.json
     report   rewrite README's results block from bench/results/*.json
     all      everything above in sequence (about an hour on 2 cores)
@@ -21,7 +23,7 @@ import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
-            "serve": "bench.serve", "hf": "bench.engine_vs_hf",
+            "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

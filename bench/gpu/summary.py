@@ -1,0 +1,25 @@
+"""The GPU check's report as markdown: each section's status, time and summary lines, and every
+failed check with what it compared."""
+
+from __future__ import annotations
+
+
+def markdown(report: dict) -> str:
+    env = report.get("sections", {}).get("environment", {})
+    device = env.get("gpu") or env.get("host") or report.get("device")
+    lines = [f"# GPU check: {device}" + (" (smoke)" if report.get("smoke") else ""), "",
+             f"commit {report.get('commit', '?')}, {report.get('date', '?')}, torch {env.get('torch', '?')}, "
+             f"CUDA {env.get('cuda', '?')}; {report.get('seconds', '?')} s of a {report.get('budget_s', '?')} s budget", "",
+             "| section | status | seconds |", "| --- | --- | --- |"]
+    sections = report.get("sections", {})
+    for name, out in sections.items():
+        lines.append(f"| {name} | {out.get('status', 'running')} | {out.get('seconds', '')} |")
+    for name, out in sections.items():
+        lines += ["", f"## {name}", ""]
+        if out.get("error"):
+            lines.append(f"- **{out.get('status')}**: {out['error']}")
+        lines += [f"- {line}" for line in out.get("summary", [])]
+        for check_name, c in out.get("checks", {}).items():
+            if not c["ok"]:
+                lines.append(f"- FAILED: {check_name}: {c.get('detail')}")
+    return "\n".join(lines) + "\n"
