@@ -106,7 +106,7 @@ def sections() -> list[tuple[str, Callable[[Context, dict], None], float, float]
 
     return [("environment", environment.run, 15, 20), ("attention", attention.run, 35, 15),
             ("correctness", correctness.run, 110, 70), ("syncs", syncs.run, 30, 20),
-            ("llama_1b", speed.run, 170, 40), ("llama_8b", large.run, 80, 15), ("faults", faults.run, 25, 25)]
+            ("llama_1b", speed.run, 170, 40), ("llama_8b", large.run, 80, 15), ("faults", faults.run, 45, 30)]
 
 
 def device_name(device: str) -> str:
