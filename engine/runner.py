@@ -10,7 +10,7 @@ import torch
 from engine import host_sync
 from engine.grammar import mask_rows
 from engine.kv import KVManager
-from engine.model.passes import forward_chunks, forward_chunks_features, width_groups
+from engine.model.passes import forward_chunks, forward_chunks_features, put_rows, take_rows, width_groups
 from engine.model.transformer import Transformer
 from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
@@ -24,23 +24,25 @@ class ModelRunner:
 
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
         """Computes each request's next `n` prompt tokens; a request whose prompt is then
-        complete gets its first token."""
+        complete gets its first token. Where none completes, nothing is read back: it waits for
+        the device, so the passes' time is the prefill's, not the next timed phase's."""
         reqs = [r for r, _ in chunks]
         starts = [self.kv.computed(r) for r in reqs]
         token_chunks = [r.all_token_ids[s:s + n] for (r, n), s in zip(chunks, starts)]
         logits = torch.empty(len(reqs), self.model.shape.vocab_size, device=self.model.device)  # [B, vocab]
         for rows in width_groups([len(c) for c in token_chunks]):
-            logits[rows] = self._pass([reqs[b] for b in rows], [token_chunks[b] for b in rows],
-                                      [starts[b] for b in rows], all_logits=False)
+            put_rows(rows, (logits, self._pass([reqs[b] for b in rows], [token_chunks[b] for b in rows],
+                                               [starts[b] for b in rows], all_logits=False)))
         done = []
         for b, r in enumerate(reqs):
             self.kv.register_prefix(r)
             if not r.output_token_ids and self.kv.computed(r) == r.num_prefill_tokens:
                 done.append(b)  # prompt fully in KV: its last logits give the first token
         if not done:
+            host_sync.wait(self.model.device)
             return []
         done_reqs = [reqs[b] for b in done]
-        return [(r, [t]) for r, t in zip(done_reqs, _sample(logits[done], done_reqs))]
+        return [(r, [t]) for r, t in zip(done_reqs, _sample(take_rows(logits, done), done_reqs))]
 
     def decode(self, reqs: list[Request], reason: str = "disabled") -> DecodeResult:
         """One plain decode step: each request's last token in, one new token out."""
@@ -64,8 +66,11 @@ class ModelRunner:
         parts = [self.forward([reqs[i] for i in rows], [chunks[i] for i in rows], all_logits=True)
                  for rows in groups]  # each [b, t, V]
         logits = parts[0].new_zeros(len(reqs), max(len(c) for c in chunks), parts[0].shape[-1])  # [B, T, V]
+        index = host_sync.upload([i for rows in groups for i in rows], logits.device, torch.long)  # group after group
+        first = 0
         for rows, part in zip(groups, parts):
-            logits[torch.tensor(rows, device=part.device), :part.shape[1]] = part
+            logits[:, :part.shape[1]].index_copy_(0, index[first:first + len(rows)], part)
+            first += len(rows)
         return logits
 
     def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool) -> torch.Tensor:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import host_sync
 from engine.kv.block_manager import BlockManager
-from engine.kv.protocol import KVView, OutOfKVCache, allocate_storage, build_view, pad_single
+from engine.kv.protocol import KVView, OutOfKVCache, allocate_storage, build_view, single_view
 
 
 @dataclass
@@ -17,8 +18,9 @@ class BlockTable:
     blocks: list[int]
     length: int  # tokens with K/V
     prefix_blocks: int  # leading blocks shared through the prefix cache (never truncated)
-    rows: torch.Tensor | None  # [len(blocks) * block_size] storage row of every position the blocks hold;
-    # None until a one-sequence view needs it (batched views read the block table instead)
+    rows: torch.Tensor | None  # [len(blocks) * block_size] storage row of every position the blocks hold, on
+    # the device; None until a one-sequence view needs it (batched views upload the block table instead),
+    # then extended as blocks are added
     consecutive: bool  # blocks numbered one after another: keys read as one slice of storage
 
 
@@ -39,8 +41,11 @@ class PagedKVPool:
         self._block_rows = torch.arange(block_size, device=self.storage.device)  # [block_size]
 
     def _rows_of_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """[len(blocks) * block_size] storage rows of the positions these blocks hold."""
-        starts = torch.tensor(blocks, dtype=torch.long, device=self.storage.device) * self.block_size  # [n]
+        """[len(blocks) * block_size] storage rows of the positions these blocks hold: a block or
+        two (a sequence growing) built on the device, more from one upload of the block ids."""
+        if 0 < len(blocks) <= 2:
+            return torch.cat([self._block_rows + b * self.block_size for b in blocks])
+        starts = host_sync.upload(blocks, self.storage.device, torch.long) * self.block_size  # [n]
         return (starts[:, None] + self._block_rows[None, :]).reshape(-1)
 
     def _blocks_for(self, n_tokens: int) -> int:
@@ -82,11 +87,12 @@ class PagedKVPool:
         new_blocks = self.blocks.allocate(missing)
         table.consecutive = table.consecutive and _consecutive(table.blocks[-1:] + new_blocks)
         table.blocks.extend(new_blocks)
-        table.rows = None  # rebuilt when a one-sequence view reads it: a batch's rounds open and
-        # release blocks every step, and most never run alone
+        if table.rows is not None:  # the row map grows on the device (no upload)
+            table.rows = torch.cat([table.rows, self._rows_of_blocks(new_blocks)])
         return True
 
-    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView:
+    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None,
+             tokens: list[list[int]] | None = None) -> KVView:
         tables = [self._tables[s] for s in slots]
         lengths = [t.length for t in tables]
         needed = sum(max(0, self._blocks_for(n + c) - len(t.blocks)) for t, n, c in zip(tables, lengths, chunk_lens))
@@ -96,25 +102,17 @@ class PagedKVPool:
             if not self.ensure_capacity(s, n + c):
                 raise OutOfKVCache(f"slot {s}: {n} + {c} tokens exceed max_seq_len {self.max_seq_len}")
             t.length = n + c
-        if len(slots) == 1:  # one sequence: its cached row map, sliced (no index arithmetic)
+        if len(slots) == 1:  # one sequence: its row map on the device, sliced (no index arithmetic)
             t, n, c = tables[0], lengths[0], chunk_lens[0]
             if t.rows is None:
                 t.rows = self._rows_of_blocks(t.blocks)
-            read_rows, read_slice = t.rows[:n + c].view(1, n + c), None
+            read_slice = None
             if t.consecutive:  # keys read as a slice of storage, not gathered
                 first = t.blocks[0] * self.block_size
-                read_rows, read_slice = None, slice(first, first + n + c)
-            view = KVView(self.storage, t.rows[n:n + c], read_rows, read_slice, n + c, needs_mask=c > 1)
-            return pad_single(view, width or c, c)
-        max_blocks = max(len(t.blocks) for t in tables)
-        table = torch.tensor([t.blocks + [0] * (max_blocks - len(t.blocks)) for t in tables],
-                             device=self.storage.device)  # [B, max_blocks]
-        bs = self.block_size
-
-        def rows_at(pos: torch.Tensor) -> torch.Tensor:  # pos [B, X] -> rows [B, X]
-            return table.gather(1, pos // bs) * bs + pos % bs
-
-        return build_view(self.storage, lengths, chunk_lens, rows_at, width)
+                read_slice = slice(first, first + n + c)
+            return single_view(self.storage, t.rows, n, c, read_slice, width, tokens)
+        return build_view(self.storage, lengths, chunk_lens, [t.blocks for t in tables], self.block_size, width,
+                          tokens)
 
     def truncate_to(self, slot: int, new_len: int, keep_storage: bool = False) -> None:
         t = self._tables[slot]

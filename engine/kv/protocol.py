@@ -7,13 +7,14 @@ advances it); `truncate_to` moves a length back (speculative rollback).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from engine import host_sync
+
 KEY_ALIGN = 64  # gathered key lengths are rounded up to a multiple of this (docs/performance-notes.md#key-alignment)
-PER_HEAD_GATHER_ROWS = 2048  # gathers of at least this many rows (B * L) run one index_select per head
+PER_HEAD_GATHER_ROWS = 2048  # on CPU, gathers of at least this many rows (B * L) run one index_select per head
 GROUPED_READ_MIN_SAVED_ROWS = 4096  # read keys in length groups when that spares this many rows per layer
 
 
@@ -56,6 +57,8 @@ class KVView:
       over several sequences have L = aligned_key_len(longest); keys past a sequence's end are masked.
     groups: None (every sequence reads L keys), or a split of the batch into KeyGroups of
       similar length, each reading only as many keys as its longest member needs.
+    input_ids, position_ids [B, T], last [B] (each chunk's last index): the pass's inputs, when the
+      pool was given its tokens (they reach the device in the view's one upload); else None.
     """
 
     def __init__(self, storage: torch.Tensor, write_rows: torch.Tensor,
@@ -68,6 +71,9 @@ class KVView:
         self.key_len = key_len  # L
         self.needs_mask = needs_mask
         self.groups = groups
+        self.input_ids: torch.Tensor | None = None  # [B, T] (padded rows: token 0)
+        self.position_ids: torch.Tensor | None = None  # [B, T] (padded rows: position 0)
+        self.last: torch.Tensor | None = None  # [B]
 
     def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """[B, 1, T, L] bool (True = attend): key j is visible to a query at position p iff j <= p."""
@@ -93,7 +99,8 @@ class KVView:
         """Keys, values [kv_heads, b, L, head_dim] at read_rows [b, L] (None: the read_slice),
         contiguous: the storage is head-major, so one gather yields every head's block of
         b * L rows in place, and attention batches its matmuls over (kv_head, sequence)
-        without copying keys or values into another order."""
+        without copying keys or values into another order. Large gathers go one head at a time
+        on CPU only (on a GPU each is a kernel launch: one gather there)."""
         kv = self.storage[layer]  # [2, kv_heads, rows, head_dim]
         if read_rows is None:
             return kv[0, :, self.read_slice].unsqueeze(1), kv[1, :, self.read_slice].unsqueeze(1)
@@ -101,7 +108,7 @@ class KVView:
         heads = kv.shape[1]
         rows = read_rows.reshape(-1)  # [B * L]
         flat = kv.view(2 * heads, *kv.shape[2:])  # [2 * kv_heads, storage rows, D]
-        if rows.numel() < PER_HEAD_GATHER_ROWS:
+        if rows.numel() < PER_HEAD_GATHER_ROWS or flat.device.type != "cpu":
             both = flat.index_select(1, rows)  # [2 * kv_heads, B * L, D]
         else:
             both = flat.new_empty(2 * heads, rows.numel(), flat.shape[-1])  # [2 * kv_heads, B * L, D]
@@ -127,8 +134,10 @@ class CachePool(Protocol):
     - `free_slot(slot)` releases the slot and its storage (shared prefix blocks stay cached).
     - `ensure_capacity(slot, new_len)` makes room for the slot to reach `new_len` tokens; False
       (and nothing allocated) when the pool is out of room. Views call it themselves.
-    - `view(slots, chunk_lens, width)` appends chunk_lens[i] tokens to slots[i] from its current
-      length; the pass has `width` (>= max chunk) query rows, extra rows write to scratch.
+    - `view(slots, chunk_lens, width, tokens)` appends chunk_lens[i] tokens to slots[i] from its
+      current length; the pass has `width` (>= max chunk) query rows, extra rows write to scratch.
+      With `tokens` (each row's chunk padded to the width) the view also holds the pass's
+      input_ids, position_ids and last, uploaded with its own indices in one copy.
     - `truncate_to(slot, new_len, keep_storage=False)` rolls a slot back; storage wholly past
       new_len is released, or with keep_storage stays the slot's (a speculative round's rejected
       tokens: the next round writes there again, so releasing it would only reopen it).
@@ -142,7 +151,8 @@ class CachePool(Protocol):
     def free_slot(self, slot: int) -> None: ...
     def seq_len(self, slot: int) -> int: ...
     def ensure_capacity(self, slot: int, new_len: int) -> bool: ...
-    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None) -> KVView: ...
+    def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None,
+             tokens: list[list[int]] | None = None) -> KVView: ...
     def truncate_to(self, slot: int, new_len: int, keep_storage: bool = False) -> None: ...
     def free_token_capacity(self) -> int | None: ...
     def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...
@@ -162,12 +172,30 @@ def pad_single(view: KVView, width: int, chunk_len: int) -> KVView:
     return view
 
 
-def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
-               rows_at: Callable[[torch.Tensor], torch.Tensor], width: int | None = None) -> KVView:
-    """Index tensors for one pass over B sequences.
+def single_view(storage: torch.Tensor, rows: torch.Tensor, length: int, chunk_len: int, read_slice: slice | None,
+                width: int | None = None, tokens: list[list[int]] | None = None) -> KVView:
+    """A one-sequence view over its storage rows [>= length + chunk_len] (a device-side row map the
+    pool keeps); keys read as `read_slice` where one is given. With `tokens` [[width ids]], one
+    upload of the ids, positions and last index."""
+    n, c = length, chunk_len
+    read_rows = None if read_slice is not None else rows[:n + c].view(1, n + c)
+    view = pad_single(KVView(storage, rows[n:n + c], read_rows, read_slice, n + c, needs_mask=c > 1), width or c, c)
+    if tokens is not None:
+        T = width or c
+        positions = list(range(n, n + c)) + [0] * (T - c)
+        inputs = host_sync.upload(tokens[0] + positions + [c - 1], storage.device)  # [2 * T + 1]
+        view.input_ids, view.position_ids = inputs[:T].view(1, T), inputs[T:2 * T].view(1, T)
+        view.last = inputs[2 * T:]  # [1]
+    return view
 
-    lengths[b]: tokens already stored for sequence b; chunk_lens[b]: new tokens it appends.
-    rows_at(positions [B, X]) -> storage rows [B, X] for in-range positions of each sequence.
+
+def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int], tables: list[list[int]],
+               block_size: int, width: int | None = None, tokens: list[list[int]] | None = None) -> KVView:
+    """Index tensors for one pass over B sequences, from one upload.
+
+    lengths[b]: tokens already stored for sequence b; chunk_lens[b]: new tokens it appends;
+    tables[b]: its blocks (position p is storage row tables[b][p // block_size] * block_size +
+    p % block_size); tokens[b]: its chunk padded to the pass's width (the view's input_ids).
     """
     device = storage.device
     scratch = storage.shape[3] - 1
@@ -175,25 +203,51 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
     totals = [n + c for n, c in zip(lengths, chunk_lens)]  # each sequence's key count after the pass
     longest = max(totals)
     key_len = aligned_key_len(longest)  # L
-    start = torch.tensor(lengths, device=device)  # [B]
-    count = torch.tensor(chunk_lens, device=device)  # [B]
+    members = _key_groups(totals, key_len)
+    M = max(len(t) for t in tables)
+    host = lengths + chunk_lens + [b for m in members or [] for b in m]  # [B], [B], [B if grouped]
+    for t in tables:
+        host += t + [0] * (M - len(t))  # [B * M]
+    for ids in tokens or []:
+        host += ids  # [B * T]
+    packed = host_sync.upload(host, device)  # the pass's one upload
+    start, count = packed[:B], packed[B:2 * B]  # [B] each
+    order = packed[2 * B:3 * B] if members else None  # [B] the groups' members, group after group
+    at = 3 * B if members else 2 * B
+    table = packed[at:at + B * M].view(B, M)  # [B, M]
     steps = torch.arange(T, device=device)  # [T]
     write_pos = start[:, None] + steps[None, :]  # [B, T]
     write_ok = steps[None, :] < count[:, None]  # [B, T]
     keys = torch.arange(key_len, device=device).expand(B, key_len)  # [B, L]
     read_ok = keys < (start + count)[:, None]  # [B, L]
+
+    def rows_at(pos: torch.Tensor) -> torch.Tensor:  # pos [B, X] -> rows [B, X]
+        return table.gather(1, pos // block_size) * block_size + pos % block_size
+
     write_rows = torch.where(write_ok, rows_at(torch.where(write_ok, write_pos, 0)), scratch)  # [B, T]
     read_rows = torch.where(read_ok, rows_at(torch.where(read_ok, keys, 0)), scratch)  # [B, L]
     unmasked = T == 1 and len(set(lengths)) == 1 and key_len == longest
-    return KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not unmasked,
-                  groups=_key_groups(totals, read_rows, key_len))
+    groups = None
+    if members:
+        groups, first = [], 0
+        for m in members:
+            index = order[first:first + len(m)]  # [b]
+            n = aligned_key_len(max(totals[b] for b in m))
+            groups.append(KeyGroup(index, read_rows[index, :n], n))  # read_rows [b, L_g]
+            first += len(m)
+    view = KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not unmasked, groups=groups)
+    if tokens is not None:
+        view.input_ids = packed[at + B * M:].view(B, T)
+        view.position_ids = torch.where(write_ok, write_pos, 0)  # [B, T]
+        view.last = count - 1  # [B]
+    return view
 
 
-def _key_groups(totals: list[int], read_rows: torch.Tensor, key_len: int) -> list[KeyGroup] | None:
+def _key_groups(totals: list[int], key_len: int) -> list[list[int]] | None:
     """Sequences grouped by the power of two at or above their key count, if that spares at
     least GROUPED_READ_MIN_SAVED_ROWS gathered rows; None otherwise (one group, as today).
-    read_rows [B, L]: each group keeps the first L_g columns, which cover its members' keys
-    (the rest of their columns point at the scratch row)."""
+    Each group keeps the first L_g columns of the view's read_rows, which cover its members'
+    keys (the rest of their columns point at the scratch row)."""
     buckets: dict[int, list[int]] = {}
     for b, n in enumerate(totals):
         buckets.setdefault(max(KEY_ALIGN, power_of_two_at_least(n)), []).append(b)
@@ -203,11 +257,7 @@ def _key_groups(totals: list[int], read_rows: torch.Tensor, key_len: int) -> lis
     lens = [aligned_key_len(max(totals[b] for b in m)) for m in members]
     if len(totals) * key_len - sum(len(m) * n for m, n in zip(members, lens)) < GROUPED_READ_MIN_SAVED_ROWS:
         return None
-    groups = []
-    for m, n in zip(members, lens):
-        index = torch.tensor(m, device=read_rows.device)  # [b]
-        groups.append(KeyGroup(index, read_rows[index, :n], n))  # read_rows [b, L_g]
-    return groups
+    return members
 
 
 def allocate_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int,

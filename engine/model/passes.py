@@ -44,15 +44,34 @@ class PassInputs(NamedTuple):
 
 def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                 start_positions: list[int]) -> PassInputs:
-    """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its length)."""
+    """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its
+    length), reaching the device with the view's indices in one upload."""
+    if any(pool.seq_len(s) != p for s, p in zip(slots, start_positions)):
+        raise ValueError(f"chunks must start at their slots' lengths: {start_positions} vs "
+                         f"{[pool.seq_len(s) for s in slots]}")
     longest = max(len(c) for c in chunks)
     T = padded_length(longest)
-    pads = [[0] * (T - len(c)) for c in chunks]
-    ids = torch.tensor([c + pad for c, pad in zip(chunks, pads)], device=model.device)  # [B, T]
-    pos = torch.tensor([list(range(s, s + len(c))) + pad for c, s, pad in zip(chunks, start_positions, pads)],
-                       device=model.device)  # [B, T]
-    last = torch.tensor([len(c) - 1 for c in chunks], device=model.device)  # [B]
-    return PassInputs(ids, pos, pool.view(slots, [len(c) for c in chunks], width=T), longest, last)
+    view = pool.view(slots, [len(c) for c in chunks], width=T, tokens=[c + [0] * (T - len(c)) for c in chunks])
+    return PassInputs(view.input_ids, view.position_ids, view, longest, view.last)
+
+
+def put_rows(rows: list[int], *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """out[rows] = values for each (out, values) pair, the row index uploaded once (not at all
+    where rows are every row of out, in order)."""
+    if rows == list(range(pairs[0][0].shape[0])):
+        for out, values in pairs:
+            out.copy_(values)
+        return
+    index = host_sync.upload(rows, pairs[0][0].device, torch.long)  # [len(rows)]
+    for out, values in pairs:
+        out.index_copy_(0, index, values.to(out.dtype))
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] (x itself where rows are all of its rows, in order), the index uploaded once."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x.index_select(0, host_sync.upload(rows, x.device, torch.long))
 
 
 def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],

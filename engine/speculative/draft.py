@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVManager
-from engine.model.passes import forward_chunks
+from engine.model.passes import forward_chunks, put_rows
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
@@ -78,7 +78,8 @@ class DraftModelProposer:
 
     def _feed(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], logits: torch.Tensor,
               rows: list[int]) -> None:
-        logits[rows] = self._forward([reqs[i] for i in rows], [chunks[i] for i in rows], [starts[i] for i in rows])
+        put_rows(rows, (logits, self._forward([reqs[i] for i in rows], [chunks[i] for i in rows],
+                                              [starts[i] for i in rows])))
 
     def _step(self, reqs: list[Request], rows: list[int], last: list[int]) -> torch.Tensor:
         """One-token draft passes for reqs[rows] -> their logits [len(rows), V]."""

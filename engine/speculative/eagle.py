@@ -17,9 +17,10 @@ import functools
 
 import torch
 
+from engine import host_sync
 from engine.kv import KVManager
 from engine.model.eagle3 import Eagle3Head
-from engine.model.passes import pass_inputs
+from engine.model.passes import pass_inputs, put_rows
 from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
@@ -97,8 +98,9 @@ class EagleProposer:
         return logits, hidden
 
     def _feed(self, reqs, chunks, features, starts, logits, hidden, rows: list[int]) -> None:
-        logits[rows], hidden[rows] = self._pass([reqs[i] for i in rows], [chunks[i] for i in rows],
-                                                [features[i] for i in rows], [starts[i] for i in rows])
+        part_logits, part_hidden = self._pass([reqs[i] for i in rows], [chunks[i] for i in rows],
+                                              [features[i] for i in rows], [starts[i] for i in rows])
+        put_rows(rows, (logits, part_logits), (hidden, part_hidden))
 
     def _pass(self, reqs: list[Request], chunks: list[list[int]], hidden: list[torch.Tensor],
               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,10 @@ class EagleProposer:
 
     def _step(self, reqs: list[Request], state: dict, rows: list[int], last: list[int]) -> torch.Tensor:
         """One draft step for reqs[rows] from their previous outputs -> logits [len(rows), V]."""
-        index = torch.tensor(rows, device=self.head.device)
+        if len(rows) == state["hidden"].shape[0]:  # every row steps: no index
+            logits, state["hidden"] = self._pass_one(reqs, last, state["hidden"][:, None])
+            return logits
+        index = host_sync.upload(rows, self.head.device, torch.long)  # [n]
         prev = state["hidden"].index_select(0, index)[:, None]  # [n, 1, H]
         logits, out = self._pass_one([reqs[i] for i in rows], last, prev)
         state["hidden"] = state["hidden"].index_copy(0, index, out)

@@ -10,6 +10,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from engine import host_sync
 from engine.request import Request
 
 LONG_CATCH_UP = 4  # a draft model more than this many tokens behind feeds them in a prefill-like pass
@@ -43,17 +44,19 @@ class Proposal:
             n, _, vocab = self.q.shape
             q = self.q.new_zeros(n, max(self.q.shape[1], part.q.shape[1]), vocab)  # [N, K, V]
             q[:, :self.q.shape[1]] = self.q
-            q[rows] = 0.0
-            q[rows, :part.q.shape[1]] = part.q
+            index = host_sync.upload(rows, q.device, torch.long)  # [len(rows)]
+            q.index_fill_(0, index, 0.0)
+            q[:, :part.q.shape[1]].index_copy_(0, index, part.q.to(q.dtype))
         return Proposal(tokens, q, sources)
 
 
 def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
     """[N, K, V] q of a model-free proposer: 1 at each proposed token (rows padded with zeros)."""
     q = torch.zeros(len(tokens), max(1, max((len(t) for t in tokens), default=0)), vocab, device=device)
-    for i, t in enumerate(tokens):
-        if t:
-            q[i, torch.arange(len(t)), torch.tensor(t)] = 1.0
+    ones = [(i, j, token) for i, t in enumerate(tokens) for j, token in enumerate(t)]
+    if ones:
+        at = host_sync.upload(list(zip(*ones)), device, torch.long)  # [3, n]: row, position, token
+        q[at[0], at[1], at[2]] = 1.0
     return q
 
 
