@@ -17,7 +17,7 @@ from engine.faults import is_device_fault
 from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
 from engine.kv.features import MAX_PENDING, FeatureCache
-from engine.kv.sizing import default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
+from engine.kv.sizing import activation_bytes, default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
@@ -98,17 +98,21 @@ class LLMEngine:
 
     def _kv_blocks(self, free_bytes: int) -> int | None:
         """Blocks per pool: num_kv_blocks if given, else what kv_cache_memory_fraction of the free
-        memory holds for both models, less a head's pending features (slotted pools: checked to
-        fit, one block per slot)."""
+        memory holds for both models, less a head's pending features and the activations of the
+        largest pass (slotted pools: checked to fit, one block per slot)."""
         c = self.config
         if c.num_kv_blocks is not None and c.kv_cache_backend == "paged":
             return c.num_kv_blocks
         if isinstance(self.draft_model, Eagle3Head):  # target features a head has yet to read, at their bound
             free_bytes -= c.max_batch_size * MAX_PENDING * self.draft_model.feature_width * self.model.dtype.itemsize
         models = [m for m in (self.model, self.draft_model) if m is not None]
-        per_token = kv_bytes_per_token([m.shape for m in models], [m.dtype.itemsize for m in models])
+        shapes, value_bytes = [m.shape for m in models], [m.dtype.itemsize for m in models]
+        per_token = kv_bytes_per_token(shapes, value_bytes)
+        reserve = activation_bytes(shapes, value_bytes, c.max_batch_size,
+                                   c.speculative.spec_length if c.use_speculative_decoding else 0,
+                                   c.max_num_batched_tokens, c.max_seq_len)
         blocks = pool_blocks(free_bytes, c.kv_cache_memory_fraction, per_token, c.block_size, c.max_batch_size,
-                             c.max_seq_len, paged=c.kv_cache_backend == "paged")
+                             c.max_seq_len, paged=c.kv_cache_backend == "paged", reserve_bytes=reserve)
         return blocks if c.kv_cache_backend == "paged" else None
 
     def _load_models(self, model_path, draft_path) -> tuple[Transformer, Transformer | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
@@ -25,6 +27,43 @@ from engine.model.token_step import TokenStep
 
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
+FEW_QUERY_ROWS = 16  # attention passes of at most this many query rows (decode, verify) count as few
+# relied on (torch 2.11 CUDA, sdp_utils.cpp and nn/attention/bias.py): flash takes enable_gqa, no mask, is_causal only
+# at T == L, and CausalBias lower-right at any T <= L; memory-efficient takes a mask and lower-right but no GQA
+_CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+
+
+def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
+                     flash_gqa: bool = False) -> str:
+    """Which attention code a pass of B rows of T queries over L keys (H query heads, Hkv KV
+    heads) takes on `device_type`; mask: "none" (every key visible), "causal_tail" (each row's
+    queries are exactly its last T keys: lower-right causal) or "general" (any boolean mask);
+    flash_gqa: flash attention takes these inputs with GQA (half precision, head_dim, GPU).
+
+    Branches: "sdpa" (SDPA, the boolean mask if any, GQA by enable_gqa); "grouped" (explicit
+    matmuls, the query heads of a KV head stacked as rows: no copy of K/V); "sdpa_causal" (SDPA
+    with is_causal or causal_lower_right, no mask tensor, GQA by enable_gqa); "sdpa_causal_expanded"
+    and "sdpa_expanded" (the same, and the boolean mask, with K/V repeated to every query head, so
+    the memory-efficient kernel takes them). Every branch computes the same attention; on CUDA the
+    rule keeps masked GQA passes off the math kernel, whose scores are [B, heads, T, L] float32.
+    """
+    few = T <= FEW_QUERY_ROWS
+    if device_type != "cuda":
+        return "sdpa" if B == 1 or not few else "grouped"
+    gqa = H != Hkv
+    if mask == "causal_tail" and T <= L:
+        if not gqa or flash_gqa:
+            return "sdpa_causal"
+        return "grouped" if few else "sdpa_causal_expanded"
+    if mask == "none" or not gqa:  # no mask: flash takes GQA; MHA: memory-efficient takes the mask
+        return "sdpa" if B == 1 or not few else "grouped"
+    return "grouped" if few else "sdpa_expanded"
+
+
+@functools.lru_cache(maxsize=256)
+def _lower_right(T: int, L: int) -> CausalBias:
+    """The lower-right causal bias of T queries over L keys (no tensor until a kernel needs one)."""
+    return causal_lower_right(T, L)
 
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
@@ -161,6 +200,10 @@ class OneSequencePath(NamedTuple):
 class Transformer:
     """The forward over explicit weights. Thread-compatible, holds no per-request state."""
 
+    attention_rule: str | None = None  # whose attention_branch rule to follow: "cpu", "cuda" (None: the device's)
+    flash_gqa: bool | None = None  # flash attention takes this model's GQA inputs (None: probed at first use)
+    last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
+
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
         """Weights arrive in the plan's dtype; a path the plan asks for that cannot run here is a
@@ -242,13 +285,35 @@ class Transformer:
         return x * cos + swapped * signed_sin
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D]."""
+                   mask: torch.Tensor | None, branch: str | None = None) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D];
+        branch: an attention_branch name (None: the CPU rule's, for a general mask)."""
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
-        if B == 1 or T > 16:  # SDPA; few queries over several sequences take explicit matmuls (performance-notes)
-            return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                                  scale=self.scale, enable_gqa=H != Hkv)
+        if branch is None:
+            branch = attention_branch("cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
+        if branch == "grouped":
+            return self._grouped_matmuls(q, k, v, mask)
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
+        gqa = H != Hkv
+        if gqa and (branch in ("sdpa_expanded", "sdpa_causal_expanded")
+                    or branch == "sdpa_causal" and T != L and not _CAUSAL_BIAS_TAKES_GQA):
+            keys = keys.repeat_interleave(H // Hkv, dim=1)  # [B, heads, L, D], a copy
+            values = values.repeat_interleave(H // Hkv, dim=1)
+            gqa = False
+        if branch in ("sdpa_causal", "sdpa_causal_expanded"):  # the view's mask is lower-right causal
+            if T == L:
+                return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
+                                                      enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=_lower_right(T, L), scale=self.scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+    def _grouped_matmuls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """_attention as explicit matmuls (few queries: no copy of K/V, small float32 scores)."""
+        B, H, T, D = q.shape
+        Hkv, L = k.shape[0], k.shape[2]
         # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,
         # sequence), the order keys and values arrive in, so only queries and outputs are reordered
         G = H // Hkv
@@ -260,16 +325,50 @@ class Transformer:
         out = torch.matmul(probs, v)  # [kv_heads, B, group * T, D]
         return out.transpose(0, 1).reshape(B, H, T, D)
 
+    def _attention_branch(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                          causal_tail: bool) -> str:
+        """attention_branch for q [B, heads, T, D] over k [kv_heads, B, L, D] under this model's
+        rule; causal_tail: the view says its mask is lower-right causal."""
+        B, H, T, _ = q.shape
+        Hkv, L = k.shape[0], k.shape[2]
+        kind = "none" if mask is None else "causal_tail" if causal_tail else "general"
+        rule = self.attention_rule or self.device.type
+        flash = rule == "cuda" and kind == "causal_tail" and H != Hkv and self._flash_takes_gqa(q, k)
+        return attention_branch(rule, B, T, L, H, Hkv, kind, flash)
+
+    def _flash_takes_gqa(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether flash attention takes this model's queries and K/V heads with enable_gqa and no
+        mask (dtype, head_dim, GPU, backends enabled), asked of torch once; False where it cannot say."""
+        if self.flash_gqa is None:
+            keys = k.transpose(0, 1)  # [B, kv_heads, L, D]
+            try:
+                params = torch.backends.cuda.SDPAParams(q, keys, keys, None, 0.0, False, True)
+                self.flash_gqa = q.device.type == "cuda" and torch.backends.cuda.can_use_flash_attention(params)
+            except (AttributeError, RuntimeError, TypeError):
+                self.flash_gqa = False
+        return self.flash_gqa
+
     def _grouped_attention(self, q: torch.Tensor, kv: KVView, layer: int,
                            groups: list[AttentionGroup]) -> torch.Tensor:
-        """q [B, heads, T, D] -> [B, heads, T, D], each group attending over its own keys."""
+        """q [B, heads, T, D] -> [B, heads, T, D], each group attending over its own keys. A view
+        whose `causal_tail` is True (absent: False) says its mask is lower-right causal: every row's
+        T queries are exactly its last T keys (no padding rows, no keys past the row's end)."""
+        causal_tail = len(groups) == 1 and getattr(kv, "causal_tail", False)
         if len(groups) == 1:
             keys, values = kv.read(layer, groups[0].read_rows)  # each [kv_heads, B, L, head_dim]
-            return self._attention(q, keys, values, groups[0].mask)
+            branch = self._attention_branch(q, keys, groups[0].mask, causal_tail)
+            if layer == 0:
+                self.last_attention_branches = (branch,)
+            return self._attention(q, keys, values, groups[0].mask, branch)
         out = torch.empty_like(q)  # [B, heads, T, D]
+        branches = []
         for g in groups:
             keys, values = kv.read(layer, g.read_rows)  # each [kv_heads, b, L_g, head_dim]
-            out[g.index] = self._attention(q[g.index], keys, values, g.mask)
+            qg = q[g.index]  # [b, heads, T, D]
+            branches.append(self._attention_branch(qg, keys, g.mask, False))
+            out[g.index] = self._attention(qg, keys, values, g.mask, branches[-1])
+        if layer == 0:
+            self.last_attention_branches = tuple(branches)
         return out
 
     @torch.inference_mode()

@@ -568,10 +568,11 @@ def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row
 
 def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir):
     """With an EAGLE-3 head, the KV pools get the fraction of what is free after the features the
-    head may have pending (max_batch_size requests x MAX_PENDING rows x 3H) are set aside."""
+    head may have pending (max_batch_size requests x MAX_PENDING rows x 3H) and the activation
+    reserve are set aside."""
     from engine import EngineConfig, LLMEngine
     from engine.kv.features import MAX_PENDING
-    from engine.kv.sizing import kv_bytes_per_token
+    from engine.kv.sizing import activation_bytes, kv_bytes_per_token
 
     def engine(free: int) -> LLMEngine:
         config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(head_dir), dtype="float32",
@@ -581,9 +582,11 @@ def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir)
         return LLMEngine(config, free_memory=lambda device: free)
 
     roomy = engine(10**12)
-    per_token = kv_bytes_per_token([roomy.model.shape, roomy.draft_model.shape], [4, 4])
+    shapes = [roomy.model.shape, roomy.draft_model.shape]
+    per_token = kv_bytes_per_token(shapes, [4, 4])
     features = 4 * MAX_PENDING * roomy.draft_model.feature_width * 4
-    assert engine(features + 2 * 40 * 16 * per_token).config.num_kv_blocks == 40
+    reserve = activation_bytes(shapes, [4, 4], 4, 5, 512, 256)  # batch 4, the default spec_length 5
+    assert engine(features + reserve + 2 * 40 * 16 * per_token).config.num_kv_blocks == 40
 
 
 def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(tiny_model, head_dir, reference):

@@ -296,14 +296,17 @@ def test_a_default_max_seq_len_fits_the_kv_blocks_asked_for(tiny_model):
 
 def test_kv_pools_are_sized_from_the_free_memory_both_models_counted(tiny_model, tiny_draft):
     """Without num_kv_blocks, each pool gets what kv_cache_memory_fraction of the reported free
-    memory holds for every model's KV (at most max_batch_size full sequences); an explicit
-    num_kv_blocks wins; too little memory for one sequence is a ValueError saying so."""
-    from engine.kv.sizing import kv_bytes_per_token
+    memory, less the activation reserve, holds for every model's KV (at most max_batch_size full
+    sequences); an explicit num_kv_blocks wins; too little memory for one sequence is a ValueError
+    saying so."""
+    from engine.kv.sizing import activation_bytes, kv_bytes_per_token
     from engine.model.loader import read_shape
 
     target, draft = read_shape(tiny_model[0]), read_shape(tiny_draft[0])
     alone, both = kv_bytes_per_token([target], [4]), kv_bytes_per_token([target, draft], [4, 4])
     assert both > alone
+    reserve = {False: activation_bytes([target], [4], 8, 0, 512, 256),  # activations of the largest pass
+               True: activation_bytes([target, draft], [4, 4], 8, 5, 512, 256)}  # (speculating: K = 5)
 
     def engine(free: int, **kw) -> LLMEngine:
         config = EngineConfig.from_kwargs(model=str(tiny_model[0]), dtype="float32", max_batch_size=8, max_seq_len=256,
@@ -311,15 +314,16 @@ def test_kv_pools_are_sized_from_the_free_memory_both_models_counted(tiny_model,
         return LLMEngine(config, free_memory=lambda device: free)
 
     free = 40 * 16 * both * 2  # 40 blocks of both models' KV at fraction 0.5
-    assert engine(free, kv_cache_memory_fraction=0.5).config.num_kv_blocks == 40 * both // alone  # target only
+    assert engine(reserve[False] + free, kv_cache_memory_fraction=0.5).config.num_kv_blocks \
+        == 40 * both // alone  # target only
     spec = dict(draft_model=str(tiny_draft[0]), use_speculative_decoding=True, spec_policy="fixed")
-    sized = engine(free, kv_cache_memory_fraction=0.5, **spec)
+    sized = engine(reserve[True] + free, kv_cache_memory_fraction=0.5, **spec)
     assert sized.config.num_kv_blocks == 40 and sized.stats()["num_kv_blocks"] == 40
     assert sized.kv.target.free_token_capacity() == sized.kv.draft.free_token_capacity() == 40 * 16
     assert engine(10**15).config.num_kv_blocks == 8 * 256 // 16  # plenty: max_batch_size full sequences
     assert engine(free, num_kv_blocks=100, **spec).config.num_kv_blocks == 100  # explicit wins
     with pytest.raises(ValueError, match="kv_cache_memory_fraction.*one sequence of max_seq_len 256"):
-        engine(15 * 16 * both, kv_cache_memory_fraction=1.0, **spec)  # 15 blocks < 16 for one sequence
+        engine(reserve[True] + 15 * 16 * both, kv_cache_memory_fraction=1.0, **spec)  # 15 blocks < 16 for one sequence
     with pytest.raises(ValueError, match="8 slots"):
         engine(free // 4, kv_cache_backend="slotted", **spec)
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
