@@ -71,6 +71,7 @@ class KVView:
         self.key_len = key_len  # L
         self.needs_mask = needs_mask
         self.groups = groups
+        self.causal_tail = False  # every row's queries are exactly its last T keys (a lower-right causal mask)
         self.input_ids: torch.Tensor | None = None  # [B, T] (padded rows: token 0)
         self.position_ids: torch.Tensor | None = None  # [B, T] (padded rows: position 0)
         self.last: torch.Tensor | None = None  # [B]
@@ -180,6 +181,7 @@ def single_view(storage: torch.Tensor, rows: torch.Tensor, length: int, chunk_le
     n, c = length, chunk_len
     read_rows = None if read_slice is not None else rows[:n + c].view(1, n + c)
     view = pad_single(KVView(storage, rows[n:n + c], read_rows, read_slice, n + c, needs_mask=c > 1), width or c, c)
+    view.causal_tail = c > 1 and (width or c) == c
     if tokens is not None:
         T = width or c
         positions = list(range(n, n + c)) + [0] * (T - c)
@@ -236,6 +238,8 @@ def build_view(storage: torch.Tensor, lengths: list[int], chunk_lens: list[int],
             groups.append(KeyGroup(index, read_rows[index, :n], n))  # read_rows [b, L_g]
             first += len(m)
     view = KVView(storage, write_rows.reshape(-1), read_rows, None, key_len, needs_mask=not unmasked, groups=groups)
+    view.causal_tail = not unmasked and groups is None and len(set(lengths)) == 1 and set(chunk_lens) == {T} \
+        and key_len == longest
     if tokens is not None:
         view.input_ids = packed[at + B * M:].view(B, T)
         view.position_ids = torch.where(write_ok, write_pos, 0)  # [B, T]

@@ -62,16 +62,18 @@ def new_pool(model: Transformer, slots: int):
 
 
 def mark_causal_tails(pool) -> None:
-    """Sets `causal_tail` on the pool's views whose mask is lower-right causal: every row appends
-    a chunk of exactly the pass's width to the same length, and the view reads exactly its keys."""
+    """Checks the pool marks `causal_tail` on exactly the views whose mask is lower-right causal:
+    every row appends a chunk of exactly the pass's width to the same length, and the view reads
+    exactly its keys."""
     inner = pool.view
 
     def view(slots, chunk_lens, width=None, **kw):
         lengths = [pool.seq_len(s) for s in slots]
         v = inner(slots, chunk_lens, width, **kw)
         T = width or max(chunk_lens)
-        v.causal_tail = v.needs_mask and len(set(lengths)) == 1 and set(chunk_lens) == {T} \
-            and v.key_len == lengths[0] + T
+        expected = v.needs_mask and len(set(lengths)) == 1 and set(chunk_lens) == {T} \
+            and v.key_len == lengths[0] + T and v.groups is None
+        assert v.causal_tail == expected, (lengths, chunk_lens, T, v.key_len)
         return v
 
     pool.view = view
