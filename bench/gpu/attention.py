@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.gpu.check import Context, check
-from engine.model.transformer import CUDA_ATTENTION_BACKENDS
+from engine.model.transformer import CUDA_ATTENTION_BACKENDS, Transformer, attention_branch
 
 # (name, batch, queries per sequence, keys, whether rows differ in length)
 SHAPES = [("prefill 512, fresh", 1, 512, 512, False), ("prefill chunk 512 after 1536", 1, 512, 2048, False),
@@ -58,11 +58,46 @@ def variants(scale: float) -> dict[str, Callable]:
             "grouped_matmul": grouped_matmul}
 
 
-def fused_choice(q, k, v, mask, enable_gqa: bool) -> str:
+def fused_choice(q, k, v, mask, enable_gqa: bool, is_causal: bool = False) -> str:
     try:
-        return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None, enable_gqa=enable_gqa)).name
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=None,
+                                                  enable_gqa=enable_gqa)).name
     except Exception as exc:  # private API: its signature may move between versions
         return f"unknown ({type(exc).__name__})"
+
+
+def _flash_takes(q, k, enable_gqa: bool) -> bool:
+    try:
+        return torch.backends.cuda.can_use_flash_attention(
+            torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, enable_gqa))
+    except Exception:  # no CUDA build, or the API moved: then it cannot say yes
+        return False
+
+
+def engine_way(q, k, v, mask, kind: str, device_type: str) -> tuple[str, str, Callable]:
+    """The engine's branch for this pass (attention_branch), the kernel it reaches, and a call of
+    Transformer._attention taking that branch."""
+    B, H, T, _ = q.shape
+    Hkv, L = k.shape[0], k.shape[2]
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    flash = kind == "causal_tail" and H != Hkv and _flash_takes(q, keys, True)
+    branch = attention_branch(device_type, B, T, L, H, Hkv, kind, flash)
+    expanded = [x.repeat_interleave(H // Hkv, dim=1) for x in (keys, values)]
+    if branch == "grouped":
+        kernel = "matmuls (no SDPA)"
+    elif branch == "sdpa_causal" and T == L:
+        kernel = fused_choice(q, keys, values, None, H != Hkv, is_causal=True)
+    elif branch == "sdpa_causal":
+        kernel = "FLASH_ATTENTION (lower right)" if _flash_takes(q, keys, H != Hkv) else "EFFICIENT or MATH (lower right)"
+    elif branch == "sdpa_causal_expanded":
+        kernel = "FLASH_ATTENTION (lower right)" if _flash_takes(q, expanded[0], False) else "EFFICIENT or MATH (lower right)"
+    elif branch == "sdpa_expanded":
+        kernel = fused_choice(q, *expanded, mask, False)
+    else:
+        kernel = fused_choice(q, keys, values, None if kind == "none" else mask, H != Hkv)
+    model = object.__new__(Transformer)  # _attention reads only the scale
+    model.scale = q.shape[-1] ** -0.5
+    return branch, kernel, lambda q, k, v, mask: model._attention(q, k, v, None if kind == "none" else mask, branch)
 
 
 def run(ctx: Context, out: dict) -> None:
@@ -89,7 +124,10 @@ def run(ctx: Context, out: dict) -> None:
                                                           for x in (k, v)), mask, False)},
                                 "ms": {}, "max_abs_diff": {}}
             reference = ways["grouped_matmul"](q.float(), k.float(), v.float(), mask)
-            candidates = {n: f for n, f in ways.items() if n != "causal_lower_right" or not ragged}
+            kind = "general" if ragged else "none" if T == 1 else "causal_tail"
+            branch, kernel, engine_call = engine_way(q, k, v, mask, kind, "cuda" if ctx.device.startswith("cuda") else "cpu")
+            row.update(engine_branch=branch, engine_kernel=kernel)
+            candidates = {"engine": engine_call, **{n: f for n, f in ways.items() if n != "causal_lower_right" or not ragged}}
             for way, fn in candidates.items():
                 try:
                     result = fn(q, k, v, mask)
@@ -103,9 +141,10 @@ def run(ctx: Context, out: dict) -> None:
                   row["max_abs_diff"])
             timed = {w: ms for w, ms in row["ms"].items() if isinstance(ms, float)}
             row["fastest"] = min(timed, key=timed.get) if timed else None
-            ctx.log(f"{name}: fused choice masked {row['fused_choice']['gqa_masked']}, "
+            ctx.log(f"{name}: engine {branch} -> {kernel}; fused choice masked {row['fused_choice']['gqa_masked']}, "
                     + ", ".join(f"{w} {ms} ms" for w, ms in row["ms"].items() if isinstance(ms, float)))
-    out["summary"] = [f"{n}: SDPA picks {r['fused_choice']['gqa_masked']} masked / {r['fused_choice']['gqa_unmasked']} "
+    out["summary"] = [f"{n}: engine takes {r['engine_branch']} ({r['engine_kernel']}); "
+                      f"SDPA picks {r['fused_choice']['gqa_masked']} masked / {r['fused_choice']['gqa_unmasked']} "
                       f"unmasked / {r['fused_choice']['expanded_masked']} expanded; fastest {r['fastest']} "
                       f"({', '.join(f'{w} {ms}' for w, ms in r['ms'].items() if isinstance(ms, float))} ms)"
                       for n, r in rows.items()]
