@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from engine.speculative.costs import MeasuredCosts, calibrate
 from engine.speculative.draft import DraftModelProposer, check_compatible
 from engine.speculative.eagle import EagleProposer
 from engine.speculative.step import SpeculativeDecoder
+from engine.uniforms import RandomStream
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class LLMEngine:
         decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, decode_tokens)
         self._requests: dict[str, Request] = {}
-        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
         self._ids = itertools.count()
         self.num_preemptions_total = 0  # requests preempted (KV freed, recomputed later) so far
         self.last_step = StepResult()
@@ -185,10 +187,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        req = Request(request_id, ids, params, torch.Generator(device=self.model.device).manual_seed(seed),
-                      IncrementalText(self.tokenizer, params.stop), grammar=self._grammar(params))
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(62)
+        req = Request(request_id, ids, params, RandomStream(seed), IncrementalText(self.tokenizer, params.stop),
+                      grammar=self._grammar(params))
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id

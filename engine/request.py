@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-import torch
-
 from engine.config import SamplingParams
 from engine.grammar import GrammarMatcher
 from engine.model.tokenizer import IncrementalText
+from engine.uniforms import RandomStream
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -51,7 +50,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    random_stream: RandomStream  # the uniforms its sampling and acceptance draw, from its seed
     text: IncrementalText  # the output detokenized as it arrives
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING

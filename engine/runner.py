@@ -89,4 +89,4 @@ def _sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """Token ids for each row, read back to the host in one transfer."""
     logits = mask_rows(logits, [r.grammar for r in reqs])
     return host_sync.read(greedy_or_sample(logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
-                                           [r.generator for r in reqs]))
+                                           [r.random_stream for r in reqs]))

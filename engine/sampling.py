@@ -1,5 +1,6 @@
 """Logits -> the adjusted distribution a request samples from, and seeded draws, on the logits'
-device (nothing is copied to the host but the drawn token ids, by the caller).
+device (nothing is copied to the host but the drawn token ids, by the caller; the inputs go up
+through `host_sync.upload`).
 
 `adjusted_probs` is the one definition of "the distribution we sample from": plain sampling
 draws from it, speculative acceptance compares the target's and the proposer's (p and q).
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import host_sync
 from engine.config import SamplingParams
+from engine.uniforms import RandomStream, draw_uniforms
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,20 @@ class SamplingRows:
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device | str) -> SamplingRows:
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        # one upload: every column as float32 (top-k and the greedy flag are exact there)
+        columns = host_sync.upload([[float(p.greedy) for p in params],
+                                    [p.temperature if not p.greedy else 1.0 for p in params],
+                                    [p.top_k for p in params], [p.top_p for p in params],
+                                    [p.min_p for p in params], [p.repetition_penalty for p in params]],
+                                   device, torch.float32)  # [6, N]
+        greedy, temperature, top_k, top_p, min_p, penalty = columns
         return cls(
-            greedy=col([p.greedy for p in params], torch.bool),
-            temperature=col([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.long),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            penalty=col([p.repetition_penalty for p in params], torch.float32),
+            greedy=greedy > 0,
+            temperature=temperature,
+            top_k=top_k.long(),
+            top_p=top_p,
+            min_p=min_p,
+            penalty=penalty,
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy),
             needs_penalty=any(p.repetition_penalty != 1.0 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params if not p.greedy),
@@ -62,14 +69,13 @@ class SamplingRows:
 
 def context_mask(contexts: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[N, vocab] bool: True where the token occurs in the row's context."""
-    mask = torch.zeros(len(contexts), vocab_size, dtype=torch.bool, device=device)
     width = max((len(c) for c in contexts), default=0)
     if width == 0:
-        return mask
-    ids = torch.tensor([c + [c[0] if c else 0] * (width - len(c)) for c in contexts], device=device)
-    filled = torch.tensor([len(c) > 0 for c in contexts], device=device)[:, None]  # [N, 1]
-    mask.scatter_(1, ids, filled.expand_as(ids))
-    return mask
+        return torch.zeros(len(contexts), vocab_size, dtype=torch.bool, device=device)
+    # short rows are padded with id `vocab_size`, which marks a spare column that is cut off
+    ids = host_sync.upload([c + [vocab_size] * (width - len(c)) for c in contexts], device, torch.int64)  # [N, W]
+    mask = torch.zeros(len(contexts), vocab_size + 1, dtype=torch.bool, device=device)  # [N, vocab + 1]
+    return mask.scatter_(1, ids, True)[:, :vocab_size]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -110,27 +116,35 @@ def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor 
     return probs
 
 
-def draw(probs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+def draw(probs: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream],
          rows: list[int] | None = None) -> torch.Tensor:
     """probs [N, V] -> token ids [N] on probs' device: the argmax of greedy rows (one-hot), and for
-    each other row among `rows` (default all) the inverse CDF at a uniform from its own generator
-    (on the same device: seeded draws reproduce per device); rows outside keep the argmax."""
-    tokens = probs.argmax(dim=-1)  # [N]
+    each other row among `rows` (default all) the inverse CDF at the next uniform of its stream;
+    rows outside keep the argmax. The uniforms come from one `draw_uniforms` call."""
     sampled = [i for i in (range(len(params)) if rows is None else rows) if not params[i].greedy]
-    if sampled:
-        index = torch.tensor(sampled, device=probs.device)  # [S]
-        uniforms = torch.cat([torch.rand(1, generator=generators[i], device=probs.device) for i in sampled])  # [S]
-        cdf = probs[index].cumsum(dim=-1)  # [S, V]
-        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # first cdf > u
-        tokens[index] = picks.clamp_(max=probs.shape[-1] - 1)
-    return tokens
+    if not sampled:
+        return probs.argmax(dim=-1)
+    uniforms = draw_uniforms([streams[i] for i in sampled], 1, probs.device)[:, 0]  # [S]
+    if sampled == list(range(len(params))):
+        return inverse_cdf(probs, uniforms)
+    index = host_sync.upload(sampled, probs.device, torch.int64)  # [S]
+    return probs.argmax(dim=-1).index_copy_(0, index, inverse_cdf(probs[index], uniforms))  # [N]
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (rows summing to about 1), uniforms [N] in [0, 1) -> token ids [N]: the first
+    token whose cumulative probability exceeds u times the row's total (a one-hot row gives its hot
+    token at any u)."""
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # [N]
+    return picks.clamp_(max=probs.shape[-1] - 1)
 
 
 def greedy_or_sample(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
-                     generators: list[torch.Generator]) -> torch.Tensor:
+                     streams: list[RandomStream]) -> torch.Tensor:
     """The plain-decode sampling step for N rows: logits [N, V] -> N token ids [N] (device)."""
     if not any(p.needs_probs for p in params):
         return logits.argmax(dim=-1)  # fast path: nothing to adjust
     rows = SamplingRows.build(params, logits.device)
     seen = context_mask(contexts, logits.shape[-1], logits.device) if rows.needs_penalty else None
-    return draw(adjusted_probs(logits, rows, seen), params, generators)
+    return draw(adjusted_probs(logits, rows, seen), params, streams)

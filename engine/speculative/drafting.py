@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
 from engine.speculative.costs import CostObserver
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.uniforms import draw_uniforms
 
 # rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]
 StepFn = Callable[[list[int], list[int]], torch.Tensor]
@@ -121,7 +122,8 @@ def draft_tokens(reqs: list[Request], ks: list[int], logits: torch.Tensor, with_
                 break
             step_logits = step(active, [tokens[i][-1] for i in active])
             if len(active) < len(reqs):  # only the requests that still need tokens step
-                step_logits = logits.clone().index_copy_(0, torch.tensor(active, device=logits.device), step_logits)
+                rows = host_sync.upload(active, logits.device, torch.int64)  # [len(active)]
+                step_logits = logits.clone().index_copy_(0, rows, step_logits)
             logits, steps = step_logits, steps + 1
     finally:
         for g, n in zip(grammars, walked):
@@ -140,10 +142,9 @@ def _draft_in_one_call(reqs: list[Request], ks: list[int], logits: torch.Tensor,
     steps, temperatures, uniforms = max(ks) - 1, None, None
     if sampling is not None and steps:
         temperatures = sampling.rows.temperature.masked_fill(sampling.rows.greedy, 0.0).cpu()  # [N], 0: greedy
-        uniforms = torch.zeros(len(reqs), steps)  # [N, steps]: a row's k - 1 from its own generator, the rest unused
-        for i, (r, k) in enumerate(zip(reqs, ks)):
-            if not r.params.greedy and k > 1:
-                uniforms[i, :k - 1] = torch.rand(k - 1, generator=r.generator)
+        # [N, steps] on the host, where the loop runs: a sampled row's first k - 1 from its stream, the rest unused
+        uniforms = draw_uniforms([r.random_stream for r in reqs], steps, "cpu",
+                                 counts=[0 if r.params.greedy else max(k - 1, 0) for r, k in zip(reqs, ks)])
     more, q_more = [[] for _ in reqs], None
     if steps:
         t0 = time.perf_counter()
@@ -190,7 +191,7 @@ class _Sampling:
     def draw(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
         q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
         self.q_steps.append(q)
-        drawn = draw(q, [r.params for r in self.reqs], [r.generator for r in self.reqs], active)  # [N]
+        drawn = draw(q, [r.params for r in self.reqs], [r.random_stream for r in self.reqs], active)  # [N]
         if self.seen is not None:
             self.seen.scatter_(1, drawn[:, None], True)
         return drawn

@@ -15,8 +15,8 @@ their argmaxes, so the same rule reduces to "accept while the target argmax equa
 
 `verify` is pure and vectorised over the batch. `accept` applies it to a verify pass: p is the
 target's adjusted distribution (engine/sampling.py) at each of the K + 1 positions, the
-repetition penalty at position j seeing t_1..t_j; the final token is drawn with each request's
-own generator.
+repetition penalty at position j seeing t_1..t_j. A request with k proposals takes k + 1 draws
+from its random stream: k acceptance uniforms, then the final token's.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import torch
 
 from engine import host_sync
 from engine.request import Request
-from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
+from engine.sampling import SamplingRows, adjusted_probs, context_mask, inverse_cdf
 from engine.speculative.proposer import Proposal
+from engine.uniforms import draw_uniforms
 
 
 class Acceptance(NamedTuple):
@@ -86,18 +87,20 @@ def verify_greedy(target_argmax: torch.Tensor, draft: torch.Tensor, num_proposed
 def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """logits [N, K+1, V] -> (accepted proposals per request, final token per request)."""
     n, k1, _ = logits.shape
-    draft = torch.tensor([t + [0] * (k1 - 1 - len(t)) for t in proposal.tokens], dtype=torch.long,
-                         device=logits.device).view(n, k1 - 1)  # [N, K]
-    num_proposed = torch.tensor([len(t) for t in proposal.tokens], device=logits.device)  # [N]
+    # one upload: each row's proposals padded to K, then their number
+    inputs = host_sync.upload([t + [0] * (k1 - 1 - len(t)) + [len(t)] for t in proposal.tokens], logits.device,
+                              torch.int64).view(n, k1)  # [N, K+1]
+    draft, num_proposed = inputs[:, :k1 - 1], inputs[:, k1 - 1]  # [N, K], [N]
     if proposal.q is None:  # every row greedy without penalty: compare argmaxes
         num_accepted, final = verify_greedy(logits.argmax(dim=-1), draft, num_proposed)
     else:
         p = _target_probs(reqs, logits, draft, num_proposed)  # [N, K+1, V]
-        uniforms = torch.stack([torch.rand(k1 - 1, generator=r.generator, device=logits.device)
-                                for r in reqs])  # [N, K]
-        result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms)
+        # row i: its k_i acceptance uniforms, then the final token's at column k_i; the rest unused
+        uniforms = draw_uniforms([r.random_stream for r in reqs], k1, logits.device,
+                                 counts=[len(t) + 1 for t in proposal.tokens])  # [N, K+1]
+        result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms[:, :k1 - 1])
         num_accepted = result.num_accepted
-        final = draw(result.final_probs, [r.params for r in reqs], [r.generator for r in reqs])  # [N]
+        final = inverse_cdf(result.final_probs, uniforms.gather(1, num_proposed[:, None])[:, 0])  # [N]
     both = host_sync.read(torch.stack([num_accepted, final]))  # one transfer: [2, N]
     return both[0], both[1]
 
@@ -114,6 +117,6 @@ def _target_probs(reqs: list[Request], logits: torch.Tensor, draft: torch.Tensor
         grown = torch.zeros(n, k1, vocab, dtype=torch.bool, device=logits.device)  # [N, K+1, V]
         for j in range(1, k1):
             grown[:, j] = grown[:, j - 1]
-            grown[torch.arange(n), j, draft[:, j - 1]] |= num_proposed >= j
+            grown[torch.arange(n, device=logits.device), j, draft[:, j - 1]] |= num_proposed >= j
         seen = (grown | base[:, None, :]).reshape(n * k1, vocab)
     return adjusted_probs(logits.reshape(n * k1, vocab), rows, seen).reshape(n, k1, vocab)

@@ -7,6 +7,7 @@ import torch
 from engine.config import SamplingParams
 from engine.kv import KVManager, PagedKVPool
 from engine.request import Request
+from engine.uniforms import RandomStream
 
 
 def pool(num_blocks: int = 8, prefix: bool = True, slots: int = 4) -> PagedKVPool:
@@ -16,7 +17,7 @@ def pool(num_blocks: int = 8, prefix: bool = True, slots: int = 4) -> PagedKVPoo
 
 
 def request(rid: str, prompt: list[int]) -> Request:
-    return Request(rid, prompt, SamplingParams(), torch.Generator(), text=None)
+    return Request(rid, prompt, SamplingParams(), RandomStream(0), text=None)
 
 
 def fill(p: PagedKVPool, slot: int, n: int) -> None:
