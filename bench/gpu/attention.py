@@ -20,7 +20,7 @@ from engine.model.transformer import CUDA_ATTENTION_BACKENDS, Transformer, atten
 SHAPES = [("prefill 512, fresh", 1, 512, 512, False), ("prefill chunk 512 after 1536", 1, 512, 2048, False),
           ("decode b1, 1024 keys", 1, 1, 1024, False), ("verify b1 K=4, 1024 keys", 1, 5, 1024, False),
           ("decode b32, ragged", 32, 1, 1024, True), ("verify b8 K=4, ragged", 8, 5, 1024, True)]
-SMOKE_SHAPES = [(n, b, min(t, 64), min(l, 128), r) for n, b, t, l, r in SHAPES]
+SMOKE_SHAPES = [(n, b, min(t, 64), min(keys, 128), r) for n, b, t, keys, r in SHAPES]
 
 
 def causal_mask(lengths: list[int], T: int, L: int, device) -> torch.Tensor:
@@ -132,7 +132,7 @@ def run(ctx: Context, out: dict) -> None:
                 try:
                     result = fn(q, k, v, mask)
                     row["max_abs_diff"][way] = float((result.float() - reference).abs().max())
-                    times = [ctx.timed(lambda fn=fn: fn(q, k, v, mask))[1] for _ in range(repeats)]
+                    times = [ctx.timed(lambda fn=fn, q=q, k=k, v=v, mask=mask: fn(q, k, v, mask))[1] for _ in range(repeats)]
                     row["ms"][way] = round(1e3 * statistics.median(times), 4)
                 except Exception as exc:  # a kernel refusing a shape is itself a finding
                     row["ms"][way] = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -16,8 +16,15 @@ import torch
 from bench.common import theoretical
 from bench.gpu.check import Context, check
 from bench.gpu.decode import median_of, random_prompts, timed_generate, transformers_generate
-from bench.gpu.weights import (LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, prefix_draft,
-                               weights_in_memory)
+from bench.gpu.weights import (
+    LLAMA_3_2_1B,
+    SMOKE_1B,
+    checkpoint_dir,
+    hf_model,
+    hf_tensors,
+    prefix_draft,
+    weights_in_memory,
+)
 from engine import LLM, SamplingParams
 
 K = 4
@@ -117,7 +124,7 @@ def _speculative(ctx: Context, out: dict, target, draft, same, dtype: str, confi
     for batch in (1, 8):
         prompts = random_prompts(batch, 32, config["vocab_size"], seed=10 + batch)
         runs = {"plain": [], "draft_alone": [], "spec": []}
-        for name, llm in (("plain", plain), ("draft_alone", draft_alone), ("spec", spec)):
+        for llm in (plain, draft_alone, spec):
             if not ctx.smoke:  # warm-up
                 timed_generate(ctx, llm, prompts, params)
         for _ in range(ctx.size(3, 1)):
