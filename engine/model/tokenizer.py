@@ -27,6 +27,7 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str) -> list[int]:
+        _check_unicode("prompt", text)
         return self.hf.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -39,10 +40,23 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template:
             raise ValueError(f"the tokenizer at {self.path} has no chat template")
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    _check_unicode(f"messages[{i}].{key}", value)
         out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return list(out)
+
+
+def _check_unicode(field: str, text: str) -> None:
+    """ValueError naming `field` when `text` holds a lone surrogate (JSON's "\\ud800" decodes to one):
+    no UTF-8 encoding exists, so no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
 
 
 class IncrementalText:

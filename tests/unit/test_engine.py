@@ -208,6 +208,10 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
         eng.add_request([1, 10**6], greedy())
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.add_request("x", SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):  # a lone surrogate ("\\ud800" in JSON)
+        eng.add_request("def f\ud800", greedy())
+    with pytest.raises(ValueError, match=r"messages\[1\].content is not valid Unicode"):
+        eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}])
     with pytest.raises(ValueError, match="unknown EngineConfig"):
         LLM(model=str(tiny_model[0]), temprature=1.0)
     with pytest.raises(ValueError, match="kv_cache_backend"):
