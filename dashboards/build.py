@@ -50,7 +50,7 @@ PANELS = [
      [(f"{rate('specserve_non_spec_decode_steps_total', 'reason')} / scalar({rate('specserve_decode_steps_total')})",
        "{{reason}}")],
      "Share of decode steps run without speculation: policy (adaptive K chose 0), plain_probe (the adaptive "
-     "policy re-measuring plain decoding while it speculates), no_proposal, length_guard, request_opt_out (every request in the step sent spec_length 0), disabled, disabled_batch_size."),
+     "policy re-measuring plain decoding while it speculates), no_proposal, length_guard, request_opt_out (every request in the step sent spec_length 0), unmeasured (a cold start, before the largest batch is calibrated), disabled, disabled_batch_size."),
     ("Current K", "short",
      [(f"max by (replica)(ray_specserve_spec_k{SEL})", "{{replica}}")],
      "Proposed tokens per round chosen by the policy for the last decode step (0 = plain decode)."),

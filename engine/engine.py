@@ -28,7 +28,8 @@ from engine.model.transformer import Transformer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.speculative.costs import MeasuredCosts, calibrate
+from engine.speculative.calibration import Calibration
+from engine.speculative.costs import MeasuredCosts
 from engine.speculative.draft import DraftModelProposer, check_compatible
 from engine.speculative.eagle import EagleProposer
 from engine.speculative.step import SpeculativeDecoder
@@ -38,16 +39,42 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
+class _PhaseClock:
+    """Times start-up phases one after another, logging each as it ends."""
+
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, phase: str, message: str, *args) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self.last, 3)
+        self.last = now
+        log.info(f"start-up: {message} in %.2f s", *args, self.seconds[phase])
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started
+
+
 class LLMEngine:
     """The engine loop: requests in, StepOutputs out. Not thread-safe; see AsyncLLMEngine."""
 
-    def __init__(self, config: EngineConfig, free_memory: Callable[[str], int] = free_memory):
-        """free_memory(device): bytes the device can still allocate (the KV pools are sized from it)."""
+    def __init__(self, config: EngineConfig, free_memory: Callable[[str], int] = free_memory,
+                 defer_calibration: bool = False):
+        """free_memory(device): bytes the device can still allocate (the KV pools are sized from it).
+        defer_calibration: a cold start measures the adaptive policy's costs at batch 1 only and
+        leaves the largest batch to `run_idle_work` (a server, ready sooner), decoding plainly
+        beyond batch 1 until then."""
         self.config = config
         if config.device == "cpu" and config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        clock = _PhaseClock()
+        self.startup = clock.seconds  # each start-up phase's seconds (stats, benches)
         self.tokenizer, model_path, draft_path = self._resolve_checkpoints()
+        clock.done("checkpoints", "resolved %s (tokenizer, shapes, max_seq_len %d)", model_path, config.max_seq_len)
         self.model, self.draft_model = self._load_models(model_path, draft_path)
+        clock.done("models", "loaded the target%s, each with its forward plan",
+                   " and the draft" if self.draft_model is not None else "")
         config.num_kv_blocks = self._kv_blocks(free_memory(config.device))
         pool = functools.partial(pool_for, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
                                  backend=config.kv_cache_backend, block_size=config.block_size,
@@ -56,7 +83,12 @@ class LLMEngine:
                             pool(self.draft_model) if self.draft_model is not None else None,
                             FeatureCache() if isinstance(self.draft_model, Eagle3Head) else None)
         self.runner = ModelRunner(self.model, self.kv)
-        self.speculation = self._build_speculation() if config.use_speculative_decoding else None
+        clock.done("kv_pools", "KV pools: %s blocks of %d tokens each model", config.num_kv_blocks, config.block_size)
+        self.speculation = self._build_speculation(defer_calibration) if config.use_speculative_decoding else None
+        calibration = self.speculation.calibration if self.speculation is not None else None
+        if calibration is not None:
+            clock.done("calibration", "adaptive policy's costs %s (%d passes%s)", calibration.source,
+                       calibration.passes, f"; batch {calibration.pending} when first needed" if calibration.pending else "")
         decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
         self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, decode_tokens)
         self._requests: dict[str, Request] = {}
@@ -66,6 +98,8 @@ class LLMEngine:
         self.last_step = StepResult()
         self.fault_hook: Callable[[Request], None] | None = None  # test-only: called per request with new tokens
         self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
+        log.info("engine ready in %.1f s (%s)", clock.total(),
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.startup.items()))
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""
@@ -138,7 +172,7 @@ class LLMEngine:
         log.info("forward plan: %s", summary(self.forward_plan))
         return model, draft
 
-    def _build_speculation(self) -> SpeculativeDecoder:
+    def _build_speculation(self, defer_calibration: bool) -> SpeculativeDecoder:
         costs = MeasuredCosts()
         settings = self.config.speculative
         draft = None
@@ -148,10 +182,22 @@ class LLMEngine:
             draft = DraftModelProposer(self.draft_model, self.kv, costs, self.model.shape.vocab_size)
         decoder = SpeculativeDecoder(self.runner, self.kv, settings, draft, costs)
         if settings.spec_policy == "adaptive":
-            calibrate(costs, (self.model, self.kv.target),
-                      (self.draft_model, self.kv.draft) if self.draft_model is not None else None,
-                      max(settings.spec_length, 8) + 1, self.config.max_batch_size)
+            decoder.calibration = Calibration(costs, (self.model, self.kv.target),
+                                              (self.draft_model, self.kv.draft) if self.draft_model is not None else None,
+                                              max(settings.spec_length, 8) + 1, self.config.max_batch_size)
+            decoder.calibration.start(defer=defer_calibration)
         return decoder
+
+    def run_idle_work(self, batch: int | None = None) -> bool:
+        """Runs work left from start-up while no request is in flight: the adaptive policy's
+        calibration at a batch size not measured yet (with `batch`: only if a step of that many
+        sequences needs it). Whether anything ran; a caller with nothing else to do calls again."""
+        calibration = self.speculation.calibration if self.speculation is not None else None
+        if calibration is None or self.has_unfinished_requests():
+            return False
+        if batch is not None and not calibration.needs(batch):
+            return False
+        return calibration.run_next()
 
     def reconfigure_speculation(self, **changes) -> SpecConfig:
         """Applies SpecConfig changes (any field but draft_model) from the next step on; ValueError
@@ -251,6 +297,8 @@ class LLMEngine:
         if self.speculation is not None and batch.decode and not batch.prefill \
                 and not any(o.finished for o in result.outputs):  # finishing costs the same at any K
             self.speculation.observe_step(decoded, phases)
+            if self.speculation.calibration is not None:
+                self.speculation.calibration.maybe_save()
         return result.outputs
 
     def _append_all(self, new_tokens: list[tuple[Request, list[int]]]) -> list[StepOutput]:
@@ -309,7 +357,8 @@ class LLMEngine:
     def stats(self) -> dict:
         """Queue lengths, KV in use, the speculation settings and the forward plan."""
         out = {"running": self.num_running(), "waiting": self.num_waiting(), "num_kv_blocks": self.config.num_kv_blocks,
-               "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan}
+               "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan,
+               "startup_s": dict(self.startup)}
         if self.speculation is not None:
             out["speculation"] = dataclasses.asdict(self.speculation.settings)
         return out

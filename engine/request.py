@@ -135,7 +135,7 @@ PHASES: tuple[Phase, ...] = get_args(Phase)
 
 # why a decode step ran without speculation
 PlainReason = Literal["disabled", "policy", "plain_probe", "disabled_batch_size", "length_guard", "request_opt_out",
-                      "no_proposal"]
+                      "no_proposal", "unmeasured"]
 
 
 @dataclass

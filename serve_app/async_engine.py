@@ -74,7 +74,8 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
                  max_waiting_requests: int | None = None):
-        self.engine = engine if engine is not None else LLMEngine(config)
+        # a cold start leaves the largest batch's calibration to the loop's first idle moment
+        self.engine = engine if engine is not None else LLMEngine(config, defer_calibration=True)
         self.max_waiting_requests = max_waiting_requests
         self.config = self.engine.config
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,6 +185,8 @@ class AsyncLLMEngine:
             while not self._stop:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
+                    if engine.run_idle_work():  # start-up's leftovers (a calibration) while nothing waits
+                        continue
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

@@ -1,17 +1,19 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
-(batch size, tokens per sequence), interpolated between the sizes measured; `calibrate` fills
-them at powers of two at start-up. A round's further one-token draft steps are timed together,
+(batch size, tokens per sequence), interpolated between the sizes measured; `calibrate_batch` fills
+them for one batch size (at start-up: batch 1, and the largest batch when it is first needed). A round's further one-token draft steps are timed together,
 by how many (the call that runs them has a fixed cost of its own). A decode step's time outside
 its passes (sampling, acceptance, bookkeeping: it grows with B x (K + 1) logits; and the
-proposer's own work beyond the draft passes it times) is measured per (batch size, K) too.
+proposer's own work beyond the draft passes it times) is measured per (batch size, K) too. The
+tables snapshot to JSON and restore from it (a start-up's cached calibration, speculative/calibration.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from engine.kv import CachePool
@@ -57,6 +59,22 @@ class TimingTable:
         for t in weights:
             weights[t] *= self.weight_decay
         weights[tokens_per_seq] = weights.get(tokens_per_seq, 0.0) + 1.0
+
+    def snapshot(self) -> dict:
+        """The table as JSON-ready data (restore() reads it back)."""
+        return {"ema": {t: {b: s for b, s in row.items()} for t, row in self._ema.items()},
+                "weight": {b: dict(w) for b, w in self._weight.items()}}
+
+    def restore(self, data: dict) -> None:
+        """Replaces the table with a snapshot's (keys may arrive as strings, as JSON writes them)."""
+        self._ema = defaultdict(dict, {int(t): {int(b): float(s) for b, s in row.items()}
+                                       for t, row in data["ema"].items()})
+        self._weight = defaultdict(dict, {int(b): {int(t): float(w) for t, w in row.items()}
+                                          for b, row in data["weight"].items()})
+
+    def batches(self, tokens_per_seq: int) -> list[int]:
+        """The batch sizes observed at tokens_per_seq."""
+        return sorted(self._ema.get(tokens_per_seq, {}))
 
     def weight(self, batch: int, tokens_per_seq: int) -> float:
         """The entry's decayed observation count in batch's bucket (0 if never observed there)."""
@@ -110,6 +128,12 @@ class LineEstimate:
         self._moments = new if self._moments is None else tuple(
             smoothed(old, n, self.smoothing) for old, n in zip(self._moments, new))
 
+    def snapshot(self) -> list[float] | None:
+        return None if self._moments is None else list(self._moments)
+
+    def restore(self, data: list[float] | None) -> None:
+        self._moments = None if data is None else tuple(float(v) for v in data)
+
     def __call__(self, x: float) -> float:
         if self._moments is None:
             return 0.0
@@ -150,6 +174,24 @@ class MeasuredCosts:
         self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
         self.draft_pass_seconds = 0.0  # all draft passes observed so far (what a proposer spent beyond them is "other")
+
+    TABLES = ("target", "draft_first", "draft", "other")
+
+    def snapshot(self) -> dict:
+        """Every table and line as JSON-ready data: what a start-up reads back instead of measuring."""
+        return {**{name: getattr(self, name).snapshot() for name in self.TABLES}, "catch_up": self.catch_up.snapshot()}
+
+    def restore(self, data: dict) -> None:
+        """The tables of a snapshot (KeyError / ValueError / TypeError when it is not one)."""
+        tables = {name: TimingTable(getattr(self, name).smoothing, getattr(self, name).weight_decay)
+                  for name in self.TABLES}
+        for name, table in tables.items():
+            table.restore(data[name])
+        catch_up = LineEstimate(self.smoothing)
+        catch_up.restore(data["catch_up"])
+        for name, table in tables.items():  # all or nothing: a bad snapshot leaves the costs as they were
+            setattr(self, name, table)
+        self.catch_up = catch_up
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
@@ -238,28 +280,35 @@ CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's 
 
 def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
               max_tokens: int, max_batch: int, repeats: int = 3) -> None:
-    """Times target passes of 1..max_tokens tokens per sequence and draft passes (a round's
-    first, catching up on 1, 2 and max_tokens tokens, and a one-token step, which prices a
-    round's 1..max_tokens - 1 further steps until they are measured) at power-of-two batch
-    sizes up to max_batch, each sequence over CALIBRATION_CONTEXT keys (fewer where the pools are smaller).
-    Each shape runs once untimed first (its first call pays one-off costs a policy must not
-    mistake for the steady cost); the median of `repeats` is recorded."""
+    """calibrate_batch at batch 1 and max_batch (the estimates interpolate between them)."""
+    for batch in sorted({1, max_batch}):
+        calibrate_batch(costs, target, draft, max_tokens, batch, repeats)
+
+
+def calibrate_batch(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
+                    max_tokens: int, batch: int, repeats: int = 3) -> int:
+    """Times, at `batch` sequences over CALIBRATION_CONTEXT keys each (fewer where the pools are
+    smaller), target passes of 1..max_tokens tokens per sequence and draft passes (a round's first,
+    catching up on 1, 2 and max_tokens tokens, and a one-token step, which prices a round's
+    1..max_tokens - 1 further steps until they are measured). Each model's sequences are filled
+    once; each shape runs once untimed first (one-off costs a policy must not mistake for the
+    steady cost) and the median of `repeats` is recorded. Returns the passes run."""
     pools = [target[1]] + ([draft[1]] if draft is not None else [])
-    batch = 1
-    while True:
-        b = min(batch, max_batch)
-        context = min([CALIBRATION_CONTEXT] + [_room(pool, b) - max_tokens for pool in pools])
+    context = max(1, min([CALIBRATION_CONTEXT] + [_room(pool, batch) - max_tokens for pool in pools]))
+    passes = 0
+    with _filled(*target, batch, context) as slots:
         for t in range(1, max_tokens + 1):
-            costs.observe_target(b, t, _median_pass(*target, b, t, context, repeats, all_logits=t > 1))
-        if draft is not None:
+            costs.observe_target(batch, t, _median_pass(*target, slots, t, context, repeats, all_logits=t > 1))
+            passes += repeats + 1
+    if draft is not None:
+        with _filled(*draft, batch, context) as slots:
             for width in sorted({1, 2, max_tokens}):
-                costs.observe_draft_first(b, width, _median_pass(*draft, b, width, context, repeats))
-            step = _median_pass(*draft, b, 1, context, repeats)
-            for n in range(1, max_tokens):
-                costs.observe_draft_steps(b, n, n * step)
-        if b >= max_batch:
-            return
-        batch *= 2
+                costs.observe_draft_first(batch, width, _median_pass(*draft, slots, width, context, repeats))
+            step = _median_pass(*draft, slots, 1, context, repeats)
+            passes += 4 * (repeats + 1)
+        for n in range(1, max_tokens):
+            costs.observe_draft_steps(batch, n, n * step)
+    return passes
 
 
 def _room(pool: CachePool, batch: int) -> int:
@@ -268,13 +317,18 @@ def _room(pool: CachePool, batch: int) -> int:
     return pool.max_seq_len if shared is None else min(pool.max_seq_len, shared // batch)
 
 
-def _median_pass(model: Transformer, pool: CachePool, batch: int, tokens: int, context: int, repeats: int,
-                 all_logits: bool = False) -> float:
-    context = max(context, 1)
+@contextlib.contextmanager
+def _filled(model: Transformer, pool: CachePool, batch: int, context: int) -> Iterator[list[int]]:
+    """`batch` slots of `pool` holding `context` tokens each, freed after."""
     slots = fill_slots(model, pool, batch, context)
     try:
-        time_pass(model, pool, slots, tokens, context, all_logits)  # warms up, untimed
-        return statistics.median(time_pass(model, pool, slots, tokens, context, all_logits) for _ in range(repeats))
+        yield slots
     finally:
         for s in slots:
             pool.free_slot(s)
+
+
+def _median_pass(model: Transformer, pool: CachePool, slots: list[int], tokens: int, context: int, repeats: int,
+                 all_logits: bool = False) -> float:
+    time_pass(model, pool, slots, tokens, context, all_logits)  # warms up, untimed
+    return statistics.median(time_pass(model, pool, slots, tokens, context, all_logits) for _ in range(repeats))

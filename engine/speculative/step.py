@@ -16,6 +16,7 @@ from engine.grammar import cut_proposals, mask_logits
 from engine.kv import KVManager
 from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
+from engine.speculative.calibration import Calibration
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.eagle import EagleProposer
 from engine.speculative.hybrid import HybridProposer
@@ -60,6 +61,7 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
+        self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -147,6 +149,9 @@ class SpeculativeDecoder:
             return RoundPlan(0, "disabled", [])
         if all(r.params.spec_length == 0 for r in reqs):
             return RoundPlan(0, "request_opt_out", [])
+        if self.settings.spec_policy == "adaptive" and self.calibration is not None \
+                and self.calibration.needs(len(reqs)):  # never speculate on a guess beyond the sizes measured
+            return RoundPlan(0, "unmeasured", [])
         caps = [self._cap(r) for r in reqs]
         choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, running)
         ks = [min(choice.k, c) for c in caps]

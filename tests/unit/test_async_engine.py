@@ -129,3 +129,33 @@ def test_a_device_fault_stops_the_loop_fails_every_request_and_fails_health(tiny
     assert all("device fault" in r and "illegal memory access" in r for r in results), results
     with pytest.raises(EngineDeadError, match="device fault"):
         aeng.check_health()
+
+
+def test_a_cold_server_start_measures_the_largest_batch_in_its_first_idle_moment(tiny_model, tiny_draft, tmp_path,
+                                                                               monkeypatch):
+    """The serving engine starts with batch 1 calibrated; the loop measures the largest batch before
+    it next waits for work (each `call` runs on the loop between iterations)."""
+    import threading
+
+    import engine.speculative.calibration as calibration_module
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    measured = []  # (batch, thread)
+    original = calibration_module.calibrate_batch
+
+    def recording(costs, target, draft, max_tokens, batch, *rest):
+        measured.append((batch, threading.current_thread().name))
+        return original(costs, target, draft, max_tokens, batch, *rest)
+
+    monkeypatch.setattr(calibration_module, "calibrate_batch", recording)
+    aeng = AsyncLLMEngine(config(tiny_model[0], max_batch_size=4, speculative=dict(
+        use_speculative_decoding=True, draft_model=str(tiny_draft[0]), spec_policy="adaptive", spec_length=3)))
+
+    async def pending_after_calls(n):
+        return [await aeng.call(lambda e: list(e.speculation.calibration.pending)) for _ in range(n)]
+
+    seen = asyncio.run(pending_after_calls(3))
+    assert seen[-1] == [] and all(p in ([4], []) for p in seen), seen
+    assert aeng.engine.speculation.calibration.measured_up_to() == 4
+    assert measured == [(1, threading.current_thread().name), (4, "engine-loop")]  # at start, then while idle
+    aeng.shutdown()

@@ -1,0 +1,134 @@
+"""The adaptive policy's start-up costs: read from a cache when this engine's fingerprint (host,
+torch, device, both models' shapes and plans, pool shape, the widest round, the largest batch) was
+measured before, else measured at batch 1 and the largest batch (a server measures batch 1 at start and the largest batch
+when it is first idle, decoding plainly beyond batch 1 until then).
+The running engine's own observations refine the table, and it is written back now and then, so
+the next start reads what the last one learnt.
+
+Cache: `$SPECSERVE_CACHE/costs/<fingerprint>.json` (default `~/.cache/specserve/costs/`); delete
+the folder to re-measure. A missing, corrupt or mismatched file is re-measured with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.kv import CachePool
+from engine.model.kernels import one_sequence
+from engine.model.transformer import Transformer
+from engine.speculative.costs import CALIBRATION_CONTEXT, MeasuredCosts, calibrate_batch
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # part of the fingerprint: bump when what calibration measures changes
+SAVE_EVERY_S = 300.0  # the running engine writes its refined table back at most this often
+
+
+def cache_dir() -> Path:
+    return one_sequence.cache_dir().parent / "costs"
+
+
+def fingerprint(target: Transformer, draft: Transformer | None, pool: CachePool, max_tokens: int,
+                max_batch: int) -> dict:
+    """What the measured times depend on (never the weights' values: only their shapes)."""
+    from engine.model.plan import host_info
+
+    def model(m: Transformer | None) -> dict | None:
+        return None if m is None else {"shape": repr(m.shape), "plan": dataclasses.asdict(m.plan), "dtype": str(m.dtype)}
+
+    device = target.device
+    return {"version": CACHE_VERSION, "host": host_info(), "torch": torch.__version__, "device": device.type,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "target": model(target), "draft": model(draft),
+            "pool": {"kind": type(pool).__name__, "block_size": getattr(pool, "block_size", None),
+                     "max_seq_len": pool.max_seq_len},
+            "max_tokens": max_tokens, "max_batch": max_batch, "context": CALIBRATION_CONTEXT}
+
+
+class Calibration:
+    """One engine's calibration: the cache file its fingerprint names, which batch sizes are still
+    to be measured, and when the table was last written back."""
+
+    def __init__(self, costs: MeasuredCosts, target: tuple[Transformer, CachePool],
+                 draft: tuple[Transformer, CachePool] | None, max_tokens: int, max_batch: int,
+                 directory: Path | None = None):
+        self.costs, self.target, self.draft = costs, target, draft
+        self.max_tokens, self.max_batch = max_tokens, max_batch
+        self.key = fingerprint(target[0], draft[0] if draft else None, target[1], max_tokens, max_batch)
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        self.path = (directory or cache_dir()) / f"{digest}.json"
+        self.pending: list[int] = []  # batch sizes still to measure, smallest first
+        self.passes = 0  # calibration passes run by this engine
+        self.source = "cached"  # "cached", or "measured" once this engine measured anything
+        self._saved_at = time.monotonic()
+
+    def start(self, defer: bool = False) -> None:
+        """Reads the cache, or measures batch 1 and the largest batch (with `defer`, batch 1 only:
+        the largest stays pending until run_next)."""
+        if self._load():
+            return
+        self.source = "measured"
+        self.pending = sorted({1, self.max_batch})
+        self.run_next()  # batch 1
+        while not defer and self.run_next():
+            pass
+
+    def needs(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences would be priced beyond the batch sizes measured."""
+        return bool(self.pending) and batch > self.measured_up_to()
+
+    def measured_up_to(self) -> int:
+        """The largest batch size calibrated so far (0: none)."""
+        done = [b for b in sorted({1, self.max_batch}) if b not in self.pending]
+        return max(done, default=0)
+
+    def run_next(self) -> bool:
+        """Measures the next pending batch size; False when none was pending."""
+        if not self.pending:
+            return False
+        batch = self.pending.pop(0)
+        t0 = time.perf_counter()
+        self.passes += calibrate_batch(self.costs, self.target, self.draft, self.max_tokens, batch)
+        log.info("calibrated the adaptive policy's costs at batch %d in %.2f s%s", batch, time.perf_counter() - t0,
+                 f" (pending: batch {self.pending})" if self.pending else "")
+        if not self.pending:
+            self.save()
+        return True
+
+    def maybe_save(self) -> None:
+        """Writes the refined table back if SAVE_EVERY_S passed since the last write."""
+        if not self.pending and time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            self.save()
+
+    def save(self) -> None:
+        """Writes the table (atomically); a failure is a warning, never an error."""
+        self._saved_at = time.monotonic()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": self.key, "costs": self.costs.snapshot()}, default=str))
+            tmp.replace(self.path)
+        except OSError as exc:
+            log.warning("could not write the calibration cache %s: %s", self.path, exc)
+
+    def _load(self) -> bool:
+        if not self.path.exists():
+            return False
+        try:
+            data = json.loads(self.path.read_text())
+            if json.loads(json.dumps(self.key, default=str)) != data["key"]:
+                raise ValueError("its fingerprint differs from this engine's")
+            self.costs.restore(data["costs"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("calibration cache %s is unusable (%s): measuring again", self.path, exc)
+            return False
+        log.info("adaptive policy's costs read from %s (no calibration passes)", self.path)
+        return True

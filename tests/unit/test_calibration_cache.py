@@ -1,0 +1,131 @@
+"""The adaptive policy's start-up costs: measured once per fingerprint and read back after (a warm
+start runs no calibration pass), batch 1 measured at start and the largest batch when a step
+first needs it (plain decoding until then), the running engine's refinements written back, and
+an unusable cache re-measured with a warning, never a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import engine.speculative.costs as costs_module
+from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
+from engine.speculative.calibration import Calibration
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "costs"
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts calibration passes (each timed forward pass calibration runs)."""
+    count = [0]
+    original = costs_module.time_pass
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(costs_module, "time_pass", counted)
+    return count
+
+
+def as_json(value):
+    return json.loads(json.dumps(value))
+
+
+def adaptive(tiny_model, tiny_draft, defer: bool = False, **kw) -> LLMEngine:
+    config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]),
+                                      use_speculative_decoding=True, spec_policy="adaptive", spec_length=3,
+                                      dtype="float32", forward_plan="torch",
+                                      **{"max_batch_size": 4, "max_seq_len": 160, **kw})
+    return LLMEngine(config, defer_calibration=defer)
+
+
+def test_a_warm_start_reads_the_costs_and_runs_no_calibration_pass(tiny_model, tiny_draft, cache, passes):
+    cold = adaptive(tiny_model, tiny_draft)
+    first = cold.speculation.calibration
+    assert first.source == "measured" and first.passes == passes[0] > 0 and not first.pending
+    assert list(cache.glob("*.json")) == [first.path]
+    passes[0] = 0
+    warm = adaptive(tiny_model, tiny_draft)
+    second = warm.speculation.calibration
+    assert passes[0] == 0 and second.passes == 0 and second.source == "cached" and not second.pending
+    assert as_json(warm.speculation.costs.snapshot()) == as_json(cold.speculation.costs.snapshot())
+    assert "calibration" in warm.stats()["startup_s"]
+
+
+def test_another_fingerprint_measures_again(tiny_model, tiny_draft, cache, passes):
+    adaptive(tiny_model, tiny_draft)
+    passes[0] = 0
+    other = adaptive(tiny_model, tiny_draft, max_batch_size=2)  # the largest batch is part of the fingerprint
+    assert other.speculation.calibration.source == "measured" and passes[0] > 0
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_deferred_cold_start_decodes_plainly_beyond_batch_one_until_the_largest_batch_is_measured(
+        tiny_model, tiny_draft, cache):
+    engine = adaptive(tiny_model, tiny_draft, defer=True)
+    calibration = engine.speculation.calibration
+    assert calibration.pending == [4] and calibration.measured_up_to() == 1
+    assert not list(cache.glob("*.json"))  # written once every batch size is measured
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt in ([5, 9, 30, 7], [6, 2, 2, 8]):
+        engine.add_request(prompt, greedy)
+    reasons = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.last_step.decode is not None:
+            reasons.append(engine.last_step.decode.reason)
+    assert reasons and set(reasons) == {"unmeasured"}  # batch 2 > 1: no speculation on a guess
+    assert not engine.run_idle_work(1)  # a batch of one needs nothing more
+    assert engine.run_idle_work(2) and not calibration.pending and calibration.path.exists()
+    assert not engine.run_idle_work()
+
+
+def test_the_running_engines_refinements_are_written_back(tiny_model, tiny_draft, cache, monkeypatch):
+    engine = adaptive(tiny_model, tiny_draft, max_batch_size=1)
+    calibration = engine.speculation.calibration
+    before = json.loads(calibration.path.read_text())["costs"]
+    monkeypatch.setattr("engine.speculative.calibration.SAVE_EVERY_S", 0.0)
+    engine.add_request([5, 9, 30, 7, 5, 9, 30, 7], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = json.loads(calibration.path.read_text())["costs"]
+    assert after["other"] != before["other"]  # written during steps: only steps observe their time outside passes
+    calibration.maybe_save()
+    assert json.loads(calibration.path.read_text())["costs"] == as_json(engine.speculation.costs.snapshot())
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"key": {}, "costs": {}}', '{"costs": 1}'])
+def test_an_unusable_cache_is_measured_again_with_a_warning(tiny_model, tiny_draft, cache, passes, caplog, damage):
+    first = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
+    first.path.write_text(damage)
+    passes[0] = 0
+    with caplog.at_level(logging.WARNING, logger="engine.speculative.calibration"):
+        again = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
+    assert again.source == "measured" and passes[0] > 0
+    assert any("unusable" in r.message for r in caplog.records)
+    assert json.loads(again.path.read_text())["key"]  # rewritten
+
+
+def test_a_restore_of_a_bad_snapshot_leaves_the_costs_as_they_were(tiny_model, tiny_draft, cache):
+    costs = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.costs
+    before = costs.snapshot()
+    with pytest.raises(KeyError):
+        costs.restore({**before, "draft": {"ema": {}}})
+    assert costs.snapshot() == before
+
+
+def test_the_fingerprint_names_what_timings_depend_on(tiny_model, tiny_draft, cache):
+    engine = adaptive(tiny_model, tiny_draft, max_batch_size=1)
+    key = engine.speculation.calibration.key
+    assert {"host", "torch", "device", "target", "draft", "pool", "max_tokens", "max_batch"} <= set(key)
+    assert key["max_batch"] == 1 and key["max_tokens"] == 9 and key["target"]["plan"]["dtype"] == "float32"
+    assert isinstance(engine.speculation.calibration, Calibration)
