@@ -73,10 +73,13 @@ class Calibration:
     def start(self, defer: bool = False) -> None:
         """Reads the cache, or measures batch 1 and the largest batch (with `defer`, batch 1 only:
         the largest stays pending until run_next)."""
-        if self._load():
+        self.pending = sorted({1, self.max_batch})
+        if self._load():  # a cold start cut short may have left the largest batch unmeasured
+            if not defer:
+                while self.run_next():
+                    pass
             return
         self.source = "measured"
-        self.pending = sorted({1, self.max_batch})
         self.run_next()  # batch 1
         while not defer and self.run_next():
             pass
@@ -99,13 +102,12 @@ class Calibration:
         self.passes += calibrate_batch(self.costs, self.target, self.draft, self.max_tokens, batch)
         log.info("calibrated the adaptive policy's costs at batch %d in %.2f s%s", batch, time.perf_counter() - t0,
                  f" (pending: batch {self.pending})" if self.pending else "")
-        if not self.pending:
-            self.save()
+        self.save()
         return True
 
     def maybe_save(self) -> None:
         """Writes the refined table back if SAVE_EVERY_S passed since the last write."""
-        if not self.pending and time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
             self.save()
 
     def save(self) -> None:
@@ -114,7 +116,8 @@ class Calibration:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": self.key, "costs": self.costs.snapshot()}, default=str))
+            tmp.write_text(json.dumps({"key": self.key, "pending": self.pending, "costs": self.costs.snapshot()},
+                                      default=str))
             tmp.replace(self.path)
         except OSError as exc:
             log.warning("could not write the calibration cache %s: %s", self.path, exc)
@@ -126,9 +129,14 @@ class Calibration:
             data = json.loads(self.path.read_text())
             if json.loads(json.dumps(self.key, default=str)) != data["key"]:
                 raise ValueError("its fingerprint differs from this engine's")
+            pending = [int(b) for b in data.get("pending", [])]
+            if not set(pending) <= set(self.pending):
+                raise ValueError(f"pending batch sizes {pending} are not this engine's")
             self.costs.restore(data["costs"])
+            self.pending = pending
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("calibration cache %s is unusable (%s): measuring again", self.path, exc)
             return False
-        log.info("adaptive policy's costs read from %s (no calibration passes)", self.path)
+        log.info("adaptive policy's costs read from %s%s", self.path,
+                 f" (batch {self.pending} still to measure)" if self.pending else " (no calibration passes)")
         return True

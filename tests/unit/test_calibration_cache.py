@@ -74,7 +74,7 @@ def test_a_deferred_cold_start_decodes_plainly_beyond_batch_one_until_the_larges
     engine = adaptive(tiny_model, tiny_draft, defer=True)
     calibration = engine.speculation.calibration
     assert calibration.pending == [4] and calibration.measured_up_to() == 1
-    assert not list(cache.glob("*.json"))  # written once every batch size is measured
+    assert json.loads(calibration.path.read_text())["pending"] == [4]  # written after each batch size
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for prompt in ([5, 9, 30, 7], [6, 2, 2, 8]):
         engine.add_request(prompt, greedy)
@@ -85,8 +85,24 @@ def test_a_deferred_cold_start_decodes_plainly_beyond_batch_one_until_the_larges
             reasons.append(engine.last_step.decode.reason)
     assert reasons and set(reasons) == {"unmeasured"}  # batch 2 > 1: no speculation on a guess
     assert not engine.run_idle_work(1)  # a batch of one needs nothing more
-    assert engine.run_idle_work(2) and not calibration.pending and calibration.path.exists()
+    assert engine.run_idle_work(2) and not calibration.pending
+    assert json.loads(calibration.path.read_text())["pending"] == []
     assert not engine.run_idle_work()
+
+
+def test_a_start_after_a_cold_start_cut_short_measures_only_what_is_missing(tiny_model, tiny_draft, cache,
+                                                                           monkeypatch):
+    adaptive(tiny_model, tiny_draft, defer=True)  # batch 1 measured and written; batch 4 never
+    calls = []
+    original = costs_module.calibrate_batch
+
+    def recording(costs, target, draft, max_tokens, batch, *rest):
+        calls.append(batch)
+        return original(costs, target, draft, max_tokens, batch, *rest)
+
+    monkeypatch.setattr("engine.speculative.calibration.calibrate_batch", recording)
+    again = adaptive(tiny_model, tiny_draft).speculation.calibration
+    assert calls == [4] and again.source == "cached" and not again.pending
 
 
 def test_the_running_engines_refinements_are_written_back(tiny_model, tiny_draft, cache, monkeypatch):
