@@ -61,13 +61,14 @@ def summarize(runs: list[dict], key: str) -> dict:
 
 
 def write(name: str, payload: dict, llm=None) -> Path:
-    """bench/results/<name>.json: the machine, the forward plan of `llm`'s engine (if given) and
-    the payload."""
+    """bench/results/<name>.json: the machine, the forward plan and start-up phases (seconds; a
+    warm start reads its caches) of `llm`'s engine (if given) and the payload."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     from engine.model.plan import summary
 
-    plan = {"forward_plan": summary(llm.engine.forward_plan)} if llm is not None else {}
+    plan = {"forward_plan": summary(llm.engine.forward_plan), "startup_s": dict(llm.engine.startup)} \
+        if llm is not None else {}
     path.write_text(json.dumps({"machine": machine(), **plan, **payload}, indent=2))
     return path
 

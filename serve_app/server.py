@@ -213,7 +213,10 @@ class LLMServer:
     async def health(self):
         if not self.engine.is_alive:
             return JSONResponse({"status": "unhealthy", "error": self.engine.fatal_error}, status_code=503)
-        return {"status": "ok"}
+        engine = self.engine.engine
+        calibration = engine.speculation.calibration if engine.speculation is not None else None
+        return {"status": "ok", "startup_s": engine.startup,  # each start-up phase (the engine is built before Serve routes here)
+                "calibration_pending": list(calibration.pending) if calibration is not None else []}
 
     @app.get("/v1/models")
     async def models(self, request: Request):
