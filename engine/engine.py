@@ -184,7 +184,8 @@ class LLMEngine:
         if settings.spec_policy == "adaptive":
             decoder.calibration = Calibration(costs, (self.model, self.kv.target),
                                               (self.draft_model, self.kv.draft) if self.draft_model is not None else None,
-                                              max(settings.spec_length, 8) + 1, self.config.max_batch_size)
+                                              max(settings.spec_length, 8) + 1, self.config.max_batch_size,
+                                              settings.speculative_method)
             decoder.calibration.start(defer=defer_calibration)
         return decoder
 

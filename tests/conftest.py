@@ -8,6 +8,16 @@ from tests.helpers import make_model, make_tokenizer
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_calibration_cache(tmp_path_factory):
+    """The adaptive policy's calibration cache for this run only: engines of one fingerprint share
+    a measurement within the run (a warm start), and no run depends on timings an earlier one left."""
+    directory = tmp_path_factory.mktemp("costs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("engine.speculative.calibration.cache_dir", lambda: directory)
+        yield directory
+
+
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")

@@ -84,8 +84,8 @@ def time_serve(tree: Path, cache: Path, work: Path) -> dict:
                 r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
                 if r.status_code == 200:
                     answered = time.perf_counter() - t0
-                    _wait_for_calibration(cache)
-                    return {"first_answer_s": answered, "health_s": health}
+                    return {"first_answer_s": answered, "health_s": health,
+                            "calibration_written": _wait_for_calibration(cache)}
             except httpx.HTTPError:
                 pass
             if time.perf_counter() - t0 > 900:
@@ -100,17 +100,20 @@ def time_serve(tree: Path, cache: Path, work: Path) -> dict:
         ray_stop()
 
 
-def _wait_for_calibration(cache: Path, timeout_s: float = 300) -> None:
-    """Until the server has written a complete calibration (its idle-time measurement done), so
-    the warm start after this one reads everything; trees without a calibration cache return at once."""
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        files = list((cache / "costs").glob("*.json")) if (cache / "costs").exists() else []
-        if not (cache / "costs").exists() and time.perf_counter() > deadline - timeout_s + 5:
-            return
-        if any(not json.loads(f.read_text()).get("pending", [1]) for f in files):
-            return
+def _wait_for_calibration(cache: Path, timeout_s: float = 300) -> bool | None:
+    """Waits until the server has written a complete calibration (its idle-time measurement done),
+    so the warm start after this one reads everything: True then, False on timeout, None for a
+    tree that writes no calibration cache (nothing after 10 s)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        costs = cache / "costs"
+        if costs.exists():
+            if any(not json.loads(f.read_text()).get("pending", [1]) for f in costs.glob("*.json")):
+                return True
+        elif time.perf_counter() - started > 10:
+            return None
         time.sleep(0.5)  # polling a file another process writes, bounded above
+    return False
 
 
 def summary(values: list[float]) -> dict:

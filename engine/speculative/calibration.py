@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine.faults import is_device_fault
 from engine.kv import CachePool
 from engine.model.kernels import one_sequence
 from engine.model.transformer import Transformer
@@ -37,20 +38,22 @@ def cache_dir() -> Path:
 
 
 def fingerprint(target: Transformer, draft: Transformer | None, pool: CachePool, max_tokens: int,
-                max_batch: int) -> dict:
-    """What the measured times depend on (never the weights' values: only their shapes)."""
+                max_batch: int, method: str) -> dict:
+    """What the measured times depend on (never the weights' values: only their shapes); `method`:
+    the proposer, whose own work the refined table's time outside the passes holds."""
     from engine.model.plan import host_info
 
     def model(m: Transformer | None) -> dict | None:
         return None if m is None else {"shape": repr(m.shape), "plan": dataclasses.asdict(m.plan), "dtype": str(m.dtype)}
 
     device = target.device
+    blocks = getattr(pool, "blocks", None)
     return {"version": CACHE_VERSION, "host": host_info(), "torch": torch.__version__, "device": device.type,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "target": model(target), "draft": model(draft),
+            "kernels": one_sequence.build_digest(), "target": model(target), "draft": model(draft),
             "pool": {"kind": type(pool).__name__, "block_size": getattr(pool, "block_size", None),
-                     "max_seq_len": pool.max_seq_len},
-            "max_tokens": max_tokens, "max_batch": max_batch, "context": CALIBRATION_CONTEXT}
+                     "num_blocks": getattr(blocks, "num_blocks", None), "max_seq_len": pool.max_seq_len},
+            "method": method, "max_tokens": max_tokens, "max_batch": max_batch, "context": CALIBRATION_CONTEXT}
 
 
 class Calibration:
@@ -58,14 +61,15 @@ class Calibration:
     to be measured, and when the table was last written back."""
 
     def __init__(self, costs: MeasuredCosts, target: tuple[Transformer, CachePool],
-                 draft: tuple[Transformer, CachePool] | None, max_tokens: int, max_batch: int,
+                 draft: tuple[Transformer, CachePool] | None, max_tokens: int, max_batch: int, method: str,
                  directory: Path | None = None):
         self.costs, self.target, self.draft = costs, target, draft
         self.max_tokens, self.max_batch = max_tokens, max_batch
-        self.key = fingerprint(target[0], draft[0] if draft else None, target[1], max_tokens, max_batch)
+        self.key = fingerprint(target[0], draft[0] if draft else None, target[1], max_tokens, max_batch, method)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:24]
         self.path = (directory or cache_dir()) / f"{digest}.json"
         self.pending: list[int] = []  # batch sizes still to measure, smallest first
+        self.failed: list[int] = []  # batch sizes whose measurement failed (never retried, never guessed past)
         self.passes = 0  # calibration passes run by this engine
         self.source = "cached"  # "cached", or "measured" once this engine measured anything
         self._saved_at = time.monotonic()
@@ -86,20 +90,32 @@ class Calibration:
 
     def needs(self, batch: int) -> bool:
         """Whether a step of `batch` sequences would be priced beyond the batch sizes measured."""
-        return bool(self.pending) and batch > self.measured_up_to()
+        return bool(self.pending or self.failed) and batch > self.measured_up_to()
 
     def measured_up_to(self) -> int:
         """The largest batch size calibrated so far (0: none)."""
-        done = [b for b in sorted({1, self.max_batch}) if b not in self.pending]
+        done = [b for b in sorted({1, self.max_batch}) if b not in self.pending and b not in self.failed]
         return max(done, default=0)
 
     def run_next(self) -> bool:
-        """Measures the next pending batch size; False when none was pending."""
+        """Measures the next pending batch size; False when none was pending. An error other than a
+        device fault (which is the replica's end) leaves that size failed: logged, not retried, and
+        the policy decodes plainly beyond the sizes measured."""
         if not self.pending:
             return False
-        batch = self.pending.pop(0)
+        batch = self.pending[0]
         t0 = time.perf_counter()
-        self.passes += calibrate_batch(self.costs, self.target, self.draft, self.max_tokens, batch)
+        try:
+            self.passes += calibrate_batch(self.costs, self.target, self.draft, self.max_tokens, batch)
+        except Exception as exc:
+            if is_device_fault(exc):
+                raise
+            self.pending.pop(0)
+            self.failed.append(batch)
+            log.warning("calibrating the adaptive policy's costs at batch %d failed (%s: %s); no speculation "
+                        "beyond batch %d", batch, type(exc).__name__, exc, self.measured_up_to())
+            return True
+        self.pending.pop(0)
         log.info("calibrated the adaptive policy's costs at batch %d in %.2f s%s", batch, time.perf_counter() - t0,
                  f" (pending: batch {self.pending})" if self.pending else "")
         self.save()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -66,10 +67,11 @@ class TimingTable:
                 "weight": {b: dict(w) for b, w in self._weight.items()}}
 
     def restore(self, data: dict) -> None:
-        """Replaces the table with a snapshot's (keys may arrive as strings, as JSON writes them)."""
-        self._ema = defaultdict(dict, {int(t): {int(b): float(s) for b, s in row.items()}
+        """Replaces the table with a snapshot's (keys may arrive as strings, as JSON writes them);
+        ValueError for a time or weight that is not a finite number >= 0."""
+        self._ema = defaultdict(dict, {int(t): {int(b): _non_negative(s) for b, s in row.items()}
                                        for t, row in data["ema"].items()})
-        self._weight = defaultdict(dict, {int(b): {int(t): float(w) for t, w in row.items()}
+        self._weight = defaultdict(dict, {int(b): {int(t): _non_negative(w) for t, w in row.items()}
                                           for b, row in data["weight"].items()})
 
     def batches(self, tokens_per_seq: int) -> list[int]:
@@ -132,6 +134,9 @@ class LineEstimate:
         return None if self._moments is None else list(self._moments)
 
     def restore(self, data: list[float] | None) -> None:
+        """ValueError unless `data` is None or four finite numbers (the means of x, y, x^2, x y)."""
+        if data is not None and (len(data) != 4 or not all(math.isfinite(float(v)) for v in data)):
+            raise ValueError(f"a line's moments are four finite numbers, got {data!r}")
         self._moments = None if data is None else tuple(float(v) for v in data)
 
     def __call__(self, x: float) -> float:
@@ -140,6 +145,13 @@ class LineEstimate:
         mx, my = self._moments[:2]
         slope = _slope(*self._moments)
         return max(0.0, my + (my / max(mx, 1e-12) if slope is None else slope) * (x - mx))
+
+
+def _non_negative(value) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"a measured time or weight must be a finite number >= 0, got {value!r}")
+    return value
 
 
 def _slope(mx: float, my: float, mxx: float, mxy: float) -> float | None:

@@ -150,7 +150,7 @@ class SpeculativeDecoder:
         if all(r.params.spec_length == 0 for r in reqs):
             return RoundPlan(0, "request_opt_out", [])
         if self.settings.spec_policy == "adaptive" and self.calibration is not None \
-                and self.calibration.needs(len(reqs)):  # never speculate on a guess beyond the sizes measured
+                and self.calibration.needs(max(len(reqs), len(running))):  # no guesses beyond the sizes measured
             return RoundPlan(0, "unmeasured", [])
         caps = [self._cap(r) for r in reqs]
         choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, running)

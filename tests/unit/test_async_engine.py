@@ -139,7 +139,7 @@ def test_a_cold_server_start_measures_the_largest_batch_in_its_first_idle_moment
 
     import engine.speculative.calibration as calibration_module
 
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr("engine.speculative.calibration.cache_dir", lambda: tmp_path)
     measured = []  # (batch, thread)
     original = calibration_module.calibrate_batch
 

@@ -18,8 +18,9 @@ from engine.speculative.calibration import Calibration
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "costs"
+    directory = tmp_path / "cache" / "costs"
+    monkeypatch.setattr("engine.speculative.calibration.cache_dir", lambda: directory)
+    return directory
 
 
 @pytest.fixture
@@ -119,9 +120,16 @@ def test_the_running_engines_refinements_are_written_back(tiny_model, tiny_draft
     assert json.loads(calibration.path.read_text())["costs"] == as_json(engine.speculation.costs.snapshot())
 
 
-@pytest.mark.parametrize("damage", ["not json", '{"key": {}, "costs": {}}', '{"costs": 1}'])
+@pytest.mark.parametrize("damage", ["not json", '{"key": {}, "costs": {}}', '{"costs": 1}', "moments", "nan"])
 def test_an_unusable_cache_is_measured_again_with_a_warning(tiny_model, tiny_draft, cache, passes, caplog, damage):
     first = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
+    if damage in ("moments", "nan"):  # the right shape, a bad value: caught at load, not at the first step
+        data = json.loads(first.path.read_text())
+        if damage == "moments":
+            data["costs"]["catch_up"] = [1.0, 2.0]
+        else:
+            data["costs"]["target"]["ema"]["1"]["1"] = float("nan")
+        damage = json.dumps(data)
     first.path.write_text(damage)
     passes[0] = 0
     with caplog.at_level(logging.WARNING, logger="engine.speculative.calibration"):
@@ -142,6 +150,22 @@ def test_a_restore_of_a_bad_snapshot_leaves_the_costs_as_they_were(tiny_model, t
 def test_the_fingerprint_names_what_timings_depend_on(tiny_model, tiny_draft, cache):
     engine = adaptive(tiny_model, tiny_draft, max_batch_size=1)
     key = engine.speculation.calibration.key
-    assert {"host", "torch", "device", "target", "draft", "pool", "max_tokens", "max_batch"} <= set(key)
+    assert {"host", "torch", "device", "kernels", "target", "draft", "pool", "method", "max_tokens",
+            "max_batch"} <= set(key)
     assert key["max_batch"] == 1 and key["max_tokens"] == 9 and key["target"]["plan"]["dtype"] == "float32"
     assert isinstance(engine.speculation.calibration, Calibration)
+
+
+def test_a_failed_measurement_is_logged_and_never_guessed_past(tiny_model, tiny_draft, cache, monkeypatch, caplog):
+    engine = adaptive(tiny_model, tiny_draft, defer=True)
+    calibration = engine.speculation.calibration
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room for the calibration's sequences")
+
+    monkeypatch.setattr("engine.speculative.calibration.calibrate_batch", broken)
+    with caplog.at_level(logging.WARNING, logger="engine.speculative.calibration"):
+        assert engine.run_idle_work()
+    assert calibration.failed == [4] and not calibration.pending and calibration.needs(2) and not calibration.needs(1)
+    assert any("failed" in r.message for r in caplog.records)
+    assert not engine.run_idle_work()  # not retried
