@@ -1,9 +1,9 @@
-# Two commands on a fresh machine:  `make serve` (the main job)  and  `make test`.
+# Two commands on a fresh machine:  `make serve` (the main job)  and  `make test`.  `make docs`: the documentation site.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint
+.PHONY: install serve generate test lint docs
 
 $(STAMP): pyproject.toml
 	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
@@ -28,3 +28,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The documentation site on http://127.0.0.1:8001, rebuilt on every edit (8000 is the server's port).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001

@@ -11,9 +11,14 @@
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
     gpu      the one-command GPU check: correctness, syncs, kernels and speed on random-weight models
              (at most ~8 minutes on one H100; `--device cpu --smoke` runs the same code on CPU)
+    startup  `LLM()` and `serve run` to the first answer, cold and warm caches, each in a fresh process
+    compare  the default engine of two source trees (--before DIR --after DIR), alternating processes
+    alpha    per-token acceptance of draft models and EAGLE-3 heads side by side, same prompts
+    host-reads  tensor reads back to the host per decode step (each a sync on a GPU), plain and speculative
     plots    PNGs from bench/results/*.json
-    report   rewrite README's results block from bench/results/*.json
-    all      everything above in sequence (about an hour on 2 cores)
+    report   rewrite docs/benchmarks/results.md and the README's headline table from bench/results/*.json
+    all      spec, peers, llamacpp, sweep, plan, structured, serve, hf, plots, report in sequence
+             (about an hour on 2 cores)
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import sys
 
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
-            "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu",
+            "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu", "startup": "bench.startup",
+            "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

@@ -1,6 +1,7 @@
-"""Regenerates the README's results section from bench/results/*.json.
+"""Regenerates the benchmark tables from bench/results/*.json.
 
-    python -m bench report          # rewrites the block between the bench markers in README.md
+    python -m bench report   # rewrites docs/benchmarks/results.md (between its bench markers) and
+                             # the README's headline table (between its headline markers)
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from pathlib import Path
 from bench.common import RESULTS, host_class, theoretical
 from engine.model.plan import label
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS_PAGE = ROOT / "docs" / "benchmarks" / "results.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+IMAGES = "../../bench/results"  # from docs/benchmarks/results.md (the site build copies the plots)
 
 
-def _replace_block(text: str, start: str, end: str, body: str) -> str:
+def _replace_block(text: str, start: str, end: str, body: str, name: str = "the page") -> str:
     if start not in text or end not in text:
-        raise SystemExit(f"README.md lacks the {start} ... {end} markers")
+        raise SystemExit(f"{name} lacks the {start} ... {end} markers")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return head + start + "\n" + body + "\n" + end + tail
@@ -30,7 +34,9 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-_host = host_class
+def _host(m: dict) -> str:
+    """The host class and the day a result was measured."""
+    return f"{host_class(m)}, measured {m['time'][:10]}"
 
 
 def _plan(r: dict) -> str:
@@ -95,7 +101,8 @@ def spec(r: dict) -> list[str]:
 
 
 def costs_table(r: dict) -> list[str]:
-    lines = ["**Forward-pass costs** (ms, median; T = tokens per sequence in one target pass):", "",
+    lines = [f"**Forward-pass costs** (ms, median; T = tokens per sequence in one target pass), from the "
+             f"`{r['workload']}` spec run above, {_host(r['machine'])}:", "",
              "| batch | " + " | ".join(f"T={t}" for t in range(1, 10)) + " | draft step | c |",
              "| --- |" + " --- |" * 11]
     for b, row in r["costs"].items():
@@ -105,7 +112,7 @@ def costs_table(r: dict) -> list[str]:
 
 
 def _img(name: str) -> list[str]:
-    return [f"![{name}](bench/results/{name}.png)", ""] if (RESULTS / f"{name}.png").exists() else []
+    return [f"![{name}]({IMAGES}/{name}.png)", ""] if (RESULTS / f"{name}.png").exists() else []
 
 
 def peers(r: dict) -> list[str]:
@@ -148,8 +155,8 @@ def llama_cpp(r: dict) -> list[str]:
     if r.get("status") != "measured":
         return [f"**llama.cpp**: {r.get('status')}", ""]
     lines = [f"**llama.cpp** (llama-cpp-python {r['llama_cpp_python']}, the shipped target converted to GGUF "
-             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {r['machine']['threads']} threads, "
-             f"measured {r['machine']['time']}; `python -m bench llamacpp`):", "",
+             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {_host(r['machine'])}, "
+             f"{r['machine']['threads']} threads; `python -m bench llamacpp`):", "",
              "| workload | variant | tok/s | vs llama.cpp plain | same tokens as llama.cpp plain |",
              "| --- | --- | --- | --- | --- |"]
     for w, table in r["workloads"].items():
@@ -213,7 +220,7 @@ def sweep(r: dict, image: str = "sweep") -> list[str]:
 def serve(r: dict) -> list[str]:
     slo = r["slo"]
     lines = [f"**Serving sweep with guidellm** — `serve run serve_config.yaml` (one replica, {r['engine_threads']} "
-             f"engine thread), {r['host']}; per level, each mode applied live (`serve deploy` of its user_config) "
+             f"engine thread), {_host(r['machine'])}; per level, each mode applied live (`serve deploy` of its user_config) "
              f"then `guidellm run` with that many concurrent streams, {r['tokens']} output tokens a request over the "
              f"code prompts, greedy; medians of {r['repeats']} interleaved repeats (`python -m bench serve`). "
              f"Goodput: requests/s with TTFT ≤ {slo['ttft_ms']:.0f} ms and mean inter-token latency ≤ "
@@ -361,12 +368,60 @@ def summary() -> str:
             f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
     if not rows:
         return ""
-    return "\n".join(["**Targets** (from the committed results below):", "", "| target | measured | met |",
+    return "\n".join(["**Targets** (the project's goals, from the results below):", "", "| target | measured | met |",
                       "| --- | --- | --- |", *rows, ""])
+
+
+def startup(r: dict) -> list[str]:
+    lines = [f"**Start-up** — {r['config']}; each start in a fresh process, cold (empty caches) and warm (the "
+             f"caches the cold start wrote), medians of {r['after']['llm']['cold']['summary']['n']}; "
+             f"{_host(r['machine'])} (`python -m bench startup`):", "",
+             "| what | cold (s) | warm (s) |", "| --- | --- | --- |"]
+    names = {"llm": "`LLM(...)` constructed", "serve": "`serve run` to the first answered request"}
+    for what, name in names.items():
+        if what in r["after"]:
+            e = r["after"][what]
+            lines.append(f"| {name} | {e['cold']['summary']['median']:.1f} | {e['warm']['summary']['median']:.1f} |")
+    return lines + [""]
+
+
+def _short(m: dict) -> str:
+    return f"{host_class(m)}, {m['time'][:10]}"
+
+
+def headline() -> str:
+    """Five figures for the README, each with its host and date."""
+    rows = []
+    if (r := _load("spec_code_t0")) is not None:
+        name = next((n for n in ("hybrid-eagle/adaptive", "hybrid/adaptive") if n in r["results"]), None)
+        if name:
+            what = {"hybrid-eagle/adaptive": "prompt lookup, else the EAGLE-3 head (hybrid), adaptive",
+                    "hybrid/adaptive": "prompt lookup, else the draft model (hybrid), adaptive"}[name]
+            rows.append((f"code completion, batch 1, greedy: {what}, vs plain decoding",
+                         f"{r['results'][name]['speedup']:.2f}x", _short(r["machine"])))
+    if (r := _load("spec_edit_t0")) is not None and "ngram/adaptive" in r["results"]:
+        rows.append(("editing, batch 1, greedy: n-gram prompt lookup, adaptive, vs plain decoding",
+                     f"{r['results']['ngram/adaptive']['speedup']:.2f}x", _short(r["machine"])))
+    if (r := _load("serve")) is not None:
+        if "1" in r["results"]:
+            rows.append(("served over HTTP, one stream: adaptive vs plain decoding",
+                         f"{r['results']['1']['adaptive_over_plain']:.2f}x", _short(r["machine"])))
+        ratios = [row["adaptive_over_best"] for row in r["results"].values()]
+        levels = list(r["results"])
+        rows.append((f"served over HTTP, {levels[0]} to {levels[-1]} streams: adaptive ÷ the best of plain and "
+                     "every fixed K at each load", f"{min(ratios):.3f} to {max(ratios):.3f}", _short(r["machine"])))
+    if (r := _load("peers")) is not None and "code" in r["workloads"]:
+        e = r["workloads"]["code"]["results"]["ours draft (adaptive)"]
+        rows.append(("vs transformers assisted generation with the same draft model, batch 1, code",
+                     f"{e['vs_transformers_assisted']:.2f}x", _short(r["machine"])))
+    return "\n".join(["| measured | figure | host, date |", "| --- | --- | --- |",
+                      *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
 def build() -> str:
     out: list[str] = []
+    if (targets := summary()):
+        out += [targets]
     if (r := _load("engine_vs_hf")) is not None:
         out += engine_vs_hf(r)
     first_spec = None
@@ -378,17 +433,18 @@ def build() -> str:
         out += costs_table(first_spec)
     for name, fn in (("plans", plans), ("peers", peers), ("llama_cpp", llama_cpp), ("sweep", sweep),
                      ("sweep_eagle", functools.partial(sweep, image="sweep_eagle")), ("serve", serve),
-                     ("structured", structured)):
+                     ("structured", structured), ("startup", startup)):
         if (r := _load(name)) is not None:
             out += fn(r)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    text = README.read_text()
-    text = _replace_block(text, SUMMARY_START, SUMMARY_END, summary())
-    README.write_text(_replace_block(text, START, END, build()))
-    print("README results updated")
+    page = RESULTS_PAGE.read_text()
+    RESULTS_PAGE.write_text(_replace_block(page, START, END, build(), RESULTS_PAGE.name))
+    readme = README.read_text()
+    README.write_text(_replace_block(readme, HEADLINE_START, HEADLINE_END, headline(), README.name))
+    print(f"updated {RESULTS_PAGE.relative_to(ROOT)} and the README's headline table")
 
 
 if __name__ == "__main__":

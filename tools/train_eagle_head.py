@@ -23,7 +23,7 @@ ids (95% of the training tokens; EAGLE-3's Llama heads keep 32k of 128k): each d
 auto times both) learns from 2,048 more sequences the target wrote (other new prompts) alone;
 run 5 (more steps on run 3's data) lowered α and was not shipped, nor was run 7 (650 steps from
 run 6 on 2,048 sequences of yet other prompts, --generations 0 --generated-set 59:2048): α
-0.867 -> 0.862 and 0.863 -> 0.864 (tools/head_alpha.py, 8 and 48 prompts), a plateau. Run 8
+0.867 -> 0.862 and 0.863 -> 0.864 (`python -m bench alpha`, 8 and 48 prompts), a plateau. Run 8
 (--draft-vocab 6144 from run 6, on run 7's data: wider_vocabulary) read α 0.853 and 0.876 with a
 19% dearer step, not shipped, nor run 9 (--draft-vocab 5120: 0.865 and 0.873; batch 1 K = 5 at
 par, adaptive 0.93x) (docs/performance-notes.md, "where its rejections fall").

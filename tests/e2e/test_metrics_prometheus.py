@@ -92,9 +92,7 @@ def test_dashboard_and_alerts_use_only_known_metrics():
         for name in re.findall(r"\bray_[a-z_]+", expr):
             base = re.sub(r"_(bucket|sum|count)$", "", name)
             assert name in known or base in known, f"{name} in {expr!r} is not a defined metric"
-    readme = (REPO / "README.md").read_text()
-    for m in METRICS:
-        assert f"`ray_{m.name}`" in readme, f"README lacks {m.name}"
+    # the documentation's metrics table is generated from METRICS (tests/docs checks every entry)
     from dashboards.build import build
 
     assert json.loads(DASHBOARD.read_text()) == build(), "run `python dashboards/build.py`"

@@ -160,7 +160,7 @@ def test_another_generated_set_is_named_by_seed_and_rows():
 def test_rejections_at_tokens_outside_the_draft_vocabulary_are_counted_where_the_round_stopped():
     from types import SimpleNamespace
 
-    from head_alpha import rejections_outside
+    from bench.alpha import rejections_outside
 
     # prefill token 5; round 1 accepts 2 of 3 then the target's 9; round 2 accepts all 2 (+ bonus 4);
     # round 3 accepts 0 of 2, the target's 8

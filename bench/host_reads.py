@@ -3,7 +3,7 @@ sync on a GPU): Tensor.tolist / item / cpu / numpy / bool / int / float, during 
 for plain and speculative decoding at batch 1 and 16, greedy and sampled. Runs on any tree, so a
 change's before and after can be compared:
 
-    python tools/count_host_reads.py [--tree DIR]      # DIR: a checkout (default: this one)
+    python -m bench host-reads [--tree DIR]      # DIR: a checkout (default: this one)
 
 The shipped pair with forward_plan "torch" (the CPU-only kernels read their inputs on the host by
 design and never run on a GPU).
@@ -19,11 +19,11 @@ from pathlib import Path
 READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench host-reads", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sys.path.insert(0, args.tree)
     import torch
 

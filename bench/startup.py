@@ -1,7 +1,7 @@
 """Start-up time, cold (empty caches: kernels built, forward plans and calibration measured) and
 warm (the caches the cold start wrote), each in a fresh process:
 
-    python tools/startup_time.py [--tree DIR] [--repeats 3] [--what llm serve]
+    python -m bench startup [--tree DIR] [--repeats 3] [--what llm serve]
 
 - llm: `LLM(**serve_config.yaml's engine)` constructed (imports included), and the engine's own
   start-up phases (`LLMEngine.startup`);
@@ -120,13 +120,13 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench startup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", default=str(REPO))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--what", nargs="+", default=["llm", "serve"], choices=["llm", "serve"])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "startup.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tree = Path(args.tree).resolve()
     from bench.common import machine
 

@@ -1,6 +1,6 @@
 """Per-token acceptance of model proposers side by side: greedy, fixed K, the held-out code prompts.
 
-    python tools/head_alpha.py embedded:draft models/eagle3 path/to/another/head [--k 5] [--prompts 8 48]
+    python -m bench alpha embedded:draft models/eagle3 path/to/another/head [--k 5] [--prompts 8 48]
 
 For each proposer (a draft model or an EAGLE-3 head for the embedded target) and each prompt
 count: α = accepted ÷ (accepted + rejections) over all rounds, tokens per round (the
@@ -56,15 +56,15 @@ def rejections_outside(outputs, vocabulary: set[int]) -> float:
     return outside / max(1, rejected)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench alpha", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("proposers", nargs="+", help="draft models or EAGLE-3 heads (paths or embedded:NAME)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--prompts", type=int, nargs="+", default=[8, 48])
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--batch", type=int, default=16, help="requests decoded together (max_batch_size)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)

@@ -1,7 +1,7 @@
 """Before/after of a change: the default engine of two source trees, run in alternating processes.
 
     git worktree add /tmp/before <rev>
-    python tools/before_after.py --before /tmp/before --after . --repeats 3 [--temperature 0.8] [--method eagle]
+    python -m bench compare --before /tmp/before --after . --repeats 3 [--temperature 0.8] [--method eagle]
 
 Each process loads one tree's engine on the embedded target (`LLM(...)`, batch up to 16) with its
 draft model, or with --method eagle its EAGLE-3 head, and times plain decoding,
@@ -68,8 +68,8 @@ def run_tree(tree: str, temperature: float = 0.0, method: str = "draft") -> dict
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="source tree of the 'before' engine")
     ap.add_argument("--after", required=True, help="source tree of the 'after' engine")
     ap.add_argument("--repeats", type=int, default=3)
@@ -78,8 +78,9 @@ def main() -> None:
     ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
                     help="the model proposer: the embedded draft model, or the embedded EAGLE-3 head")
     ap.add_argument("--one-tree", help=argparse.SUPPRESS)  # internal: run one tree, print JSON
-    args = ap.parse_args()
-    if args.one_tree:
+    args = ap.parse_args(argv)
+    if args.one_tree:  # run as a script in a child process: its own folder must not shadow the tree's modules
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
         print(json.dumps(run_tree(args.one_tree, args.temperature, args.method)))
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
