@@ -59,14 +59,14 @@ class SpecConfig:
     `LLM(...)`'s flat keywords, in `LLMEngine.reconfigure_speculation()` and in serve's
     `user_config`. One validator for all of them."""
 
-    use_speculative_decoding: bool = False
+    use_speculative_decoding: bool = False  # off: plain decoding (LLM() and serve turn it on for the embedded pair)
     draft_model: str | None = None  # a draft model, or an EAGLE-3 head (speculative_method "eagle")
-    speculative_method: SpecMethod = "draft"
+    speculative_method: SpecMethod = "draft"  # a draft model, prompt lookup, lookup else the model, an EAGLE-3 head
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
-    spec_policy: SpecPolicyMode = "adaptive"
+    spec_policy: SpecPolicyMode = "adaptive"  # adaptive: K from measured costs each step (0 = plain); fixed: spec_length
     spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
-    ngram_max: int = 4
-    ngram_min: int = 1
+    ngram_max: int = 4  # prompt lookup: the longest suffix matched
+    ngram_min: int = 1  # prompt lookup: the shortest suffix matched
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
 
@@ -141,24 +141,24 @@ class EngineConfig:
     """Everything that shapes an engine. `LLM(**kwargs)` takes these fields and, flat, the
     fields of `SpecConfig` (`LLM(draft_model=..., use_speculative_decoding=True)`)."""
 
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # a local HF checkpoint dir, an HF id in the local cache, or embedded:target
     tokenizer: str | None = None  # defaults to the model directory
     dtype: DType = "bfloat16"  # the precision asked for; the plan may compute a bf16 model in float32
-    device: str = "cpu"
-    seed: int = 0
-    max_batch_size: int = 64
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    seed: int = 0  # seeds the seeds of requests that bring none
+    max_batch_size: int = 64  # most requests decoding at once; KV pools and calibration are sized for it
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, memory permitting
-    kv_cache_backend: KVBackend = "paged"
-    block_size: int = 16
+    kv_cache_backend: KVBackend = "paged"  # paged: shared fixed-size blocks; slotted: max_seq_len per sequence
+    block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # paged, per pool; default: max_batch_size full sequences, memory permitting
     kv_cache_memory_fraction: float = 0.9  # share of the memory free after loading the models the KV pools may take
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # requests sharing a prompt prefix share its KV blocks (paged)
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     # "auto": measure the candidate paths on this host at load (cached); "torch": torch/oneDNN
     # only, in `dtype`; or {"target": {...ModelPlan}, "draft": {...}} (a role left out is measured)
     forward_plan: ForwardPlanSetting | dict[str, Any] = "auto"
-    speculative: SpecConfig = field(default_factory=SpecConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -241,16 +241,16 @@ class SamplingParams:
     min_p 0 and repetition_penalty 1 (CTRL-style: a seen token's logit divided by it when positive,
     multiplied when not) each disable their filter."""
 
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0: off
+    top_p: float = 1.0  # keep the most likely tokens up to this total probability; 1: off
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability; 0: off
+    repetition_penalty: float = 1.0  # CTRL-style, on tokens already seen; 1: off
+    max_tokens: int = 16  # most tokens generated
+    stop: list[str] | str | None = None  # strings that end generation (not returned)
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end generation
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    seed: int | None = None  # the request's random stream: same seed, same tokens, alone or in any batch
     spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
     structured_output: StructuredOutput | None = None  # a grammar the output must follow (engine/grammar.py)
 

@@ -211,6 +211,7 @@ class LLMServer:
     # --- routes ------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
+        """Liveness and start-up: `{"status": "ok", "startup_s", "calibration_pending"}`, or 503 once the engine loop has died. Needs no API key."""
         if not self.engine.is_alive:
             return JSONResponse({"status": "unhealthy", "error": self.engine.fatal_error}, status_code=503)
         engine = self.engine.engine
@@ -220,12 +221,14 @@ class LLMServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
+        """OpenAI's model list: the one model served, its name and checkpoint path (`root`)."""
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specserve", "root": self.config.model}]}
 
     @app.get("/v1/engine/stats")
     async def engine_stats(self, request: Request):
+        """Engine state: running and waiting requests, KV slots and blocks in use, preemptions, the speculation settings, the forward plan, start-up phases, the replica's id and memory."""
         self._authorize(request)
         out = await self.engine.call(lambda engine: engine.stats())
         out["exported_counter_totals"] = dict(self.exporter.totals)
@@ -236,6 +239,7 @@ class LLMServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        """OpenAI completions: one prompt (text or token ids), streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, CompletionRequest)
         stream = await self._start(req, req.prompt, None, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -253,6 +257,7 @@ class LLMServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         stream = await self._start(req, None, messages, self._default_chat_max_tokens())
