@@ -21,47 +21,47 @@ MAX_STOP_STRINGS = 16
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage and the speculation stats
 
 
 class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: str = "response"
-    description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
+    name: str = "response"  # a name for the schema (not used)
+    description: str | None = None  # not used
+    schema_: dict | None = Field(default=None, alias="schema")  # the JSON schema the output must follow
     strict: bool | None = None  # the grammar enforces every schema wholly; keywords it cannot are refused
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+    type: Literal["text", "json_object", "json_schema"]  # text: no constraint
+    json_schema: JSONSchemaFormat | None = None  # for type json_schema
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: str | None = None  # the served name or the checkpoint path (optional)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # max_tokens by OpenAI's newer name (wins over it)
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    n: int = 1  # choices per request: only 1
+    stream: bool = False  # answer as server-sent events, then data: [DONE]
+    stream_options: StreamOptions | None = None  # include_usage: one more chunk at the end with the usage
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, not used
     # extensions
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Field(ge=-1)] = -1  # keep the k most likely tokens; -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     spec_length: Annotated[int, Field(ge=0, le=64)] | None = None
-    response_format: ResponseFormat | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema (structured outputs)
+    guided_regex: str | None = None  # the output matches this regular expression (as in vLLM)
+    guided_choice: list[str] | None = None  # the output is one of these strings (as in vLLM)
 
     @field_validator("n")
     @classmethod
@@ -133,7 +133,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids; one prompt per request
 
     @field_validator("prompt")
     @classmethod
@@ -149,14 +149,14 @@ class CompletionRequest(_Common):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: Literal["text"]  # only text parts
+    text: str  # the part's text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "user", "assistant", "developer", "tool"]  # who wrote the message
+    content: str | list[TextPart] | None = None  # a string, or text parts (joined)
 
     def text(self) -> str:
         if self.content is None:
@@ -167,4 +167,4 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]  # the conversation, through the checkpoint's chat template
