@@ -18,6 +18,8 @@ KVBackend = Literal["slotted", "paged"]
 SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
+LogprobsMode = Literal["raw", "processed"]
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -158,6 +160,9 @@ class EngineConfig:
     # "auto": measure the candidate paths on this host at load (cached); "torch": torch/oneDNN
     # only, in `dtype`; or {"target": {...ModelPlan}, "draft": {...}} (a role left out is measured)
     forward_plan: ForwardPlanSetting | dict[str, Any] = "auto"
+    # which distribution logprobs report: the model's ("raw", before penalties, temperature,
+    # top-k/top-p and structured-output masks) or the one sampled from ("processed")
+    logprobs_mode: LogprobsMode = "raw"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
@@ -177,6 +182,7 @@ class EngineConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("num_threads", self.num_threads, 1, 1024, optional=True)
+        check_choice("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
         if isinstance(self.speculative, dict):
             _check_keys("speculative", self.speculative, SpecConfig.field_names())
             self.speculative = SpecConfig(**self.speculative)
@@ -253,6 +259,11 @@ class SamplingParams:
     seed: int | None = None  # the request's random stream: same seed, same tokens, alone or in any batch
     spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
     structured_output: StructuredOutput | None = None  # a grammar the output must follow (engine/grammar.py)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100..100)
+    logprobs: int | None = None  # each output token's logprob and this many top alternatives (0..20)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top alternatives
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature, 0.0, 100.0)
@@ -260,7 +271,9 @@ class SamplingParams:
         self.top_p = _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
         self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
-        check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, 0)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)")
         self._check_stops()
         check_bool("ignore_eos", self.ignore_eos)
         check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
@@ -269,6 +282,22 @@ class SamplingParams:
             raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured_output (a complete document ends at EOS)")
+        self.presence_penalty = _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self._check_logit_bias()
+        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}")
+        checked = {}
+        for token, bias in self.logit_bias.items():
+            check_int("logit_bias key", token, 0)
+            checked[token] = _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        self.logit_bias = checked or None
 
     def _check_stops(self) -> None:
         if self.stop is None:
@@ -287,6 +316,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits before temperature."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.logit_bias is not None
+
+    @property
     def needs_probs(self) -> bool:
         """Whether sampling this request needs the adjusted distribution, not just an argmax."""
-        return not self.greedy or self.repetition_penalty != 1.0
+        return not self.greedy or self.adjusts_logits

@@ -19,6 +19,7 @@ from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv import KVManager
 from engine.kv.features import MAX_PENDING, FeatureCache
 from engine.kv.sizing import activation_bytes, default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
+from engine.logprobs import TokenLogprob
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.passes import pool_for
@@ -82,7 +83,7 @@ class LLMEngine:
         self.kv = KVManager(pool(self.model, prefix_caching=config.enable_prefix_caching),
                             pool(self.draft_model) if self.draft_model is not None else None,
                             FeatureCache() if isinstance(self.draft_model, Eagle3Head) else None)
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, config.logprobs_mode)
         clock.done("kv_pools", "KV pools: %s blocks of %d tokens each model", config.num_kv_blocks, config.block_size)
         self.speculation = self._build_speculation(defer_calibration) if config.use_speculative_decoding else None
         calibration = self.speculation.calibration if self.speculation is not None else None
@@ -231,6 +232,9 @@ class LLMEngine:
                              f"{len(ids) + params.max_tokens} exceeds max_seq_len ({limit})")
         if any(t >= self.model.shape.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.model.shape.vocab_size}), got {params.stop_token_ids}")
+        if params.logit_bias and max(params.logit_bias) >= self.model.shape.vocab_size:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {self.model.shape.vocab_size}), "
+                             f"got {max(params.logit_bias)}")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -306,13 +310,16 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         now = time.monotonic()
         for req, tokens in new_tokens:
+            pending, req.pending_logprobs = req.pending_logprobs, None  # one per token, in order
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(req)
-                for token in tokens:
+                if not tokens and req.params.max_tokens == 0 and not req.is_finished:
+                    outputs.append(self._finish(req, "length", ""))  # prompt logprobs only (echo)
+                for i, token in enumerate(tokens):
                     if req.is_finished:
                         break  # tokens after a stop are dropped
-                    outputs.append(self._append(req, token, now))
+                    outputs.append(self._append(req, token, now, pending[i] if pending else None))
             except Exception as exc:  # one request's failure must not touch the others
                 if is_device_fault(exc):
                     raise  # the device is suspect for every request
@@ -321,22 +328,25 @@ class LLMEngine:
                     outputs.append(self._finish(req, "error", ""))
         return outputs
 
-    def _append(self, req: Request, token: int, now: float) -> StepOutput:
+    def _append(self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None) -> StepOutput:
         if req.grammar is not None and not req.grammar.commit(token):
             raise ValueError(f"token {token} is not allowed by the request's structured output")
         req.output_token_ids.append(token)
+        if req.logprobs is not None and logprob is not None:
+            req.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
         text = req.text
         delta = text.add(token)
         p = req.params
         if text.stopped or token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
-            return self._finish(req, "stop", delta, token)
+            return self._finish(req, "stop", delta, token, logprob)
         if len(req.output_token_ids) >= p.max_tokens:
-            return self._finish(req, "length", delta, token)
-        return StepOutput(req.request_id, token, delta)
+            return self._finish(req, "length", delta, token, logprob)
+        return StepOutput(req.request_id, token, delta, logprob=logprob)
 
-    def _finish(self, req: Request, reason, delta: str, token: int = -1) -> StepOutput:
+    def _finish(self, req: Request, reason, delta: str, token: int = -1,
+                logprob: TokenLogprob | None = None) -> StepOutput:
         delta += req.text.finish()
         self.scheduler.remove(req)
         if self.speculation is not None:
@@ -344,7 +354,7 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
-        return StepOutput(req.request_id, token, delta, finished=True, finish_reason=reason)
+        return StepOutput(req.request_id, token, delta, finished=True, finish_reason=reason, logprob=logprob)
 
     def get_output(self, request_id: str) -> RequestOutput:
         return self._requests[request_id].output()

@@ -14,6 +14,7 @@ from typing import Literal, get_args
 
 from engine.config import SamplingParams
 from engine.grammar import GrammarMatcher
+from engine.logprobs import TokenLogprob
 from engine.model.tokenizer import IncrementalText
 from engine.uniforms import RandomStream
 
@@ -63,6 +64,15 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     grammar: GrammarMatcher | None = None  # with params.structured_output: its state after the output so far
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per output token
+    pending_logprobs: list[TokenLogprob] | None = None  # this step's, for the tokens it emits (in order)
+    prompt_logprobs: dict[int, TokenLogprob] | None = None  # with params.prompt_logprobs: by prompt position >= 1
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = {}
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -93,7 +103,10 @@ class Request:
             num_cached_prompt_tokens=self.num_cached_prefix_tokens, acceptance_rate=s.acceptance_rate,
             num_draft_tokens=sum(s.proposed_per_round), num_accepted_tokens=sum(s.accepted_per_round),
             num_spec_rounds=len(s.accepted_per_round), accepted_per_round=list(s.accepted_per_round),
-            proposed_per_round=list(s.proposed_per_round), proposers=sorted(s.proposers), metrics=metrics)
+            proposed_per_round=list(s.proposed_per_round), proposers=sorted(s.proposers), metrics=metrics,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else
+            [None] + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt_token_ids))])
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,7 @@ class StepOutput:
     text: str
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 @dataclass
@@ -128,6 +142,8 @@ class RequestOutput:
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
 
 
 Phase = Literal["prefill", "draft", "target", "other"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine, Prompt
 from engine.faults import is_device_fault
+from engine.logprobs import TokenLogprob
 from engine.request import FinishReason, RequestOutput, StepOutput
 
 log = logging.getLogger("serve_app.async_engine")
@@ -31,6 +32,7 @@ class StreamDelta:
     finished: bool = False
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = None  # the final record, on the last delta
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the delta's tokens', when asked for
 
 
 class EngineDeadError(RuntimeError):
@@ -217,6 +219,8 @@ def _deltas(outputs: list[StepOutput]) -> dict[str, StreamDelta]:
         d.text += o.text
         if o.token_id >= 0:
             d.token_ids.append(o.token_id)
+        if o.logprob is not None:
+            d.logprobs.append(o.logprob)
         if o.finished:
             d.finished, d.finish_reason = True, o.finish_reason
     return deltas

@@ -1,6 +1,8 @@
 """OpenAI-compatible request schemas (pydantic) and their conversion to SamplingParams.
 
-Unknown fields are ignored (as vLLM does), so any OpenAI client works unchanged. Extensions
+Unknown fields are ignored (as vLLM does), so any OpenAI client works unchanged, except those whose
+silent omission would change what the answer means (`REFUSED`): those are a 400 naming the field.
+Extensions
 beyond the OpenAI API: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and
 spec_length (per-request cap on proposed tokens per round; 0 turns speculation off for it), and
 guided_regex / guided_choice (structured outputs beside OpenAI's `response_format`, as in vLLM).
@@ -10,13 +12,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import SamplingParams
 from engine.structured_output import StructuredOutput
 from serve_app.errors import APIError
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat allows 20; completions 5, vLLM 20)
+# fields the server does not serve and must not ignore: what they ask for changes the answer's meaning
+REFUSED = {"tools": "tool calls are not served yet", "tool_choice": "tool calls are not served yet",
+           "functions": "function calls are not served", "function_call": "function calls are not served",
+           "suffix": "insertion (suffix) is not served", "best_of": "best_of other than 1 is not served",
+           "audio": "audio output is not served", "modalities": "only text output is served",
+           "prediction": "predicted outputs are not served"}
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +71,30 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None  # text, json_object or json_schema (structured outputs)
     guided_regex: str | None = None  # the output matches this regular expression (as in vLLM)
     guided_choice: list[str] | None = None  # the output is one of these strings (as in vLLM)
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data):
+        if isinstance(data, dict):
+            for name, why in REFUSED.items():
+                value = data.get(name)
+                if value not in (None, [], {}) and not (name == "best_of" and value == 1) \
+                        and not (name == "tool_choice" and value == "none"):
+                    raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        if v is None:
+            return v
+        for key in v:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key!r}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -89,7 +122,19 @@ class _Common(BaseModel):
             max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             seed=self.seed, spec_length=self.spec_length, structured_output=self.structured_output(),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logprobs=self.token_logprobs, prompt_logprobs=self.prompt_logprobs,
         )
+
+    @property
+    def token_logprobs(self) -> int | None:
+        """Top alternatives per output token's logprob (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return None
 
     @property
     def structured_param(self) -> str | None:
@@ -134,6 +179,25 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids; one prompt per request
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: the prompt scored (echo with logprobs), nothing generated
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise ValueError("max_tokens 0 is only allowed with echo and logprobs (scoring the prompt)")
+        if self.echo and self.stream:
+            raise ValueError("echo with stream is not served; use stream false to score a prompt")
+        return self
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
     @field_validator("prompt")
     @classmethod
@@ -168,3 +232,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]  # the conversation, through the checkpoint's chat template
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs true")
+        return self
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -32,6 +32,7 @@ from engine.request import RequestOutput
 from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from serve_app.errors import APIError, from_validation_errors
 from serve_app.kernel_caches import bound_kernel_caches
+from serve_app.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, join, prompt_completion_logprobs
 from serve_app.metrics import BufferedRecorder, RayMetricsExporter
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -129,6 +130,7 @@ class LLMServer:
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
         self.config = self.engine.config
         self.model_name = served_model_name
+        self.token_texts = TokenTexts(self.engine.engine.tokenizer)  # logprobs' token strings
         self.api_key = os.environ.get(api_key_env) or None
         self.created = int(time.time())
         self.metrics_buffer = BufferedRecorder()
@@ -245,14 +247,31 @@ class LLMServer:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
-        def choice(text: str, finish: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        def choice(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if req.stream:
-            return self._sse(stream, base, lambda d: choice(d.text, d.finish_reason if d.finished else None),
-                             req.include_usage)
+            offset = [0]  # characters streamed so far: each chunk's text_offset continues from there
+
+            def chunk_choice(d: StreamDelta) -> dict:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(self.token_texts, d.logprobs, offset[0])
+                offset[0] += len(d.text)
+                return choice(d.text, d.finish_reason if d.finished else None, logprobs)
+
+            return self._sse(stream, base, chunk_choice, req.include_usage)
         out = await self._collect(stream)
-        return {**base, "choices": [choice(out.text, out.finish_reason)], "usage": usage(out),
+        text, logprobs = out.text, None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(self.token_texts, out.logprobs or [])
+        if req.echo:
+            prompt = req.prompt if isinstance(req.prompt, str) else self.engine.engine.tokenizer.decode(req.prompt)
+            text = prompt + text
+            if logprobs is not None:
+                logprobs = join(prompt_completion_logprobs(self.token_texts, out.prompt_token_ids,
+                                                           (out.prompt_logprobs or [None])[1:]), logprobs)
+        return {**base, "choices": [choice(text, out.finish_reason, logprobs)], "usage": usage(out),
                 "speculation": speculation_stats(out, self._spec_method)}
 
     @app.post("/v1/chat/completions")
@@ -268,6 +287,7 @@ class LLMServer:
 
             def chunk_choice(d: StreamDelta) -> dict:
                 return {"index": 0, "delta": {"content": d.text} if d.text else {},
+                        "logprobs": chat_logprobs(self.token_texts, d.logprobs) if req.logprobs else None,
                         "finish_reason": d.finish_reason if d.finished else None}
 
             first = {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -275,6 +295,8 @@ class LLMServer:
             return self._sse(stream, chunk_base, chunk_choice, req.include_usage, first=first)
         out = await self._collect(stream)
         return {**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                                     "logprobs": chat_logprobs(self.token_texts, out.logprobs or [])
+                                     if req.logprobs else None,
                                      "finish_reason": out.finish_reason}],
                 "usage": usage(out), "speculation": speculation_stats(out, self._spec_method)}
 
@@ -311,7 +333,7 @@ class LLMServer:
                             chunk = {**base, "choices": [], "usage": usage(out), "speculation": stats}
                         else:
                             chunk["speculation"] = stats
-                    if not delta.finished and not delta.text:
+                    if not delta.finished and not delta.text and not delta.logprobs:
                         continue  # nothing to say yet (e.g. half a UTF-8 character held back)
                     yield f"data: {json.dumps(chunk)}\n\n"
             except EngineDeadError as exc:

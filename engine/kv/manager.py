@@ -39,7 +39,8 @@ class KVManager:
         """Slots for the request (both pools); returns the tokens served from the prefix cache,
         or None (nothing allocated) when a pool is out of slots or blocks."""
         try:
-            slot, cached = self.target.allocate_slot(request.all_token_ids)
+            # prompt logprobs are computed in prefill: a request asking for them takes nothing from the cache
+            slot, cached = self.target.allocate_slot(request.all_token_ids if request.prompt_logprobs is None else [])
         except OutOfKVCache:
             return None
         draft_slot = None

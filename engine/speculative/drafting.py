@@ -16,7 +16,7 @@ from engine.kv import CachePool
 from engine.model.passes import pass_inputs, width_groups
 from engine.model.transformer import Transformer
 from engine.request import Request
-from engine.sampling import SamplingRows, adjusted_probs, context_mask, draw
+from engine.sampling import Adjustments, SamplingRows, adjusted_probs, draw
 from engine.speculative.costs import CostObserver
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 from engine.uniforms import draw_uniforms
@@ -183,15 +183,17 @@ class _Sampling:
 
     def __init__(self, reqs: list[Request], vocab_size: int, device: torch.device):
         self.reqs = reqs
-        self.rows = SamplingRows.build([r.params for r in reqs], device)
-        self.seen = context_mask([r.all_token_ids for r in reqs], vocab_size, device) \
-            if self.rows.needs_penalty else None
+        params = [r.params for r in reqs]
+        self.rows = SamplingRows.build(params, device)
+        # q is adjusted as p is (sampling.py): the same penalties and bias, over the same context
+        self.adjust = Adjustments.build(self.rows, params, [r.all_token_ids for r in reqs],
+                                        [r.output_token_ids for r in reqs], vocab_size, device)
         self.q_steps: list[torch.Tensor] = []  # [N, V] per step
 
     def draw(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
-        q = adjusted_probs(logits, self.rows, self.seen)  # [N, V]
+        q = adjusted_probs(logits, self.rows, self.adjust)  # [N, V]
         self.q_steps.append(q)
         drawn = draw(q, [r.params for r in self.reqs], [r.random_stream for r in self.reqs], active)  # [N]
-        if self.seen is not None:
-            self.seen.scatter_(1, drawn[:, None], True)
+        if self.adjust is not None:
+            self.adjust.add_tokens(drawn)
         return drawn

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 
 from engine import host_sync
+from engine.logprobs import log_distribution, most_wanted, row_logprob, table
 from engine.request import Request
-from engine.sampling import SamplingRows, adjusted_probs, context_mask, inverse_cdf
+from engine.sampling import Adjustments, SamplingRows, adjusted_probs, inverse_cdf
 from engine.speculative.proposer import Proposal
 from engine.uniforms import draw_uniforms
 
@@ -84,13 +85,18 @@ def verify_greedy(target_argmax: torch.Tensor, draft: torch.Tensor, num_proposed
     return num_accepted, final
 
 
-def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """logits [N, K+1, V] -> (accepted proposals per request, final token per request)."""
+def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor, raw_logits: torch.Tensor | None = None,
+           logprobs_mode: str = "raw") -> tuple[list[int], list[int]]:
+    """logits [N, K+1, V] -> (accepted proposals per request, final token per request). Requests
+    that ask for logprobs get those of their emitted tokens (the accepted proposals and the final
+    token) in pending_logprobs, from the target's distribution at each position (raw_logits: the
+    verify pass's before structured-output masks; default `logits`), read in the same transfer."""
     n, k1, _ = logits.shape
     # one upload: each row's proposals padded to K, then their number
     inputs = host_sync.upload([t + [0] * (k1 - 1 - len(t)) + [len(t)] for t in proposal.tokens], logits.device,
                               torch.int64).view(n, k1)  # [N, K+1]
     draft, num_proposed = inputs[:, :k1 - 1], inputs[:, k1 - 1]  # [N, K], [N]
+    p = None
     if proposal.q is None:  # every row greedy without penalty: compare argmaxes
         num_accepted, final = verify_greedy(logits.argmax(dim=-1), draft, num_proposed)
     else:
@@ -101,22 +107,35 @@ def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor) -> tup
         result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms[:, :k1 - 1])
         num_accepted = result.num_accepted
         final = inverse_cdf(result.final_probs, uniforms.gather(1, num_proposed[:, None])[:, 0])  # [N]
-    both = host_sync.read(torch.stack([num_accepted, final]))  # one transfer: [2, N]
-    return both[0], both[1]
+    k = most_wanted([r.params.logprobs for r in reqs])
+    if k is None:
+        both = host_sync.read(torch.stack([num_accepted, final]))  # one transfer: [2, N]
+        return both[0], both[1]
+    # the token emitted at each position: proposals up to the accepted count, then the final one
+    emitted = torch.cat([draft, draft.new_zeros(n, 1)], dim=1).scatter_(1, num_accepted[:, None], final[:, None])
+    if logprobs_mode == "processed" and p is None:
+        p = _target_probs(reqs, logits, draft, num_proposed)
+    lp = log_distribution((raw_logits if raw_logits is not None else logits).reshape(n * k1, -1),
+                          None if p is None else p.reshape(n * k1, -1), logprobs_mode)  # [N * (K+1), V]
+    rows = table(lp, emitted.reshape(-1), k).view(n, -1)  # [N, (K+1) * (2 + 2k)]
+    values = host_sync.read(torch.cat([torch.stack([num_accepted, final], dim=1).double(), rows], dim=1))
+    width = 2 + 2 * k
+    for r, v in zip(reqs, values):
+        if r.params.logprobs is not None:
+            r.pending_logprobs = [row_logprob(v[2 + j * width:2 + (j + 1) * width], k, r.params.logprobs)
+                                  for j in range(int(v[0]) + 1)]
+    return [int(v[0]) for v in values], [int(v[1]) for v in values]
 
 
 def _target_probs(reqs: list[Request], logits: torch.Tensor, draft: torch.Tensor,
                   num_proposed: torch.Tensor) -> torch.Tensor:
-    """p [N, K+1, V]: each position's adjusted distribution; the repetition penalty at position
-    j also sees proposals t_1..t_j."""
+    """p [N, K+1, V]: each position's adjusted distribution; the penalties at position j also see
+    proposals t_1..t_j (in the context and in the output)."""
     n, k1, vocab = logits.shape
-    rows = SamplingRows.build([r.params for r in reqs], logits.device).repeat_rows(k1)
-    seen = None
-    if rows.needs_penalty:
-        base = context_mask([r.all_token_ids for r in reqs], vocab, logits.device)  # [N, V]
-        grown = torch.zeros(n, k1, vocab, dtype=torch.bool, device=logits.device)  # [N, K+1, V]
-        for j in range(1, k1):
-            grown[:, j] = grown[:, j - 1]
-            grown[torch.arange(n, device=logits.device), j, draft[:, j - 1]] |= num_proposed >= j
-        seen = (grown | base[:, None, :]).reshape(n * k1, vocab)
-    return adjusted_probs(logits.reshape(n * k1, vocab), rows, seen).reshape(n, k1, vocab)
+    params = [r.params for r in reqs]
+    rows = SamplingRows.build(params, logits.device)
+    adjust = Adjustments.build(rows, params, [r.all_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+                               vocab, logits.device)
+    if adjust is not None:
+        adjust = adjust.grown(draft[:, :k1 - 1], num_proposed)
+    return adjusted_probs(logits.reshape(n * k1, vocab), rows.repeat_rows(k1), adjust).reshape(n, k1, vocab)

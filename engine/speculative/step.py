@@ -118,10 +118,10 @@ class SpeculativeDecoder:
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)]
         groups = self._verify_groups([len(c) for c in chunks])
-        logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
+        raw = logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
         if masks is not None:
             logits = mask_logits(logits, masks)
-        num_accepted, finals = accept(reqs, proposal, logits)
+        num_accepted, finals = accept(reqs, proposal, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
         if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
             self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)

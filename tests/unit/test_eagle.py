@@ -559,7 +559,7 @@ def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row
 
     logits = torch.full((2, 64), float("-inf"))  # [N, V]
     logits[:, :32] = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
-    reqs = [SimpleNamespace(grammar=g, params=SamplingParams(temperature=1.0), all_token_ids=[3],
+    reqs = [SimpleNamespace(grammar=g, params=SamplingParams(temperature=1.0), all_token_ids=[3], output_token_ids=[],
                             random_stream=RandomStream(i)) for i, g in enumerate([_AllowOnly([40, 41]), None])]
     observer = SimpleNamespace(observe_draft_steps=lambda *a: None)
     tokens, q = draft_tokens(reqs, [3, 3], logits, True, lambda rows, last: logits[rows], observer)

@@ -24,7 +24,7 @@ import engine.speculative.rejection as accept_module
 from engine import LLM, SamplingParams
 from engine.model.kernels import one_sequence
 from engine.model.token_step import TokenStep
-from engine.sampling import SamplingRows, adjusted_probs, context_mask
+from engine.sampling import Adjustments, SamplingRows, adjusted_probs
 from engine.speculative.proposer import Proposal
 from engine.speculative.rejection import Acceptance, verify
 from tests.helpers import FAMILIES, make_eagle3_head, make_model
@@ -37,6 +37,8 @@ CONFIGS = {
     "t07_topk": dict(temperature=0.7, top_k=6),
     "topp": dict(temperature=1.0, top_p=0.8),
     "rep_penalty": dict(temperature=1.0, repetition_penalty=1.8),
+    "presence_frequency": dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.7),
+    "logit_bias": dict(temperature=1.0, logit_bias={3: 2.5, 8: -4.0, 12: 1.0}),
 }
 
 
@@ -64,15 +66,17 @@ def pair(tmp_path_factory, tok_dir):
     return tpath, dpath, make_pair(tpath, dpath, tok_dir)
 
 
-def exact_marginals(hf, params: SamplingParams, fourth: bool = False) -> tuple[np.ndarray, ...]:
-    """P(2nd token) and P(3rd token) under plain sampling from the target (and P(4th token))."""
+def exact_marginals(hf, params: SamplingParams, fourth: bool = False, joint23: bool = False) -> tuple[np.ndarray, ...]:
+    """P(2nd token) and P(3rd token) under plain sampling from the target (and P(4th token), or the
+    joint P(2nd, 3rd) [V, V])."""
     def probs(prefixes: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor([PROMPT + p for p in prefixes])
         with torch.no_grad():
             logits = hf(input_ids=ids).logits[:, -1].float()
         rows = SamplingRows.build([params] * len(prefixes), "cpu")
-        seen = context_mask([PROMPT + p for p in prefixes], VOCAB, "cpu")
-        return adjusted_probs(logits, rows, seen).double()
+        adjust = Adjustments.build(rows, [params] * len(prefixes), [PROMPT + p for p in prefixes],
+                                   [list(p) for p in prefixes], VOCAB, "cpu")
+        return adjusted_probs(logits, rows, adjust).double()
 
     p1 = probs([[]])[0]  # [V]
     p2_given = probs([[a] for a in range(VOCAB)])  # [V, V]
@@ -80,6 +84,8 @@ def exact_marginals(hf, params: SamplingParams, fourth: bool = False) -> tuple[n
     joint12 = p1[:, None] * p2_given  # [V, V]
     m2 = joint12.sum(0)
     m3 = (joint12[:, :, None] * p3_given).sum((0, 1))
+    if joint23:
+        return m2.numpy(), m3.numpy(), (joint12[:, :, None] * p3_given).sum(0).numpy()
     if not fourth:
         return m2.numpy(), m3.numpy()
     joint123 = (joint12[:, :, None] * p3_given).reshape(-1)  # [V^3], prefixes in product order
@@ -240,3 +246,29 @@ def test_sampled_drafting_in_one_c_call_matches_target_marginals(pair, tmp_path,
     assert 0.05 < sum(o.num_accepted_tokens for o in outs) / sum(o.num_draft_tokens for o in outs) < 0.9
     for column, expected in zip((1, 2, 3), (m2, m3, m4)):
         assert chi2_pvalue(tokens[:, column], expected) > 1e-3
+
+
+def repeat_pvalue(tokens: np.ndarray, joint23: np.ndarray) -> float:
+    """p-value that the 3rd token repeats the 2nd as often as the target's joint says (the event
+    the presence and frequency penalties act on)."""
+    expected = float(np.trace(joint23)) * len(tokens)
+    observed = float((tokens[:, 1] == tokens[:, 2]).sum())
+    return chisquare([observed, len(tokens) - observed], [expected, len(tokens) - expected]).pvalue
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["exact", "teeth"])
+def test_penalties_count_the_rounds_proposals(pair, monkeypatch, blind):
+    """The presence and frequency penalties at verify position j count proposals t_1..t_j: the rate
+    at which the 3rd token repeats the 2nd (a verify round's second position, when its first
+    proposal is accepted) follows the target; a target blind to the round's proposals is rejected."""
+    from engine.sampling import Adjustments
+
+    if blind:
+        grown = Adjustments.grown
+        monkeypatch.setattr(Adjustments, "grown", lambda self, tokens, lengths: grown(self, tokens, 0 * lengths))
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS["presence_frequency"])
+    _, _, joint23 = exact_marginals(hf, params, joint23=True)
+    tokens, _ = sample_speculative(tpath, dpath, params)
+    p = repeat_pvalue(tokens, joint23)
+    assert (p < 1e-3) if blind else (p > 1e-3), p
