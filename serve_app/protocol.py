@@ -119,7 +119,8 @@ class _Common(BaseModel):
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
-            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            max_tokens=next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
+                            default_max_tokens),
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             seed=self.seed, spec_length=self.spec_length, structured_output=self.structured_output(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -186,9 +187,11 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _echo(self):
         if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
-            raise ValueError("max_tokens 0 is only allowed with echo and logprobs (scoring the prompt)")
+            raise APIError(400, "max_tokens: 0 is only allowed with echo and logprobs (scoring the prompt)",
+                           param="max_tokens", code="invalid_value")
         if self.echo and self.stream:
-            raise ValueError("echo with stream is not served; use stream false to score a prompt")
+            raise APIError(400, "echo: not served with stream; use stream false to score a prompt", param="echo",
+                           code="unsupported_parameter")
         return self
 
     @property
@@ -238,7 +241,7 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs true")
+            raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs", code="invalid_value")
         return self
 
     @property

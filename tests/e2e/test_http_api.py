@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from tests.serve_fixture import API_KEY
+from tests.serve_fixture import EXACT_APP as EXACT_MODEL
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
 
@@ -173,6 +174,18 @@ BAD_INPUTS = [
     ("oversized grammar", "/v1/completions", {"prompt": "x", "guided_regex": "a" * 70000}, 400, "guided_regex"),
     ("unknown response_format type", "/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
      400, "response_format"),
+    ("tools (not served: refused, not ignored)", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("logprobs above 20", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "top_logprobs": 2}, 400, "top_logprobs"),
+    ("presence_penalty above 2", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit_bias value above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("logit_bias token out of vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}},
+     400, None),
+    ("echo with stream", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
 ]
 
 
@@ -266,3 +279,40 @@ def test_concurrent_constrained_and_free_requests_under_adaptive_speculation(ser
             assert choice["text"] in ("yes", "no", "maybe later") and choice["finish_reason"] == "stop"
         else:
             assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_logprobs_echo_and_penalties_through_the_openai_client(server):
+    """Completions logprobs (with echo scoring the prompt, max_tokens 0), chat logprobs and
+    top_logprobs, streamed and not; in float32 (/exact) speculation's logprobs equal plain decoding's."""
+    exact = server.exact
+    client = openai.OpenAI(base_url=exact.url + exact.route_prefix + "/v1", api_key=API_KEY)
+    runs = {}
+    for spec_length in (0, None):
+        extra = {} if spec_length is None else {"spec_length": spec_length}
+        comp = client.completions.create(model=EXACT_MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                         logprobs=2, extra_body=extra)
+        lp = comp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+        assert "".join(lp.tokens) == comp.choices[0].text and all(len(t) <= 2 for t in lp.top_logprobs)
+        runs[spec_length] = lp.token_logprobs
+    assert runs[0] == pytest.approx(runs[None], abs=1e-4)
+    scored = client.completions.create(model=EXACT_MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == scored.usage.prompt_tokens and scored.usage.completion_tokens == 0
+    assert all(v <= 0 for v in choice.logprobs.token_logprobs[1:])
+    chat = client.chat.completions.create(model=EXACT_MODEL, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "user", "content": "hello"}])
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    streamed = [c for chunk in client.chat.completions.create(
+        model=EXACT_MODEL, max_tokens=12, temperature=0, logprobs=True, stream=True,
+        messages=[{"role": "user", "content": "hello"}]) if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    penalised = client.completions.create(model=EXACT_MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0)
+    plain = client.completions.create(model=EXACT_MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert penalised.choices[0].text != plain.choices[0].text
