@@ -71,9 +71,9 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None  # text, json_object or json_schema (structured outputs)
     guided_regex: str | None = None  # the output matches this regular expression (as in vLLM)
     guided_choice: list[str] | None = None  # the output is one of these strings (as in vLLM)
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0  # subtracted once per occurrence in the output
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> added to its logit
 
     @model_validator(mode="before")
     @classmethod
@@ -181,8 +181,8 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids; one prompt per request
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: the prompt scored (echo with logprobs), nothing generated
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # each token's logprob and this many top alternatives
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
 
     @model_validator(mode="after")
     def _echo(self):
@@ -235,8 +235,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]  # the conversation, through the checkpoint's chat template
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: bool = False  # each output token's logprob (the target's, also under speculation)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # this many top alternatives per token
 
     @model_validator(mode="after")
     def _top_logprobs(self):
