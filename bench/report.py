@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     RESULTS_PAGE.write_text(_replace_block(page, START, END, build(), RESULTS_PAGE.name))
     readme = README.read_text()
     README.write_text(_replace_block(readme, HEADLINE_START, HEADLINE_END, headline(), README.name))
-    print(f"updated {RESULTS_PAGE.relative_to(ROOT)} and the README's headline table")
+    print(f"updated {RESULTS_PAGE} and the headline table of {README}")
 
 
 if __name__ == "__main__":

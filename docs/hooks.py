@@ -108,7 +108,9 @@ def _type_name(hint) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Table-safe: pipes escaped outside code spans (inside them Python-Markdown does not split)."""
+    parts = text.replace("\n", " ").split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
 
 
 def _default(value) -> str:
