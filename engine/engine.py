@@ -221,7 +221,10 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, shares_prompt_of: str | None = None) -> str:
+        """Queues a request; returns its id. shares_prompt_of: a queued or running request with the
+        same prompt (one of n samples): this one is admitted once that one's prompt is in KV, so
+        with prefix caching it computes only the prompt's last, partial block."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -239,8 +242,13 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(62)
+        first = None
+        if shares_prompt_of is not None:
+            first = self._requests.get(shares_prompt_of)
+            if first is None or first.prompt_token_ids != ids:
+                raise ValueError(f"shares_prompt_of {shares_prompt_of!r} is not a request with the same prompt")
         req = Request(request_id, ids, params, RandomStream(seed), IncrementalText(self.tokenizer, params.stop),
-                      grammar=self._grammar(params))
+                      grammar=self._grammar(params), shares_prompt_of=first)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id

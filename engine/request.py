@@ -67,6 +67,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per output token
     pending_logprobs: list[TokenLogprob] | None = None  # this step's, for the tokens it emits (in order)
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # with params.prompt_logprobs: by prompt position >= 1
+    shares_prompt_of: Request | None = None  # admitted once that one's prompt is in KV (read from the prefix cache)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

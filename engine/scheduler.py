@@ -99,6 +99,8 @@ class Scheduler:
         headroom = self.decode_tokens() * len(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
+            if self._prompt_pending(req):
+                break  # its sibling's prompt is still being computed: it will read it from the prefix cache
             cached = self.kv.allocate(req)
             if cached is None:
                 break
@@ -115,6 +117,13 @@ class Scheduler:
             if taken == 0:
                 break
             budget -= taken
+
+    def _prompt_pending(self, req: Request) -> bool:
+        """Whether the request whose prompt `req` shares (n > 1) is queued or still prefilling."""
+        first = req.shares_prompt_of
+        if first is None or first.is_finished:
+            return False
+        return first.status is RequestStatus.WAITING or self.is_prefilling(first)
 
     def _schedule_chunk(self, req: Request, budget: int, batch: ScheduledBatch) -> int:
         chunk = min(req.num_prefill_tokens - self.kv.computed(req), budget)

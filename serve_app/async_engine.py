@@ -115,19 +115,35 @@ class AsyncLLMEngine:
         """Queues a request and returns its stream. Raises ValueError for bad input and
         EngineOverloadedError when the engine's waiting queue is full. With `chat`, the prompt
         is built from the messages by the tokenizer's chat template (prompt is ignored)."""
-        loop = asyncio.get_running_loop()
-        queue_: asyncio.Queue = asyncio.Queue()
+        return (await self.add_samples(prompt, [params], request_id, chat))[0]
 
-        def add(engine: LLMEngine) -> str:
-            if self.max_waiting_requests is not None and engine.num_waiting() >= self.max_waiting_requests:
+    async def add_samples(self, prompt: Prompt, params: list[SamplingParams], request_id: str | None = None,
+                          chat: list[dict] | None = None) -> list[RequestStream]:
+        """`add` for len(params) samples of one prompt (OpenAI's n), queued together or not at all:
+        the first computes the prompt, the others read it from the prefix cache once it is in KV."""
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in params]
+
+        def add(engine: LLMEngine) -> list[str]:
+            if self.max_waiting_requests is not None and engine.num_waiting() + len(params) > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the engine has {engine.num_waiting()} requests waiting (limit {self.max_waiting_requests})")
             ids = engine.tokenizer.apply_chat_template(chat) if chat is not None else prompt
-            rid = engine.add_request(ids, params, request_id)
-            self._streams[rid] = (loop, queue_)
-            return rid
+            added: list[str] = []
+            try:
+                for i, p in enumerate(params):
+                    rid = None if request_id is None else (request_id if i == 0 else f"{request_id}-{i}")
+                    added.append(engine.add_request(ids, p, rid, shares_prompt_of=added[0] if added else None))
+            except Exception:
+                for rid in added:
+                    engine.abort(rid)
+                    engine.release(rid)
+                raise
+            for rid, q in zip(added, queues):
+                self._streams[rid] = (loop, q)
+            return added
 
-        return RequestStream(self, await self.call(add), queue_)
+        return [RequestStream(self, rid, q) for rid, q in zip(await self.call(add), queues)]
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncGenerator[StreamDelta, None]:

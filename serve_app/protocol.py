@@ -55,7 +55,7 @@ class _Common(BaseModel):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # max_tokens by OpenAI's newer name (wins over it)
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: int = 1  # choices per request: only 1
+    n: int = 1  # choices per request (each its own sample; the server's max_n caps it)
     stream: bool = False  # answer as server-sent events, then data: [DONE]
     stream_options: StreamOptions | None = None  # include_usage: one more chunk at the end with the usage
     stop: str | list[str] | None = None
@@ -98,9 +98,9 @@ class _Common(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("n must be >= 1")
         return v
 
     @field_validator("stop")

@@ -9,6 +9,8 @@ request to a replica below `max_ongoing_requests` and queues up to `max_queued_r
 """
 
 
+import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -100,29 +102,33 @@ def _threads_for_replica(requested: int | None) -> int:
     return max(1, math.ceil(cpus))
 
 
-def speculation_stats(out: RequestOutput, method: str | None) -> dict:
-    rounds = out.num_spec_rounds
+def speculation_stats(outs: list[RequestOutput], method: str | None) -> dict:
+    """The extension field: speculation over the request's choices, summed."""
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    rounds = sum(o.num_spec_rounds for o in outs)
     return {
         "method": method,
-        "acceptance_rate": out.acceptance_rate,
-        "draft_tokens": out.num_draft_tokens,
-        "accepted_tokens": out.num_accepted_tokens,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
         "rounds": rounds,
-        "mean_accepted_length": (out.num_accepted_tokens / rounds) if rounds else None,
-        "proposers": out.proposers,
+        "mean_accepted_length": (accepted / rounds) if rounds else None,
+        "proposers": sorted({p for o in outs for p in o.proposers}),
     }
 
 
-def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+def usage(outs: list[RequestOutput]) -> dict:
+    """The prompt counted once (its samples share it), every choice's completion."""
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @serve.deployment(name="LLMServer")
 @serve.ingress(app)
 class LLMServer:
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
-                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64):
+                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64, max_n: int = 16):
         bound_kernel_caches()  # before any model runs in this replica process
         engine = with_embedded_defaults(engine or {})  # no model: the embedded target and its head, speculation on
         engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
@@ -130,6 +136,7 @@ class LLMServer:
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
         self.config = self.engine.config
         self.model_name = served_model_name
+        self.max_n = max_n
         self.token_texts = TokenTexts(self.engine.engine.tokenizer)  # logprobs' token strings
         self.api_key = os.environ.get(api_key_env) or None
         self.created = int(time.time())
@@ -197,7 +204,13 @@ class LLMServer:
             request_id = f"{FAULT_PREFIX if req.user == FAULT_USER else DEVICE_FAULT_PREFIX}{uuid.uuid4().hex}"
         try:
             params = req.sampling_params(default_max_tokens)
-            return await self.engine.add(prompt, params, request_id=request_id, chat=chat)
+            if req.n > self.max_n:
+                raise APIError(400, f"n: at most {self.max_n} choices per request (max_n), got {req.n}", param="n",
+                               code="invalid_value")
+            # each choice its own seeded stream: seed + i when a seed is given
+            samples = [params if i == 0 else dataclasses.replace(
+                params, seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(req.n)]
+            return await self.engine.add_samples(prompt, samples, request_id=request_id, chat=chat)
         except GrammarError as exc:
             raise APIError(400, f"{req.grammar_param}: {exc}", param=req.grammar_param, code="invalid_value") from None
         except ValueError as exc:
@@ -241,64 +254,64 @@ class LLMServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        """OpenAI completions: one prompt (text or token ids), streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, CompletionRequest)
-        stream = await self._start(req, req.prompt, None, 16)
+        streams = await self._start(req, req.prompt, None, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
-        def choice(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        def choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if req.stream:
-            offset = [0]  # characters streamed so far: each chunk's text_offset continues from there
+            offsets = [0] * len(streams)  # characters streamed so far per choice: text_offset continues there
 
-            def chunk_choice(d: StreamDelta) -> dict:
+            def chunk_choice(index: int, d: StreamDelta) -> dict:
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(self.token_texts, d.logprobs, offset[0])
-                offset[0] += len(d.text)
-                return choice(d.text, d.finish_reason if d.finished else None, logprobs)
+                    logprobs = completion_logprobs(self.token_texts, d.logprobs, offsets[index])
+                offsets[index] += len(d.text)
+                return choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
 
-            return self._sse(stream, base, chunk_choice, req.include_usage)
-        out = await self._collect(stream)
-        text, logprobs = out.text, None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(self.token_texts, out.logprobs or [])
-        if req.echo:
-            prompt = req.prompt if isinstance(req.prompt, str) else self.engine.engine.tokenizer.decode(req.prompt)
-            text = prompt + text
-            if logprobs is not None:
-                logprobs = join(prompt_completion_logprobs(self.token_texts, out.prompt_token_ids,
-                                                           (out.prompt_logprobs or [None])[1:]), logprobs)
-        return {**base, "choices": [choice(text, out.finish_reason, logprobs)], "usage": usage(out),
-                "speculation": speculation_stats(out, self._spec_method)}
+            return self._sse(streams, base, chunk_choice, req.include_usage)
+        outs = await self._collect_all(streams)
+        choices = []
+        for index, out in enumerate(outs):
+            text, logprobs = out.text, None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(self.token_texts, out.logprobs or [])
+            if req.echo:
+                prompt = req.prompt if isinstance(req.prompt, str) else self.engine.engine.tokenizer.decode(req.prompt)
+                text = prompt + text
+                if logprobs is not None:
+                    logprobs = join(prompt_completion_logprobs(self.token_texts, out.prompt_token_ids,
+                                                               (out.prompt_logprobs or [None])[1:]), logprobs)
+            choices.append(choice(index, text, out.finish_reason, logprobs))
+        return {**base, "choices": choices, "usage": usage(outs), "speculation": speculation_stats(outs, self._spec_method)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        stream = await self._start(req, None, messages, self._default_chat_max_tokens())
+        streams = await self._start(req, None, messages, self._default_chat_max_tokens())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         if req.stream:
             chunk_base = {**base, "object": "chat.completion.chunk"}
 
-            def chunk_choice(d: StreamDelta) -> dict:
-                return {"index": 0, "delta": {"content": d.text} if d.text else {},
+            def chunk_choice(index: int, d: StreamDelta) -> dict:
+                return {"index": index, "delta": {"content": d.text} if d.text else {},
                         "logprobs": chat_logprobs(self.token_texts, d.logprobs) if req.logprobs else None,
                         "finish_reason": d.finish_reason if d.finished else None}
 
-            first = {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None}]}
-            return self._sse(stream, chunk_base, chunk_choice, req.include_usage, first=first)
-        out = await self._collect(stream)
-        return {**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+            first = {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None} for i in range(len(streams))]}
+            return self._sse(streams, chunk_base, chunk_choice, req.include_usage, first=first)
+        outs = await self._collect_all(streams)
+        return {**base, "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                                      "logprobs": chat_logprobs(self.token_texts, out.logprobs or [])
                                      if req.logprobs else None,
-                                     "finish_reason": out.finish_reason}],
-                "usage": usage(out), "speculation": speculation_stats(out, self._spec_method)}
+                                     "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
+                "usage": usage(outs), "speculation": speculation_stats(outs, self._spec_method)}
 
     # --- response bodies ---------------------------------------------------------------
     async def _collect(self, stream) -> RequestOutput:
@@ -314,32 +327,75 @@ class LLMServer:
             await stream.aclose()
         raise APIError(500, "stream ended without a final output")
 
-    def _sse(self, stream, base: dict, make_choice, include_usage: bool, first: dict | None = None):
+    async def _collect_all(self, streams: list) -> list[RequestOutput]:
+        """Every choice's final output; the first failure is raised once all have ended."""
+        results = await asyncio.gather(*(self._collect(s) for s in streams), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)
+
+    def _sse(self, streams: list, base: dict, make_choice, include_usage: bool, first: dict | None = None):
+        """Server-sent events over the choices' streams, interleaved as their deltas come:
+        make_choice(index, delta); the speculation stats (and the usage, when asked) after the last."""
+        async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
+            queue_: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index: int, stream) -> None:
+                try:
+                    async for delta in stream:
+                        await queue_.put((index, delta))
+                except BaseException as exc:  # an engine error reaches the client as an event
+                    await queue_.put((index, exc))
+                finally:
+                    await queue_.put((index, None))
+
+            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+            try:
+                open_ = len(streams)
+                while open_:
+                    index, item = await queue_.get()
+                    if item is None:
+                        open_ -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield index, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for s in streams:
+                    await s.aclose()
+
         async def events() -> AsyncIterator[str]:
+            outs: list[RequestOutput | None] = [None] * len(streams)
+            deltas = merged()
             try:
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
-                async for delta in stream:
+                async for index, delta in deltas:
                     if delta.finished and delta.finish_reason == "error":
                         err = APIError(500, f"generation failed: {delta.output.error if delta.output else ''}")
                         yield f"data: {json.dumps(err.body())}\n\n"
                         break
-                    chunk = {**base, "choices": [make_choice(delta)]}
                     if delta.finished:
-                        out = delta.output
-                        stats = speculation_stats(out, self._spec_method)
+                        outs[index] = delta.output
+                    elif not delta.text and not delta.logprobs:
+                        continue  # nothing to say yet (e.g. half a UTF-8 character held back)
+                    chunk = {**base, "choices": [make_choice(index, delta)]}
+                    if all(o is not None for o in outs):  # the last choice ended: the stats go with it
+                        done = [o for o in outs if o is not None]
+                        stats = speculation_stats(done, self._spec_method)
                         if include_usage:
                             yield f"data: {json.dumps(chunk)}\n\n"
-                            chunk = {**base, "choices": [], "usage": usage(out), "speculation": stats}
+                            chunk = {**base, "choices": [], "usage": usage(done), "speculation": stats}
                         else:
                             chunk["speculation"] = stats
-                    if not delta.finished and not delta.text and not delta.logprobs:
-                        continue  # nothing to say yet (e.g. half a UTF-8 character held back)
                     yield f"data: {json.dumps(chunk)}\n\n"
             except EngineDeadError as exc:
                 yield f"data: {json.dumps(APIError(503, f'engine unavailable: {exc}').body())}\n\n"
             finally:
-                await stream.aclose()
+                await deltas.aclose()  # a client gone or an error: every choice's request is aborted
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",

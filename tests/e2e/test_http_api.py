@@ -152,7 +152,8 @@ BAD_INPUTS = [
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("prompt + max_tokens too long", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, None),
-    ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("n = 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n above max_n", "/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
     ("top_k below -1", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("token id out of vocabulary", "/v1/completions", {"prompt": [1, 10**9]}, 400, None),
@@ -316,3 +317,38 @@ def test_logprobs_echo_and_penalties_through_the_openai_client(server):
                                           frequency_penalty=2.0, presence_penalty=2.0)
     plain = client.completions.create(model=EXACT_MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
     assert penalised.choices[0].text != plain.choices[0].text
+
+
+def test_n_choices_are_distinct_samples_reproducible_by_seed_and_stream_by_index(server):
+    """n samples of one prompt; a seeded request repeats them (spec_length 0: under adaptive
+    speculation the K chosen, and so the draws a sample consumes, depend on timing)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    plain = {"spec_length": 0}
+
+    def four(seed=None):
+        return client.completions.create(model="specserve-default", prompt=PROMPTS[0], max_tokens=16, temperature=1.0,
+                                         n=4, seed=seed, extra_body=plain)
+
+    first = four(seed=11)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert len(set(texts)) == 4  # four samples, not one repeated
+    assert [c.text for c in sorted(four(seed=11).choices, key=lambda c: c.index)] == texts
+    lengths = [len(c.text) for c in first.choices]
+    assert first.usage.completion_tokens >= 4 and first.usage.prompt_tokens < first.usage.completion_tokens + 64
+    assert min(lengths) > 0
+    pieces: dict[int, str] = {}
+    finished = set()
+    last = None
+    for chunk in client.chat.completions.create(model="specserve-default", max_tokens=12, temperature=1.0, n=2,
+                                                 seed=5, stream=True, stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "hello"}], extra_body=plain):
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+        last = chunk
+    assert finished == {0, 1} and last.usage is not None and last.usage.completion_tokens > 0
+    whole = client.chat.completions.create(model="specserve-default", max_tokens=12, temperature=1.0, n=2, seed=5,
+                                           messages=[{"role": "user", "content": "hello"}], extra_body=plain)
+    assert [pieces[i] for i in (0, 1)] == [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)]

@@ -358,3 +358,22 @@ def test_the_embedded_target_speculates_with_its_head_unless_the_draft_method_is
     assert spec(speculative_method="hybrid").draft_model == "embedded:eagle3"
     assert spec(speculative_method="draft", draft_model="/my/draft").draft_model == "/my/draft"
     assert spec(model="/my/target").draft_model is None  # a model given: no embedded proposer
+
+
+def test_samples_of_one_prompt_read_it_from_the_prefix_cache(tiny_model):
+    """A request sharing another's prompt (OpenAI's n) is admitted once that prompt is in KV and
+    computes only its last, partial block; a mismatched prompt is refused."""
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, block_size=4, enable_prefix_caching=True)
+    eng = llm.engine
+    prompt = list(range(5, 23))  # 18 tokens: four full blocks of 4, then 2
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    first = eng.add_request(prompt, params)
+    others = [eng.add_request(prompt, SamplingParams(**{**vars(params), "seed": i}), shares_prompt_of=first)
+              for i in range(2)]
+    eng.step()
+    assert [eng.request(r).status.value for r in [first, *others]] == ["running", "waiting", "waiting"]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [eng.get_output(r).num_cached_prompt_tokens for r in others] == [16, 16]
+    with pytest.raises(ValueError, match="shares_prompt_of"):
+        eng.add_request(prompt[:-1], params, shares_prompt_of=first)
