@@ -31,4 +31,4 @@ lint: $(STAMP)
 
 # The documentation site on http://127.0.0.1:8001, rebuilt on every edit (8000 is the server's port).
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --no-strict --dev-addr 127.0.0.1:8001  # strict: mkdocs build (tests/docs)

@@ -2,10 +2,12 @@
 dashboards/build.py, its queries evaluated over the last minutes, in the dashboard's 2-column grid.
 
     python -m dashboards.render --prometheus http://127.0.0.1:9090 --minutes 15 --out dashboard.png
+    python -m dashboards.render --record --out docs/deployment/dashboard.png   # ~7 minutes on 2 cores
 
-The documentation's picture of the dashboard (docs/deployment/dashboard.png) is drawn this way from
-a real run: `serve run serve_config.yaml`, Prometheus with dashboards/prometheus.yml, and the
-benchmark's client (guidellm) at rising concurrency.
+--record makes the documentation's picture from a real run: `serve run serve_config.yaml` on a free
+loopback port, Prometheus (127.0.0.1:9090) with dashboards/prometheus.yml, and the benchmark's client
+(guidellm, as `python -m bench serve` runs it) at 1, 4, 16 and 32 concurrent streams of 128-token
+greedy completions of the code prompts; then every panel over the run.
 """
 
 from __future__ import annotations
@@ -76,6 +78,47 @@ def render(prometheus: str, start: float, end: float, out: str, rate_interval: s
     return drawn
 
 
+LEVELS = ((1, 60), (4, 160), (16, 400), (32, 640))  # (concurrent streams, requests)
+
+
+def record(out: str) -> int:
+    """The run described in the module docstring; returns the series drawn."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from bench.serve import WORKERS_ENV, guidellm_command
+    from bench.workloads import load_prompts
+    from serve_app.local_run import REPO, local_server
+
+    work = Path(tempfile.mkdtemp(prefix="dashboard-"))
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": 128}) + "\n"
+                            for p in load_prompts("code") * 60))
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    with local_server(config, work / "serve") as server, open(work / "prometheus.log", "w") as log:
+        prom = subprocess.Popen(["prometheus", f"--config.file={REPO / 'dashboards' / 'prometheus.yml'}",
+                                 "--web.listen-address=127.0.0.1:9090", f"--storage.tsdb.path={work / 'tsdb'}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            start = time.time()
+            time.sleep(15)  # a few scrapes of the idle server first
+            for streams, requests in LEVELS:
+                cmd = guidellm_command(server.url, config["applications"][0]["args"]["served_model_name"], streams,
+                                       requests, data, work / f"c{streams}.json", {"ttft_ms": 1500.0, "tpot_ms": 25.0})
+                subprocess.run(cmd, env={**os.environ, **WORKERS_ENV}, check=True, capture_output=True, timeout=600)
+                print(f"{streams} streams done", flush=True)
+            time.sleep(15)
+            return render("http://127.0.0.1:9090", start, time.time(), out)
+        finally:
+            prom.terminate()
+            prom.wait(timeout=30)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dashboards.render", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,7 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--end", type=float, help="the window's end, a Unix time (default: now)")
     ap.add_argument("--rate-interval", default="30s", help="what Grafana's $__rate_interval becomes")
     ap.add_argument("--out", default="dashboard.png")
+    ap.add_argument("--record", action="store_true", help="run the server under load first (see above)")
     args = ap.parse_args(argv)
+    if args.record:
+        print(f"wrote {args.out}: {record(args.out)} series")
+        return
     end = args.end or time.time()
     drawn = render(args.prometheus, end - 60 * args.minutes, end, args.out, args.rate_interval)
     print(f"wrote {args.out}: {drawn} series")

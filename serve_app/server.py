@@ -254,6 +254,7 @@ class LLMServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        """OpenAI completions: one prompt (text or token ids), streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, CompletionRequest)
         streams = await self._start(req, req.prompt, None, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -290,6 +291,7 @@ class LLMServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         streams = await self._start(req, None, messages, self._default_chat_max_tokens())
