@@ -8,8 +8,12 @@ a marker run in-process, the blocks of one page in order in one namespace.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,3 +51,24 @@ def hooks():
     spec.loader.exec_module(module)
     module._on_path()
     return module
+
+
+def run(blocks: list[Example], replace: dict[str, str] | None = None) -> None:
+    """Runs one page's examples in order in one module (pydantic and dataclasses look their
+    annotations up in the module); each must print something. AssertionError names the block."""
+    module = types.ModuleType("docs_example")
+    sys.modules[module.__name__] = module
+    try:
+        for e in blocks:
+            code = e.code
+            for old, new in (replace or {}).items():
+                code = code.replace(old, new)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    exec(compile(code, f"{e.page}:{e.line}", "exec"), module.__dict__)
+                except Exception as exc:
+                    raise AssertionError(f"{e.page}:{e.line}: the example raised {exc!r}\n{e.code}") from exc
+            assert out.getvalue().strip(), f"{e.page}:{e.line}: the example printed nothing"
+    finally:
+        del sys.modules[module.__name__]

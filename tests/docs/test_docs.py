@@ -4,16 +4,14 @@ route and metric, and its Python examples run (see tests/docs/pages.py for the m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.docs.pages import KINDS, REPO, examples, hooks, pages
+from tests.docs.pages import KINDS, REPO, examples, hooks, pages, run
 
 CONFIG = ("EngineConfig", "SpecConfig", "ModelPlan", "SamplingParams")
 
@@ -133,12 +131,4 @@ def test_gpu_examples_compile():
 @pytest.mark.parametrize("page,blocks", [(p, b) for p, b in LOCAL if b],
                          ids=[p.relative_to(REPO).as_posix() for p, b in LOCAL if b])
 def test_python_examples_run(page, blocks):
-    namespace: dict = {"__name__": "__docs_example__"}
-    for e in blocks:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            try:
-                exec(compile(e.code, f"{e.page}:{e.line}", "exec"), namespace)
-            except Exception as exc:
-                pytest.fail(f"{e.page}:{e.line}: the example raised {exc!r}\n{e.code}")
-        assert out.getvalue().strip(), f"{e.page}:{e.line}: the example printed nothing"
+    run(blocks)
