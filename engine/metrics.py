@@ -1,6 +1,6 @@
 """Every exported metric as data (`METRICS`: name, type, labels, unit, help), and `StepMetrics`,
 which turns a step's StepResult into updates of any `Recorder`. The exporter (serve_app), the
-README table, the dashboard and the tests are all checked against `METRICS`.
+documentation's metrics table (generated), the dashboard and the tests are all checked against `METRICS`.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def card(f: dict, log: list[dict], config: dict) -> str:
     last = [r for r in log if "val_agree" in r][-1] if any("val_agree" in r for r in log) else {}
     lines = ["# EAGLE-3 head for the embedded target", "",
              "A one-layer EAGLE-3 draft head trained for `models/target`, in the layout published for EAGLE-3 heads "
-             "(README, \"EAGLE-3 heads\"): it reads the inputs of target layers "
+             "(docs/speculative/eagle3-heads.md): it reads the inputs of target layers "
              f"{config['eagle_config']['eagle_aux_hidden_state_layer_ids']} and the embedding of the next token "
              "(shared with the target) and proposes over "
              f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens.", "",

@@ -6,7 +6,7 @@ separately, feeds both side by side (2H) to attention, keeps the hidden state as
 the MLP, and returns the pre-norm output (fed back as the next step's hidden state) and, through
 `norm` and `lm_head`, logits over the draft vocabulary, mapped to target ids by d2t.
 
-Two published checkpoint layouts are read (README, "EAGLE-3 heads"):
+Two published checkpoint layouts are read (docs/speculative/eagle3-heads.md):
 - the EAGLE authors' (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; vLLM's and SGLang's
   llama_eagle3.py): config.json is the layer's Llama config with an architecture naming Eagle3,
   `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; the layer's tensors

@@ -162,8 +162,8 @@ def figures_section(f: dict) -> list[str]:
             f"| {f['alpha_per_token']:.3f} | {f['alpha_greedy_k5']:.3f} ({f['accepted']} of {f['drafted']}) | "
             f"{f['draft_ms_per_token']:.3f} | {f['target_ms_per_token']:.3f} | {f['c']:.3f} | {f['c_min']:.3f} to "
             f"{f['c_max']:.3f} | {_theory(f):.2f}x |", "",
-            "c depends on the host and on the forward plan the engine measures there (see the README's "
-            "\"Forward plan\"); α does not depend on the host beyond rounding.", "",
+            "c depends on the host and on the forward plan the engine measures there (see "
+            "docs/deployment/cpus.md, \"The forward plan\"); α does not depend on the host beyond rounding.", "",
             "Measured by `tools/pair/card.py` (raw numbers in `measurements.json`; "
             "`python tools/pair/card.py` re-measures and rewrites this section).", ""]
 
