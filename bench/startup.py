@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,7 @@ def time_llm(tree: Path, cache: Path) -> dict:
 
 def time_serve(tree: Path, cache: Path, work: Path) -> dict:
     """Seconds from `serve run` to the first answered completion."""
-    from serve_app.local_run import free_port, ray_env, ray_stop, serve_bin
+    from serve_app.local_run import free_port, ray_env, ray_stop, serve_bin, stop_serve_run
 
     config = yaml.safe_load((tree / "serve_config.yaml").read_text())
     port = free_port()
@@ -92,12 +91,7 @@ def time_serve(tree: Path, cache: Path, work: Path) -> dict:
                 raise TimeoutError(f"no answer within 900 s; log: {log_path}")
             time.sleep(0.25)  # polling a child process's readiness, bounded above
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        ray_stop()
+        stop_serve_run(proc)
 
 
 def _wait_for_calibration(cache: Path, timeout_s: float = 300) -> bool | None:

@@ -83,9 +83,15 @@ def local_server(config: dict, work: Path, start_timeout_s: float = 300) -> Iter
             time.sleep(0.2)  # polling a child process's readiness, bounded by the deadline above
         yield server
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        ray_stop()
+        stop_serve_run(proc)
+
+
+def stop_serve_run(proc: subprocess.Popen) -> None:
+    """Interrupts a `serve run` started in its own process group (killed if it has not stopped
+    within a minute) and stops the Ray cluster it started."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    ray_stop()

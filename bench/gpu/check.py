@@ -49,6 +49,11 @@ class Context:
         """`full` on the real run, `smoke` on the smoke run."""
         return smoke if self.smoke else full
 
+    @property
+    def dtype(self) -> str:
+        """The speed sections' model dtype: bf16 on a GPU, float32 on CPU (any CPU runs it)."""
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
     def log(self, message: str) -> None:
         print(f"[{time.perf_counter() - self.started:6.1f}s] {message}", flush=True)
 

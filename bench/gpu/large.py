@@ -9,7 +9,7 @@ import torch
 from bench.common import theoretical
 from bench.gpu.check import Context
 from bench.gpu.decode import median_of, random_prompts, timed_generate
-from bench.gpu.weights import LLAMA_3_1_8B, SMOKE_8B, RandomTensors, checkpoint_dir, prefix_draft, weights_in_memory
+from bench.gpu.weights import LLAMA_3_1_8B, SMOKE_8B, RandomTensors, target_and_prefix_draft, weights_in_memory
 from engine import LLM, SamplingParams
 
 K = 4
@@ -17,18 +17,15 @@ DRAFT_LAYERS = 2
 
 
 def run(ctx: Context, out: dict) -> None:
-    cuda = ctx.device.startswith("cuda")
     config = ctx.size(LLAMA_3_1_8B, SMOKE_8B)
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = ctx.dtype
     work = ctx.work / "llama_8b"
     tensors = RandomTensors(config, getattr(torch, dtype), ctx.device)
-    target = checkpoint_dir(work / "target", config)
-    draft_config, draft_tensors = prefix_draft(config, tensors, DRAFT_LAYERS)
-    draft = checkpoint_dir(work / "draft", draft_config, tokenizer_from=target)
+    target, draft, store = target_and_prefix_draft(work, config, tensors, DRAFT_LAYERS)
     new = ctx.size(64, 8)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     prompts = random_prompts(1, 32, config["vocab_size"], seed=1)
-    with weights_in_memory({str(target): tensors, str(draft): draft_tensors}):
+    with weights_in_memory(store):
         plain = LLM(**ctx.engine_kwargs(1, 512, model=str(target), dtype=dtype))
         weights_gb = plain.engine.model.num_parameters * plain.engine.model.dtype.itemsize / 1e9
         ctx.log(f"8B shape loaded: {weights_gb:.1f} GB of weights")

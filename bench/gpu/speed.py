@@ -22,7 +22,7 @@ from bench.gpu.weights import (
     checkpoint_dir,
     hf_model,
     hf_tensors,
-    prefix_draft,
+    target_and_prefix_draft,
     weights_in_memory,
 )
 from engine import LLM, SamplingParams
@@ -32,17 +32,14 @@ DRAFT_LAYERS = 2
 
 
 def run(ctx: Context, out: dict) -> None:
-    cuda = ctx.device.startswith("cuda")
     config = ctx.size(LLAMA_3_2_1B, SMOKE_1B)
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = ctx.dtype
     work = ctx.work / "llama_1b"
     hf = hf_model(config, getattr(torch, dtype), ctx.device)
     tensors = hf_tensors(hf)
-    target = checkpoint_dir(work / "target", config)
-    draft_config, draft_tensors = prefix_draft(config, tensors, DRAFT_LAYERS)
-    draft = checkpoint_dir(work / "draft", draft_config, tokenizer_from=target)
-    same = checkpoint_dir(work / "same", config, tokenizer_from=target)
-    store = {str(target): tensors, str(draft): draft_tensors, str(same): tensors}
+    target, draft, store = target_and_prefix_draft(work, config, tensors, DRAFT_LAYERS)
+    same = checkpoint_dir(work / "same", config, tokenizer_from=target)  # the identical draft
+    store[str(same)] = tensors
     out.update(config={k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, dtype=dtype,
                draft_layers=DRAFT_LAYERS, k=K)
     with weights_in_memory(store):

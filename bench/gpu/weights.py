@@ -127,6 +127,16 @@ def checkpoint_dir(path: Path, config: dict, tokenizer_from: Path | None = None)
     return path
 
 
+def target_and_prefix_draft(work: Path, config: dict, tensors: Mapping[str, torch.Tensor],
+                            draft_layers: int) -> tuple[Path, Path, Store]:
+    """Checkpoint directories for a target of `config` and its prefix draft (its first
+    `draft_layers` layers), and the store that serves both from `tensors`."""
+    target = checkpoint_dir(work / "target", config)
+    draft_config, draft_tensors = prefix_draft(config, tensors, draft_layers)
+    draft = checkpoint_dir(work / "draft", draft_config, tokenizer_from=target)
+    return target, draft, {str(target): tensors, str(draft): draft_tensors}
+
+
 @contextlib.contextmanager
 def weights_in_memory(store: Store) -> Iterator[None]:
     """While open, the engine's loader reads the checkpoints in `store` from memory (other
