@@ -163,14 +163,10 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, logits)
 
 
-def adjusted_logits(logits: torch.Tensor, rows: SamplingRows, adjust: Adjustments | torch.Tensor | None
-                    ) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, rows: SamplingRows, adjust: Adjustments | None) -> torch.Tensor:
     """logits [N, V] -> float32 [N, V] with logit_bias, the repetition penalty and the presence and
-    frequency penalties applied (adjust: an Adjustments, or the repetition penalty's presence
-    mask alone)."""
+    frequency penalties applied."""
     logits = logits.float()
-    if isinstance(adjust, torch.Tensor):
-        adjust = Adjustments(seen=adjust)
     if adjust is None:
         return logits
     if rows.needs_bias and adjust.bias is not None:
@@ -182,7 +178,7 @@ def adjusted_logits(logits: torch.Tensor, rows: SamplingRows, adjust: Adjustment
     return logits
 
 
-def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, adjust: Adjustments | torch.Tensor | None) -> torch.Tensor:
+def adjusted_probs(logits: torch.Tensor, rows: SamplingRows, adjust: Adjustments | None) -> torch.Tensor:
     """logits [N, V] (any float dtype) -> probabilities [N, V] float32 each row sums to 1.
 
     adjust: what shifts the logits first (adjusted_logits; None when no row uses any). Greedy

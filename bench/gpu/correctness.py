@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelPlan
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
-from engine.sampling import SamplingRows, adjusted_probs, context_mask
+from engine.sampling import Adjustments, SamplingRows, adjusted_probs
 from tests.helpers import make_eagle3_head, make_model, make_tokenizer
 
 METHODS = ("ngram", "draft", "eagle", "hybrid")
@@ -154,8 +154,9 @@ def exact_marginals(hf, params: SamplingParams) -> tuple[torch.Tensor, torch.Ten
         with torch.no_grad():
             logits = hf(input_ids=ids).logits[:, -1].float()
         rows = SamplingRows.build([params] * len(prefixes), "cpu")
-        seen = context_mask([PROMPT + p for p in prefixes], VOCAB, "cpu")
-        return adjusted_probs(logits, rows, seen).double()
+        adjust = Adjustments.build(rows, [params] * len(prefixes), [PROMPT + p for p in prefixes],
+                                   [list(p) for p in prefixes], VOCAB, "cpu")
+        return adjusted_probs(logits, rows, adjust).double()
 
     p1 = probs([[]])[0]
     joint12 = p1[:, None] * probs([[a] for a in range(VOCAB)])  # [V, V]
