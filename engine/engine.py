@@ -310,8 +310,6 @@ class LLMEngine:
         if self.speculation is not None and batch.decode and not batch.prefill \
                 and not any(o.finished for o in result.outputs):  # finishing costs the same at any K
             self.speculation.observe_step(decoded, phases)
-            if self.speculation.calibration is not None:
-                self.speculation.calibration.maybe_save()
         return result.outputs
 
     def _append_all(self, new_tokens: list[tuple[Request, list[int]]]) -> list[StepOutput]:

@@ -2,8 +2,8 @@
 torch, device, both models' shapes and plans, pool shape, the widest round, the largest batch) was
 measured before, else measured at batch 1 and the largest batch (a server measures batch 1 at start and the largest batch
 when it is first idle, decoding plainly beyond batch 1 until then).
-The running engine's own observations refine the table, and it is written back now and then, so
-the next start reads what the last one learnt.
+The running engine's own observations refine the table in memory only: a table learnt under
+transient load (another replica starting, a burst) must not price the next start's choices.
 
 Cache: `$SPECSERVE_CACHE/costs/<fingerprint>.json` (default `~/.cache/specserve/costs/`); delete
 the folder to re-measure. A missing, corrupt or mismatched file is re-measured with a warning.
@@ -30,7 +30,6 @@ from engine.speculative.costs import CALIBRATION_CONTEXT, MeasuredCosts, calibra
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # part of the fingerprint: bump when what calibration measures changes
-SAVE_EVERY_S = 300.0  # the running engine writes its refined table back at most this often
 
 
 def cache_dir() -> Path:
@@ -58,7 +57,7 @@ def fingerprint(target: Transformer, draft: Transformer | None, pool: CachePool,
 
 class Calibration:
     """One engine's calibration: the cache file its fingerprint names, which batch sizes are still
-    to be measured, and when the table was last written back."""
+    to be measured."""
 
     def __init__(self, costs: MeasuredCosts, target: tuple[Transformer, CachePool],
                  draft: tuple[Transformer, CachePool] | None, max_tokens: int, max_batch: int, method: str,
@@ -72,7 +71,6 @@ class Calibration:
         self.failed: list[int] = []  # batch sizes whose measurement failed (never retried, never guessed past)
         self.passes = 0  # calibration passes run by this engine
         self.source = "cached"  # "cached", or "measured" once this engine measured anything
-        self._saved_at = time.monotonic()
 
     def start(self, defer: bool = False) -> None:
         """Reads the cache, or measures batch 1 and the largest batch (with `defer`, batch 1 only:
@@ -121,14 +119,8 @@ class Calibration:
         self.save()
         return True
 
-    def maybe_save(self) -> None:
-        """Writes the refined table back if SAVE_EVERY_S passed since the last write."""
-        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
-            self.save()
-
     def save(self) -> None:
         """Writes the table (atomically); a failure is a warning, never an error."""
-        self._saved_at = time.monotonic()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
