@@ -19,6 +19,7 @@ SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
 LogprobsMode = Literal["raw", "processed"]
+CudaGraphs = Literal["auto", "on", "off"]
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 
 
@@ -163,6 +164,9 @@ class EngineConfig:
     # which distribution logprobs report: the model's ("raw", before penalties, temperature,
     # top-k/top-p and structured-output masks) or the one sampled from ("processed")
     logprobs_mode: LogprobsMode = "raw"
+    # decode, verify and draft steps captured as CUDA graphs per batch bucket at load, each checked
+    # against eager (engine/model/cuda_graphs.py); "auto": on CUDA only; "on" on CPU emulates them (tests)
+    cuda_graphs: CudaGraphs = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
@@ -183,6 +187,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("num_threads", self.num_threads, 1, 1024, optional=True)
         check_choice("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
+        check_choice("cuda_graphs", self.cuda_graphs, get_args(CudaGraphs))
         if isinstance(self.speculative, dict):
             _check_keys("speculative", self.speculative, SpecConfig.field_names())
             self.speculative = SpecConfig(**self.speculative)

@@ -20,9 +20,19 @@ from engine.kv import KVManager
 from engine.kv.features import MAX_PENDING, FeatureCache
 from engine.kv.sizing import activation_bytes, default_max_seq_len, free_memory, kv_bytes_per_token, pool_blocks
 from engine.logprobs import TokenLogprob
+from engine.model.cuda_graphs import (
+    Capture,
+    CaptureReport,
+    PassKind,
+    capture_checked,
+    default_capture,
+    graphs_on,
+    head_pass,
+    target_pass,
+)
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.loader import read_shape, resolve_model_path
-from engine.model.passes import pool_for
+from engine.model.passes import padded_length, pool_for
 from engine.model.plan import device_memory, load_planned, load_planned_head, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
 from engine.model.transformer import Transformer
@@ -61,11 +71,12 @@ class LLMEngine:
     """The engine loop: requests in, StepOutputs out. Not thread-safe; see AsyncLLMEngine."""
 
     def __init__(self, config: EngineConfig, free_memory: Callable[[str], int] = free_memory,
-                 defer_calibration: bool = False):
+                 defer_calibration: bool = False, graph_capture: Capture | None = None):
         """free_memory(device): bytes the device can still allocate (the KV pools are sized from it).
         defer_calibration: a cold start measures the adaptive policy's costs at batch 1 only and
         leaves the largest batch to `run_idle_work` (a server, ready sooner), decoding plainly
-        beyond batch 1 until then."""
+        beyond batch 1 until then. graph_capture: how cuda_graphs records a pass (default: CUDA
+        graphs on CUDA, the emulation on CPU; tests inject failing ones)."""
         self.config = config
         if config.device == "cpu" and config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -85,6 +96,10 @@ class LLMEngine:
                             FeatureCache() if isinstance(self.draft_model, Eagle3Head) else None)
         self.runner = ModelRunner(self.model, self.kv, config.logprobs_mode)
         clock.done("kv_pools", "KV pools: %s blocks of %d tokens each model", config.num_kv_blocks, config.block_size)
+        self.cuda_graphs = self._capture_graphs(graph_capture)  # model role -> what capture did ({}: off)
+        if self.cuda_graphs:
+            clock.done("cuda_graphs", "cuda_graphs: %s", ", ".join(
+                f"{role} {r.graphs} graphs" if r.fallback is None else f"{role} eager" for role, r in self.cuda_graphs.items()))
         self.speculation = self._build_speculation(defer_calibration) if config.use_speculative_decoding else None
         calibration = self.speculation.calibration if self.speculation is not None else None
         if calibration is not None:
@@ -172,6 +187,32 @@ class LLMEngine:
             self.forward_plan["draft"] = draft_plan.as_dict()
         log.info("forward plan: %s", summary(self.forward_plan))
         return model, draft
+
+    def _capture_graphs(self, capture: Capture | None) -> dict[str, CaptureReport]:
+        """Each model's one-token passes, and with speculation its passes up to K + 1 tokens (verify,
+        a draft's catch-up), captured per batch and key bucket and checked against eager
+        (engine/model/cuda_graphs.py); {} where cuda_graphs is off on this device."""
+        c = self.config
+        if not graphs_on(c.cuda_graphs, c.device):
+            return {}
+        capture = capture or default_capture(self.model.device)
+        widths = [1] + ([padded_length(c.speculative.spec_length + 1)] if c.use_speculative_decoding else [])
+        head = self.draft_model if isinstance(self.draft_model, Eagle3Head) else None
+        layers = head.aux_layers if head is not None else ()  # the target's features the head reads
+        common = dict(max_batch=c.max_batch_size, max_seq_len=c.max_seq_len, capture=capture)
+        reports = {}
+        self.model.graphs, reports["target"] = capture_checked(
+            "target", self.model, self.kv.target, target_pass(self.model, layers), [PassKind(w) for w in widths],
+            layers=layers, **common)
+        if head is not None:  # its own steps feed back its state; a round's first pass reads target features
+            kinds = [PassKind(1, head.shape.hidden_size)] + [PassKind(w, head.feature_width) for w in widths[1:]]
+            head.graphs, reports["draft"] = capture_checked("EAGLE-3 head", head, self.kv.draft, head_pass(head),
+                                                            kinds, **common)
+        elif self.draft_model is not None:
+            self.draft_model.graphs, reports["draft"] = capture_checked(
+                "draft", self.draft_model, self.kv.draft, target_pass(self.draft_model, ()),
+                [PassKind(w) for w in widths], **common)
+        return reports
 
     def _build_speculation(self, defer_calibration: bool) -> SpeculativeDecoder:
         costs = MeasuredCosts()

@@ -82,6 +82,9 @@ def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
     x = pass_inputs(model, pool, slots, chunks, start_positions)
+    replay = replayed(model, x)
+    if replay is not None:
+        return at_last(replay[0], x, all_logits)
     if all_logits:
         return model.forward(x.ids, x.positions, x.view, None)[:, :x.longest]  # [B, longest, vocab]
     if x.ids.shape[1] == 1:
@@ -89,11 +92,34 @@ def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks
     return model.forward(x.ids, x.positions, x.view, x.last)  # [B, vocab]
 
 
+def replayed(model: Transformer, x: PassInputs, extra: torch.Tensor | None = None,
+             layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...] | None:
+    """The pass's every-position outputs [B, T, ...] replayed from the model's captured graphs
+    (engine/model/cuda_graphs.py; with the features of `layers` second where asked), or None: eager."""
+    graphs = model.graphs
+    if graphs is None or (layers and graphs.layers != layers):
+        return None
+    return graphs.run(x.ids, x.positions, x.view, extra)
+
+
+def at_last(every: torch.Tensor, x: PassInputs, all_logits: bool) -> torch.Tensor:
+    """Every-position outputs [B, T, ...] as forward_chunks returns them: [B, longest, ...] when
+    all_logits, else each chunk's last [B, ...]."""
+    if all_logits:
+        return every[:, :x.longest]
+    if every.shape[1] == 1:
+        return every[:, 0]
+    return every[torch.arange(every.shape[0], device=every.device), x.last]
+
+
 def forward_chunks_features(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                             start_positions: list[int], layers: tuple[int, ...],
                             all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_chunks' logits, and the features of `layers` at every position [B, longest, F]."""
     x = pass_inputs(model, pool, slots, chunks, start_positions)
+    replay = replayed(model, x, layers=layers)
+    if replay is not None:
+        return at_last(replay[0], x, all_logits), replay[1][:, :x.longest]
     logits, features = model.forward_features(x.ids, x.positions, x.view, None if all_logits else x.last, layers)
     return (logits[:, :x.longest] if all_logits else logits), features[:, :x.longest]
 

@@ -12,7 +12,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.kernels import one_sequence
 from engine.model.rope import Rope
 from engine.model.token_step import TokenStep
+
+if TYPE_CHECKING:
+    from engine.model.cuda_graphs import CapturedPasses
 
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
@@ -203,6 +206,7 @@ class Transformer:
     attention_rule: str | None = None  # whose attention_branch rule to follow: "cpu", "cuda" (None: the device's)
     flash_gqa: bool | None = None  # flash attention takes this model's GQA inputs (None: probed at first use)
     last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
+    graphs: CapturedPasses | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):

@@ -20,7 +20,7 @@ import torch
 from engine import host_sync
 from engine.kv import KVManager
 from engine.model.eagle3 import Eagle3Head
-from engine.model.passes import pass_inputs, put_rows
+from engine.model.passes import at_last, pass_inputs, put_rows, replayed
 from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
@@ -110,6 +110,9 @@ class EagleProposer:
         h = torch.zeros(len(reqs), T, hidden[0].shape[-1], dtype=self.head.dtype, device=self.head.device)
         for i, rows in enumerate(hidden):
             h[i, :rows.shape[0]] = rows
+        replay = replayed(self.head, x, h)
+        if replay is not None:
+            return at_last(replay[0], x, False), at_last(replay[1], x, False)
         return self.head.step(x.ids, x.positions, x.view, h, x.last)
 
     def _step(self, reqs: list[Request], state: dict, rows: list[int], last: list[int]) -> torch.Tensor:
@@ -126,5 +129,8 @@ class EagleProposer:
     def _pass_one(self, reqs: list[Request], tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = pass_inputs(self.head, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], [[t] for t in tokens],
                         [self.kv.draft_len(r) for r in reqs])
+        replay = replayed(self.head, x, hidden)
+        if replay is not None:
+            return replay[0][:, 0], replay[1][:, 0]
         return self.head.step(x.ids, x.positions, x.view, hidden, x.last)
 
