@@ -17,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.config import SamplingParams
 from engine.structured_output import StructuredOutput
 from serve_app.errors import APIError
+from serve_app.tools import Tool, ToolCall, ToolChoice, ToolSet
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat allows 20; completions 5, vLLM 20)
 # fields the server does not serve and must not ignore: what they ask for changes the answer's meaning
-REFUSED = {"tools": "tool calls are not served yet", "tool_choice": "tool calls are not served yet",
-           "functions": "function calls are not served", "function_call": "function calls are not served",
+REFUSED = {"functions": "the legacy functions field is not served; use tools",
+           "function_call": "the legacy function_call field is not served; use tool_choice",
            "suffix": "insertion (suffix) is not served", "best_of": "best_of other than 1 is not served",
            "audio": "audio output is not served", "modalities": "only text output is served",
            "prediction": "predicted outputs are not served"}
@@ -81,8 +82,7 @@ class _Common(BaseModel):
         if isinstance(data, dict):
             for name, why in REFUSED.items():
                 value = data.get(name)
-                if value not in (None, [], {}) and not (name == "best_of" and value == 1) \
-                        and not (name == "tool_choice" and value == "none"):
+                if value not in (None, [], {}) and not (name == "best_of" and value == 1):
                     raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
         return data
 
@@ -224,6 +224,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]  # who wrote the message
     content: str | list[TextPart] | None = None  # a string, or text parts (joined)
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (as the server returned them)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function's name (optional)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -237,12 +250,52 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]  # the conversation, through the checkpoint's chat template
     logprobs: bool = False  # each output token's logprob (the target's, also under speculation)
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # this many top alternatives per token
+    tools: list[Tool] | None = None  # functions the model may call (at most 128)
+    tool_choice: ToolChoice | None = None  # none, auto (the default with tools), required, or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # required: more than one call allowed
 
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs", code="invalid_value")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self):
+        try:
+            tool_set = self.tool_set
+        except ValueError as exc:
+            raise APIError(400, f"tools: {exc}", param="tools", code="invalid_value") from None
+        problem = tool_set.check()
+        if problem is not None:
+            raise APIError(400, f"{problem[0]}: {problem[1]}", param=problem[0], code="invalid_value")
+        if tool_set.mode in ("required", "named") and super().structured_param is not None:
+            raise APIError(400, f"tool_choice: {tool_set.mode!r} and {super().structured_param} both constrain the "
+                                "output; give one", param="tool_choice", code="invalid_value")
+        return self
+
+    @property
+    def tool_set(self) -> ToolSet:
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        return ToolSet(tools=self.tools or [], choice=choice, parallel=self.parallel_tool_calls)
+
+    @property
+    def structured_param(self) -> str | None:
+        return "tool_choice" if self.tool_set.mode in ("required", "named") else super().structured_param
+
+    @property
+    def grammar_param(self) -> str | None:
+        tool_set = self.tool_set
+        if tool_set.mode == "named":
+            return f"tools[{tool_set.index_of(tool_set.choice.function.name)}].function.parameters"
+        return "tools" if tool_set.mode == "required" else super().grammar_param
+
+    def structured_output(self) -> StructuredOutput | None:
+        try:
+            grammar = self.tool_set.grammar()
+        except ValueError as exc:  # a schema too large to enforce
+            raise APIError(400, f"{self.grammar_param}: {exc}", param=self.grammar_param, code="invalid_value") from None
+        return grammar[0] if grammar is not None else super().structured_output()
 
     @property
     def token_logprobs(self) -> int | None:

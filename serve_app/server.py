@@ -37,6 +37,7 @@ from serve_app.kernel_caches import bound_kernel_caches
 from serve_app.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, join, prompt_completion_logprobs
 from serve_app.metrics import BufferedRecorder, RayMetricsExporter
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.tools import FORMATS, ToolCallReader, render_messages, tool_format
 
 log = logging.getLogger("ray.serve")  # configured by Serve in replicas
 
@@ -128,7 +129,10 @@ def usage(outs: list[RequestOutput]) -> dict:
 @serve.ingress(app)
 class LLMServer:
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
-                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64, max_n: int = 16):
+                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64, max_n: int = 16,
+                 tool_call_format: str = "auto"):
+        if tool_call_format not in ("auto", *FORMATS):
+            raise ValueError(f"tool_call_format must be 'auto' or one of {list(FORMATS)}, got {tool_call_format!r}")
         bound_kernel_caches()  # before any model runs in this replica process
         engine = with_embedded_defaults(engine or {})  # no model: the embedded target and its head, speculation on
         engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
@@ -138,6 +142,8 @@ class LLMServer:
         self.model_name = served_model_name
         self.max_n = max_n
         self.token_texts = TokenTexts(self.engine.engine.tokenizer)  # logprobs' token strings
+        found, self.template_renders_tools = tool_format(getattr(self.engine.engine.tokenizer.hf, "chat_template", None))
+        self.tool_format = found if tool_call_format == "auto" else tool_call_format  # how `auto` calls are read
         self.api_key = os.environ.get(api_key_env) or None
         self.created = int(time.time())
         self.metrics_buffer = BufferedRecorder()
@@ -198,7 +204,7 @@ class LLMServer:
         settings = self.config.speculative
         return settings.speculative_method if settings.use_speculative_decoding else None
 
-    async def _start(self, req, prompt, chat, default_max_tokens):
+    async def _start(self, req, prompt, chat, default_max_tokens, tools=None):
         request_id = None
         if self.test_hooks and req.user in (FAULT_USER, DEVICE_FAULT_USER):
             request_id = f"{FAULT_PREFIX if req.user == FAULT_USER else DEVICE_FAULT_PREFIX}{uuid.uuid4().hex}"
@@ -210,7 +216,7 @@ class LLMServer:
             # each choice its own seeded stream: seed + i when a seed is given
             samples = [params if i == 0 else dataclasses.replace(
                 params, seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(req.n)]
-            return await self.engine.add_samples(prompt, samples, request_id=request_id, chat=chat)
+            return await self.engine.add_samples(prompt, samples, request_id=request_id, chat=chat, tools=tools)
         except GrammarError as exc:
             raise APIError(400, f"{req.grammar_param}: {exc}", param=req.grammar_param, code="invalid_value") from None
         except ValueError as exc:
@@ -293,27 +299,49 @@ class LLMServer:
     async def chat_completions(self, request: Request):
         """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
         req = await self._parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        streams = await self._start(req, None, messages, self._default_chat_max_tokens())
+        tool_set = req.tool_set
+        messages, tools = render_messages([m.for_template() for m in req.messages], tool_set.tools,
+                                          self.template_renders_tools)
+        streams = await self._start(req, None, messages, self._default_chat_max_tokens(), tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        readers = [ToolCallReader(tool_set, self.tool_format) for _ in streams]  # text and tool calls
+
+        def finish_reason(index: int, reason: str | None) -> str | None:
+            return "tool_calls" if reason == "stop" and readers[index].calls else reason
+
         if req.stream:
             chunk_base = {**base, "object": "chat.completion.chunk"}
 
             def chunk_choice(index: int, d: StreamDelta) -> dict:
-                return {"index": index, "delta": {"content": d.text} if d.text else {},
+                delta = readers[index].feed(d.text)
+                if d.finished:
+                    last = readers[index].finish()
+                    if "content" in last:
+                        delta["content"] = delta.get("content", "") + last["content"]
+                    if "tool_calls" in last:
+                        delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
+                return {"index": index, "delta": delta,
                         "logprobs": chat_logprobs(self.token_texts, d.logprobs) if req.logprobs else None,
-                        "finish_reason": d.finish_reason if d.finished else None}
+                        "finish_reason": finish_reason(index, d.finish_reason) if d.finished else None}
 
             first = {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None} for i in range(len(streams))]}
             return self._sse(streams, chunk_base, chunk_choice, req.include_usage, first=first)
         outs = await self._collect_all(streams)
-        return {**base, "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                                     "logprobs": chat_logprobs(self.token_texts, out.logprobs or [])
-                                     if req.logprobs else None,
-                                     "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
-                "usage": usage(outs), "speculation": speculation_stats(outs, self._spec_method)}
+        choices = []
+        for i, out in enumerate(outs):
+            reader = readers[i]
+            reader.feed(out.text)
+            reader.finish()
+            message = {"role": "assistant", "content": reader.content}
+            if reader.calls:
+                message = {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}
+            choices.append({"index": i, "message": message,
+                            "logprobs": chat_logprobs(self.token_texts, out.logprobs or []) if req.logprobs else None,
+                            "finish_reason": finish_reason(i, out.finish_reason)})
+        return {**base, "choices": choices, "usage": usage(outs),
+                "speculation": speculation_stats(outs, self._spec_method)}
 
     # --- response bodies ---------------------------------------------------------------
     async def _collect(self, stream) -> RequestOutput:

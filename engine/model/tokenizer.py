@@ -37,17 +37,29 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt's ids: `messages` (and the functions in `tools`, for templates that render
+        them) through the checkpoint's chat template, with the assistant's turn opened."""
         if not self.has_chat_template:
             raise ValueError(f"the tokenizer at {self.path} has no chat template")
-        for i, message in enumerate(messages):
-            for key, value in message.items():
-                if isinstance(value, str):
-                    _check_unicode(f"messages[{i}].{key}", value)
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        _check_texts("messages", messages)
+        _check_texts("tools", tools)
+        out = self.hf.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return list(out)
+
+
+def _check_texts(field: str, value) -> None:
+    """_check_unicode over every string in nested lists and dicts (the field named by its path)."""
+    if isinstance(value, str):
+        _check_unicode(field, value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_texts(f"{field}.{key}", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_texts(f"{field}[{i}]", item)
 
 
 def _check_unicode(field: str, text: str) -> None:

@@ -175,8 +175,14 @@ BAD_INPUTS = [
     ("oversized grammar", "/v1/completions", {"prompt": "x", "guided_regex": "a" * 70000}, 400, "guided_regex"),
     ("unknown response_format type", "/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
      400, "response_format"),
-    ("tools (not served: refused, not ignored)", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("tool_choice naming no tool", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("a tool schema the grammar refuses", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "not": {"const": 2}}}}],
+     "tool_choice": "required"}, 400, "tools"),
+    ("legacy functions (refused, not ignored)", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("logprobs above 20", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -352,3 +358,51 @@ def test_n_choices_are_distinct_samples_reproducible_by_seed_and_stream_by_index
     whole = client.chat.completions.create(model="specserve-default", max_tokens=12, temperature=1.0, n=2, seed=5,
                                            messages=[{"role": "user", "content": "hello"}], extra_body=plain)
     assert [pieces[i] for i in (0, 1)] == [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class GetTime(pydantic.BaseModel):
+    timezone: str
+
+
+def test_tool_calls_named_and_required_parse_with_the_openai_client_under_speculation(server):
+    """A named and a `required` tool choice through the official client's parse helper (strict
+    pydantic tools), speculation on; streamed deltas reassemble to the non-streamed call (fp32,
+    greedy); the call answered by a `tool` message continues the conversation."""
+    exact = server.exact
+    client = openai.OpenAI(base_url=exact.url + exact.route_prefix + "/v1", api_key=API_KEY)
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    call = client.chat.completions.parse(model=EXACT_MODEL, messages=messages, tools=tools, tool_choice=named,
+                                         temperature=0, max_tokens=64)
+    choice = call.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.speculation["draft_tokens"] > 0  # speculation was on
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "GetWeather" and isinstance(tool_call.function.parsed_arguments, GetWeather)
+    pieces: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(model=EXACT_MODEL, messages=messages, tools=tools, tool_choice=named,
+                                                temperature=0, max_tokens=64, stream=True):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            piece = pieces.setdefault(delta_call.index, {"id": "", "name": "", "arguments": ""})
+            piece["id"] += delta_call.id or ""
+            piece["name"] += delta_call.function.name or ""
+            piece["arguments"] += delta_call.function.arguments or ""
+    assert list(pieces) == [0] and pieces[0]["id"].startswith("call_")
+    assert (pieces[0]["name"], pieces[0]["arguments"]) == (tool_call.function.name, tool_call.function.arguments)
+
+    required = client.chat.completions.parse(model=EXACT_MODEL, messages=messages, tools=tools, tool_choice="required",
+                                             temperature=0.8, seed=3, max_tokens=96)
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    for c in calls:
+        assert isinstance(c.function.parsed_arguments, {"GetWeather": GetWeather, "GetTime": GetTime}[c.function.name])
+    answered = client.chat.completions.create(model=EXACT_MODEL, tools=tools, temperature=0, max_tokens=16, messages=[
+        *messages, choice.message.model_dump(exclude_none=True, exclude={"parsed"}),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": 21}'}], tool_choice="none")
+    assert answered.choices[0].finish_reason in ("stop", "length") and answered.choices[0].message.tool_calls is None
