@@ -20,6 +20,7 @@ SpecPolicyMode = Literal["fixed", "adaptive"]
 DType = Literal["float32", "bfloat16", "float16"]
 LogprobsMode = Literal["raw", "processed"]
 CudaGraphs = Literal["auto", "on", "off"]
+PagedAttentionSetting = Literal["auto", "inplace", "gather"]
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 
 
@@ -167,6 +168,9 @@ class EngineConfig:
     # decode, verify and draft steps captured as CUDA graphs per batch bucket at load, each checked
     # against eager (engine/model/cuda_graphs.py); "auto": on CUDA only; "on" on CPU emulates them (tests)
     cuda_graphs: CudaGraphs = "auto"
+    # decode and verify attention reading the paged pool in place (FlexAttention, engine/model/paged_attention.py)
+    # or over a gathered copy; "auto": in place on CUDA where the load-time check agrees with the gather
+    paged_attention: PagedAttentionSetting = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
@@ -188,6 +192,7 @@ class EngineConfig:
         check_int("num_threads", self.num_threads, 1, 1024, optional=True)
         check_choice("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
         check_choice("cuda_graphs", self.cuda_graphs, get_args(CudaGraphs))
+        check_choice("paged_attention", self.paged_attention, get_args(PagedAttentionSetting))
         if isinstance(self.speculative, dict):
             _check_keys("speculative", self.speculative, SpecConfig.field_names())
             self.speculative = SpecConfig(**self.speculative)

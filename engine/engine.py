@@ -29,13 +29,15 @@ from engine.model.cuda_graphs import (
     graphs_on,
     head_pass,
     target_pass,
+    tolerance,
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.loader import read_shape, resolve_model_path
+from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
 from engine.model.plan import device_memory, load_planned, load_planned_head, summary
 from engine.model.tokenizer import IncrementalText, Tokenizer
-from engine.model.transformer import Transformer
+from engine.model.transformer import FEW_QUERY_ROWS, Transformer
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -96,6 +98,9 @@ class LLMEngine:
                             FeatureCache() if isinstance(self.draft_model, Eagle3Head) else None)
         self.runner = ModelRunner(self.model, self.kv, config.logprobs_mode)
         clock.done("kv_pools", "KV pools: %s blocks of %d tokens each model", config.num_kv_blocks, config.block_size)
+        self.paged_attention = self._read_in_place()  # model role -> "inplace", or why it gathers ({}: gather)
+        if self.paged_attention:
+            clock.done("paged_attention", "paged_attention: %s", self.paged_attention)
         self.cuda_graphs = self._capture_graphs(graph_capture)  # model role -> what capture did ({}: off)
         if self.cuda_graphs:
             clock.done("cuda_graphs", "cuda_graphs: %s", ", ".join(
@@ -187,6 +192,27 @@ class LLMEngine:
             self.forward_plan["draft"] = draft_plan.as_dict()
         log.info("forward plan: %s", summary(self.forward_plan))
         return model, draft
+
+    def _read_in_place(self) -> dict[str, str]:
+        """Each model's decode and verify attention reading its pool in place, where paged_attention
+        asks for it on this device and a probe agrees with the gather; else it gathers, with a warning."""
+        c = self.config
+        if not inplace_on(c.paged_attention, c.device):
+            return {}
+        chosen = {}
+        for role, model, pool in [("target", self.model, self.kv.target), ("draft", self.draft_model, self.kv.draft)]:
+            if model is None:
+                continue
+            model.paged = PagedAttention(pool.storage, pool.block_size, FEW_QUERY_ROWS)
+            try:
+                problem = check_inplace(model, pool, tolerance(model.dtype))
+            except Exception as e:  # a kernel that does not compile or run here: the gather
+                problem = f"{type(e).__name__}: {e}"
+            if problem is not None:
+                log.warning("paged_attention: the %s gathers its keys: %s", role, problem)
+                model.paged = None
+            chosen[role] = "inplace" if problem is None else f"gather: {problem}"
+        return chosen
 
     def _capture_graphs(self, capture: Capture | None) -> dict[str, CaptureReport]:
         """Each model's one-token passes, and with speculation its passes up to K + 1 tokens (verify,

@@ -199,7 +199,7 @@ class Eagle3Head(Transformer):
         x = torch.cat([self._rms_norm(F.embedding(input_ids, self.embed), lw.attn_norm), normed], dim=-1)  # [B, T, 2H]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)
         residual = normed if self.norm_before_residual else hidden
-        groups = kv.attention_groups(position_ids)
+        groups = self._attention_inputs(kv, position_ids)
         with self._attention_backends():
             h = residual + self._attention_block(x, lw, self._linear, rope, kv, 0, groups)
             h = h + self._mlp_block(h, lw, self._linear)  # [B, T, hidden]

@@ -22,6 +22,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.kernels import one_sequence
+from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.rope import Rope
 from engine.model.token_step import TokenStep
 
@@ -207,6 +208,7 @@ class Transformer:
     flash_gqa: bool | None = None  # flash attention takes this model's GQA inputs (None: probed at first use)
     last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
     graphs: CapturedPasses | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
+    paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -352,11 +354,23 @@ class Transformer:
                 self.flash_gqa = False
         return self.flash_gqa
 
+    def _attention_inputs(self, kv: KVView, position_ids: torch.Tensor) -> list[AttentionGroup] | PagedMask:
+        """Who reads which keys, once per pass: the block mask where this pass reads the pool in
+        place, else the view's groups (each gathers its keys) with their masks."""
+        if self.paged is not None and self.paged.takes(position_ids.shape[1], kv):
+            return self.paged.mask(kv, position_ids)
+        return kv.attention_groups(position_ids)
+
     def _grouped_attention(self, q: torch.Tensor, kv: KVView, layer: int,
-                           groups: list[AttentionGroup]) -> torch.Tensor:
-        """q [B, heads, T, D] -> [B, heads, T, D], each group attending over its own keys. A view
-        whose `causal_tail` is True (absent: False) says its mask is lower-right causal: every row's
-        T queries are exactly its last T keys (no padding rows, no keys past the row's end)."""
+                           groups: list[AttentionGroup] | PagedMask) -> torch.Tensor:
+        """q [B, heads, T, D] -> [B, heads, T, D], each group attending over its own keys (or every
+        sequence over its blocks in place). A view whose `causal_tail` is True (absent: False) says
+        its mask is lower-right causal: every row's T queries are exactly its last T keys (no
+        padding rows, no keys past the row's end)."""
+        if isinstance(groups, PagedMask):
+            if layer == 0:
+                self.last_attention_branches = ("inplace",)
+            return self.paged.attend(q, kv.storage[layer], groups, self.scale)
         causal_tail = len(groups) == 1 and getattr(kv, "causal_tail", False)
         if len(groups) == 1:
             keys, values = kv.read(layer, groups[0].read_rows)  # each [kv_heads, B, L, head_dim]
@@ -404,7 +418,7 @@ class Transformer:
         layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
-        groups = kv.attention_groups(position_ids)  # who reads which keys, each with its mask
+        groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask
         captured = {}  # layer -> its input
         with self._attention_backends():
             for i, lw in enumerate(layers):
@@ -420,7 +434,7 @@ class Transformer:
 
     def _attention_block(self, x: torch.Tensor, lw: LayerWeights, linear: Callable,
                          rope: tuple[torch.Tensor, torch.Tensor], kv: KVView, i: int,
-                         groups: list[AttentionGroup]) -> torch.Tensor:
+                         groups: list[AttentionGroup] | PagedMask) -> torch.Tensor:
         """Self-attention of layer i over its normed input x [B, T, in] -> [B, T, hidden],
         writing the layer's K/V."""
         s = self.shape

@@ -53,7 +53,8 @@ def fingerprint(target: Transformer, draft: Transformer | None, pool: CachePool,
             "pool": {"kind": type(pool).__name__, "block_size": getattr(pool, "block_size", None),
                      "num_blocks": getattr(blocks, "num_blocks", None), "max_seq_len": pool.max_seq_len},
             "method": method, "max_tokens": max_tokens, "max_batch": max_batch, "context": CALIBRATION_CONTEXT,
-            **({"cuda_graphs": True} if target.graphs is not None else {})}  # replayed passes cost less
+            **({"cuda_graphs": True} if target.graphs is not None else {}),  # replayed passes cost less
+            **({"paged_attention": "inplace"} if target.paged is not None else {})}
 
 
 class Calibration:

@@ -1,0 +1,138 @@
+"""Attention that reads the paged pool in place: FlexAttention over the pool's whole K/V storage with
+a block mask that lists each sequence's own blocks, so a decode or verify pass reads every key block
+once where the gather (`KVView.read`) reads it, writes a contiguous copy and reads that again.
+
+The block mask is built once per pass, on the device, from what every view has: the storage row of
+each key position (`read_rows`: block b's first key at column b * block_size) and the queries'
+positions. Its kv_indices are the sequences' block tables, its kv_num_blocks how many blocks reach
+the last query; a mask_mod maps a physical key row back to its position in the sequence (a
+physical-to-logical block map, as torch's experimental PagedAttention does) and keeps keys at or
+before the query. On CUDA flex_attention is compiled (one kernel over a dynamic batch); on CPU it
+runs eager (a dense reference over the pool: correct, slow; tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from engine.kv.protocol import KVView
+
+log = logging.getLogger(__name__)
+
+Q_BLOCK = 128  # query rows per block of the mask: a decode or verify pass is one block
+
+
+def inplace_on(setting: str, device: str) -> bool:
+    """EngineConfig.paged_attention: "auto" reads in place on CUDA only; "inplace" also on CPU (eager, tests)."""
+    return setting == "inplace" or (setting == "auto" and device.startswith("cuda"))
+
+
+class PagedMask(NamedTuple):
+    """One pass's block mask over the pool (the same for every layer)."""
+
+    block_mask: BlockMask
+
+
+class PagedAttention:
+    """In-place attention over one pool's storage [layers, 2, kv_heads, rows + 1, head_dim]."""
+
+    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int):
+        self.storage = storage  # the pool's [layers, 2, kv_heads, rows + 1, head_dim]
+        self.block_size = block_size
+        self.num_blocks = (storage.shape[3] - 1) // block_size
+        self.max_queries = max_queries  # passes of at most this many queries a sequence read in place (decode, verify)
+        self._flex = _compiled_flex() if storage.device.type == "cuda" else flex_attention
+
+    def takes(self, queries: int, view: KVView) -> bool:
+        """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
+        return queries <= self.max_queries and view.storage is self.storage \
+            and (view.read_rows is not None or view.read_slice is not None)
+
+    def mask(self, view: KVView, positions: torch.Tensor) -> PagedMask:
+        """The pass's block mask; positions [B, T] (padded queries: position 0)."""
+        bs, nb = self.block_size, self.num_blocks
+        B, T = positions.shape
+        device = positions.device
+        if view.read_rows is not None:
+            first_rows = view.read_rows[:, ::bs]  # [B, M] each key block's first storage row
+        else:  # one sequence over consecutive rows
+            first_rows = torch.arange(view.read_slice.start, view.read_slice.stop, bs, device=device)[None]
+        table = first_rows // bs  # [B, M] physical blocks (nb: the scratch row's, a padded key)
+        M = table.shape[1]
+        logical = torch.arange(M, device=device, dtype=torch.int32).expand(B, M)  # [B, M]
+        to_logical = torch.full((B, nb + 1), -1, dtype=torch.int32, device=device)  # [B, nb + 1]: -1 not this sequence's
+        to_logical.scatter_(1, table, logical)
+        to_logical[:, nb] = -1  # padded keys
+        counts = (positions.amax(dim=1) // bs + 1).clamp(max=M).to(torch.int32)  # [B] blocks up to the last query
+        q_blocks = -(-T // Q_BLOCK)
+        kv_num_blocks = counts[:, None, None].expand(B, 1, q_blocks).contiguous()  # [B, 1, q_blocks]
+        kv_indices = table.clamp(max=nb - 1).to(torch.int32)[:, None, None, :].expand(B, 1, q_blocks, M).contiguous()
+
+        def visible(b, h, q_idx, kv_idx):
+            block = to_logical[b, kv_idx // bs]
+            return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
+        return PagedMask(BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=visible,
+                                                  seq_lengths=(T, nb * bs), compute_q_blocks=False))
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: PagedMask, scale: float) -> torch.Tensor:
+        """q [B, heads, T, D] over one layer's pool kv [2, kv_heads, rows + 1, D] -> [B, heads, T, D]."""
+        rows = self.num_blocks * self.block_size  # the scratch row past them is never a key
+        keys, values = kv[0, :, :rows].unsqueeze(0), kv[1, :, :rows].unsqueeze(0)  # [1, kv_heads, rows, D]
+        return self._flex(q, keys, values, block_mask=mask.block_mask, scale=scale,
+                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    """flex_attention compiled once per process (its kernels are generated for the shapes met; a
+    dynamic batch keeps that to one per pass kind)."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def check_inplace(model, pool, tolerance: float) -> str | None:
+    """Compares the model's passes reading in place with the gather on a probe over `pool`
+    (ragged decode and verify batches, one sequence alone); what differs, or None. The probe's
+    slots are freed after."""
+    paged, vocab = model.paged, model.shape.vocab_size
+    contexts = [3, 21, 40, 9][:pool.max_slots]
+    contexts = [min(n, pool.max_seq_len - 5) for n in contexts]
+    slots = [pool.allocate_slot([])[0] for _ in contexts]
+
+    def run(rows: list[int], chunks: list[list[int]], inplace: bool) -> torch.Tensor:
+        starts = [pool.seq_len(slots[r]) for r in rows]
+        T = max(len(c) for c in chunks)
+        view = pool.view([slots[r] for r in rows], [len(c) for c in chunks], width=T,
+                         tokens=[c + [0] * (T - len(c)) for c in chunks])
+        model.paged = paged if inplace else None
+        try:
+            return model.forward(view.input_ids, view.position_ids, view, None).float()  # [b, T, V]
+        finally:
+            model.paged = paged
+            for r, n in zip(rows, starts):
+                pool.truncate_to(slots[r], n, keep_storage=True)
+    try:
+        model.paged = None
+        for r, n in enumerate(contexts):  # the contexts, gathered
+            view = pool.view([slots[r]], [n], tokens=[[(7 * r + j) % vocab for j in range(n)]])
+            model.forward(view.input_ids, view.position_ids, view, None)
+        model.paged = paged
+        everyone = list(range(len(slots)))
+        for rows, chunks in [(everyone, [[5]] * len(slots)), ([0], [[6, 7, 8]]),
+                             (everyone, [[(3 * r + j) % vocab for j in range(1 + r % 4)] for r in everyone])]:
+            want, got = run(rows, chunks, False), run(rows, chunks, True)
+            for i, c in enumerate(chunks):
+                w, g = want[i, :len(c)], got[i, :len(c)]
+                worst, scale = (w - g).abs().max().item(), w.abs().max().item()
+                if not worst <= tolerance * max(scale, 1.0):
+                    return f"in place differs from the gather by {worst:.3g} (scale {scale:.3g}), batch {len(rows)}"
+    finally:
+        model.paged = paged
+        for s in slots:
+            pool.free_slot(s)
+    return None
