@@ -42,16 +42,29 @@ class PagedMask(NamedTuple):
 class PagedAttention:
     """In-place attention over one pool's storage [layers, 2, kv_heads, rows + 1, head_dim]."""
 
-    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int):
+    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int, max_batch: int,
+                 flex: Callable | None = None):
+        """flex: the flex_attention to call (None: compiled on CUDA, eager elsewhere)."""
         self.storage = storage  # the pool's [layers, 2, kv_heads, rows + 1, head_dim]
-        self.block_size = block_size
-        self.num_blocks = (storage.shape[3] - 1) // block_size
+        self.block_size = bs = block_size
+        self.num_blocks = nb = (storage.shape[3] - 1) // block_size
         self.max_queries = max_queries  # passes of at most this many queries a sequence read in place (decode, verify)
-        self._flex = _compiled_flex() if storage.device.type == "cuda" else flex_attention
+        self.max_batch = max_batch
+        self._flex = flex or (_compiled_flex() if storage.device.type == "cuda" else flex_attention)
+        # what the mask_mod reads, refilled in place by every pass: one function over the same tensors, so
+        # the compiled kernel is not re-traced per pass (and a CUDA graph replays the refill)
+        to_logical = torch.full((max_batch, nb + 1), -1, dtype=torch.int32, device=storage.device)  # [max_batch, nb + 1]
+        positions = torch.zeros(max_batch, max_queries, dtype=torch.long, device=storage.device)  # [max_batch, max_queries]
+        self._to_logical, self._positions = to_logical, positions
 
-    def takes(self, queries: int, view: KVView) -> bool:
-        """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
-        return queries <= self.max_queries and view.storage is self.storage \
+        def visible(b, h, q_idx, kv_idx):  # key row kv_idx is sequence b's and at or before query q_idx
+            block = to_logical[b, kv_idx // bs]  # its logical block in sequence b (-1: not b's)
+            return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
+        self._visible = visible
+
+    def takes(self, queries: int, view: KVView, batch: int) -> bool:
+        """Whether a pass of `batch` sequences of `queries` tokens over `view` reads in place (else it gathers)."""
+        return queries <= self.max_queries and batch <= self.max_batch and view.storage is self.storage \
             and (view.read_rows is not None or view.read_slice is not None)
 
     def mask(self, view: KVView, positions: torch.Tensor) -> PagedMask:
@@ -65,20 +78,19 @@ class PagedAttention:
             first_rows = torch.arange(view.read_slice.start, view.read_slice.stop, bs, device=device)[None]
         table = first_rows // bs  # [B, M] physical blocks (nb: the scratch row's, a padded key)
         M = table.shape[1]
-        logical = torch.arange(M, device=device, dtype=torch.int32).expand(B, M)  # [B, M]
-        to_logical = torch.full((B, nb + 1), -1, dtype=torch.int32, device=device)  # [B, nb + 1]: -1 not this sequence's
-        to_logical.scatter_(1, table, logical)
+        to_logical = self._to_logical[:B].fill_(-1)  # [B, nb + 1]
+        to_logical.scatter_(1, table, torch.arange(M, device=device, dtype=torch.int32).expand(B, M))
         to_logical[:, nb] = -1  # padded keys
+        self._positions[:B, :T].copy_(positions)
         counts = (positions.amax(dim=1) // bs + 1).clamp(max=M).to(torch.int32)  # [B] blocks up to the last query
         q_blocks = -(-T // Q_BLOCK)
         kv_num_blocks = counts[:, None, None].expand(B, 1, q_blocks).contiguous()  # [B, 1, q_blocks]
-        kv_indices = table.clamp(max=nb - 1).to(torch.int32)[:, None, None, :].expand(B, 1, q_blocks, M).contiguous()
-
-        def visible(b, h, q_idx, kv_idx):
-            block = to_logical[b, kv_idx // bs]
-            return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
-        return PagedMask(BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=visible,
-                                                  seq_lengths=(T, nb * bs), compute_q_blocks=False))
+        # every block of the pool has a column (inductor's CPU kernel asserts it), the sequence's own first
+        kv_indices = torch.zeros(B, 1, q_blocks, nb, dtype=torch.int32, device=device)  # [B, 1, q_blocks, nb]
+        kv_indices[..., :min(M, nb)] = table[:, None, None, :nb].clamp(max=nb - 1).to(torch.int32)
+        return PagedMask(BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs),
+                                                  mask_mod=self._visible, seq_lengths=(T, nb * bs),
+                                                  compute_q_blocks=False))
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: PagedMask, scale: float) -> torch.Tensor:
         """q [B, heads, T, D] over one layer's pool kv [2, kv_heads, rows + 1, D] -> [B, heads, T, D]."""
@@ -90,8 +102,9 @@ class PagedAttention:
 
 @functools.cache
 def _compiled_flex() -> Callable:
-    """flex_attention compiled once per process (its kernels are generated for the shapes met; a
-    dynamic batch keeps that to one per pass kind)."""
+    """flex_attention compiled once per process, with dynamic shapes: a pass's batch and width
+    change every step, and a kernel per shape would soon pass dynamo's recompile limit (after which
+    it runs the unfused reference, the whole pool's scores in memory)."""
     return torch.compile(flex_attention, dynamic=True)
 
 

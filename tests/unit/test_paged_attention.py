@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv import PagedKVPool
-from engine.model.paged_attention import PagedAttention, inplace_on
+from engine.model.paged_attention import PagedAttention, flex_attention, inplace_on
 
 D = 8
 
@@ -67,7 +67,7 @@ def _gather(q, view, positions):
 def test_in_place_equals_the_gather_and_a_float64_reference(heads, kv_heads):
     generator = torch.Generator().manual_seed(0)
     pool = _pool(kv_heads)
-    paged = PagedAttention(pool.storage, pool.block_size, max_queries=16)
+    paged = PagedAttention(pool.storage, pool.block_size, max_queries=16, max_batch=4)
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     logical = {}
     for step in range(4):  # interleaved growth: each sequence's blocks are scattered over the pool
@@ -94,6 +94,27 @@ def test_in_place_equals_the_gather_and_a_float64_reference(heads, kv_heads):
             keep = pool.seq_len(s) - (c - 1)
             pool.truncate_to(s, keep)
             logical[s] = tuple(t[:keep] for t in logical[s])
+
+
+def test_compiled_flex_attention_reads_in_place_as_the_eager_one():
+    """The block mask and its mask_mod through torch.compile (inductor's CPU kernel; CUDA compiles
+    to Triton): a decode and a ragged verify pass over scattered blocks."""
+    generator = torch.Generator().manual_seed(1)
+    pool = _pool(kv_heads=2, block_size=16)
+    eager = PagedAttention(pool.storage, 16, max_queries=16, max_batch=4)
+    compiled = PagedAttention(pool.storage, 16, max_queries=16, max_batch=4,
+                              flex=torch.compile(flex_attention, dynamic=False))
+    slots = [pool.allocate_slot([])[0] for _ in range(3)]
+    logical = {}
+    for chunks in ([20, 5, 33], [9, 17, 1]):
+        _append(pool, slots, chunks, logical, generator)
+    for chunks in ([1, 1, 1], [4, 2, 3]):
+        view, positions = _append(pool, slots, chunks, logical, generator)
+        q = torch.randn(3, 4, max(chunks), D, generator=generator)
+        want = eager.attend(q, pool.storage[0], eager.mask(view, positions), D ** -0.5)
+        got = compiled.attend(q, pool.storage[0], compiled.mask(view, positions), D ** -0.5)
+        for b, c in enumerate(chunks):
+            torch.testing.assert_close(got[b, :, :c], want[b, :, :c], rtol=1e-5, atol=1e-5)
 
 
 def test_the_setting_is_validated_and_auto_reads_in_place_on_cuda_only(tiny_model):
