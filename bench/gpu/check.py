@@ -2,7 +2,7 @@
 time budget with its errors captured, the JSON and a markdown summary rewritten after every section
 so a run cut short still reports what it measured.
 
-    python -m bench gpu                          # on the GPU: at most ~8 minutes
+    python -m bench gpu                          # on the GPU: at most ~9.5 minutes
     python -m bench gpu --device cpu --smoke     # the same code on CPU at toy sizes, under 2 minutes
     python -m bench gpu --out DIR --sections environment correctness
 """
@@ -107,11 +107,13 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 def sections() -> list[tuple[str, Callable[[Context, dict], None], float, float]]:
     """(name, run(ctx, out), budget seconds on the real run, on the smoke run), in priority order."""
-    from bench.gpu import attention, correctness, environment, faults, large, speed, syncs
+    from bench.gpu import attention, correctness, environment, faults, graphs, large, speed, syncs
 
     return [("environment", environment.run, 15, 20), ("attention", attention.run, 35, 15),
             ("correctness", correctness.run, 110, 70), ("syncs", syncs.run, 30, 20),
-            ("llama_1b", speed.run, 170, 40), ("llama_8b", large.run, 80, 15), ("faults", faults.run, 45, 30)]
+            ("llama_1b", speed.run, 170, 40), ("cuda_graphs", graphs.run_graphs, 90, 40),
+            ("paged_attention", graphs.run_paged, 90, 60), ("llama_8b", large.run, 80, 15),
+            ("faults", faults.run, 45, 30)]
 
 
 def device_name(device: str) -> str:
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes: the same code in under 2 minutes on CPU")
     ap.add_argument("--out", default=str(RESULTS), help="where gpu_<device>.json and .md go (default bench/results)")
     ap.add_argument("--sections", nargs="+", help="only these sections (default: all, in priority order)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 470; smoke 150)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 570; smoke 250)")
     ap.add_argument("--budget-scale", type=float, default=1.0,
                     help="multiplies every section's budget (the test suite's slow machines)")
     args = ap.parse_args(argv)
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_{device_name(args.device)}" + ("_smoke" if args.smoke else "")
-    budget = args.budget if args.budget is not None else (150 if args.smoke else 470)
+    budget = args.budget if args.budget is not None else (250 if args.smoke else 570)
 
     def write(report: dict) -> None:
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))

@@ -16,13 +16,17 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
     main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--budget", "1800", "--budget-scale", "10"])
     report = json.loads((tmp_path / "gpu_cpu_smoke.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["environment", "attention", "correctness", "syncs", "llama_1b", "llama_8b", "faults"]
+    assert list(sections) == ["environment", "attention", "correctness", "syncs", "llama_1b", "cuda_graphs",
+                              "paged_attention", "llama_8b", "faults"]
     bad = {name: (s["status"], s.get("error"), s.get("failed_checks")) for name, s in sections.items()
            if s["status"] != "ok"}
     assert not bad, bad
     assert sections["correctness"]["checks"] and all(c["ok"] for c in sections["correctness"]["checks"].values())
     assert len(sections["correctness"]["greedy_parity"]) == 16  # 4 proposers x 2 backends x batch 1, 8
     assert set(sections["llama_1b"]["plain"]) == {"1", "8", "32"}
+    for name in ("cuda_graphs", "paged_attention"):  # on ÷ off, plain and speculative, each batch; kept at load
+        assert set(sections[name]["plain"]) == set(sections[name]["speculative"]) == {"1", "8", "32"}, name
+        assert len(sections[name]["checks"]) == 2 + 6 and all(c["ok"] for c in sections[name]["checks"].values())
     assert "# GPU check" in (tmp_path / "gpu_cpu_smoke.md").read_text()
 
 
