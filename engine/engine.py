@@ -203,7 +203,7 @@ class LLMEngine:
         for role, model, pool in [("target", self.model, self.kv.target), ("draft", self.draft_model, self.kv.draft)]:
             if model is None:
                 continue
-            model.paged = PagedAttention(pool.storage, pool.block_size, FEW_QUERY_ROWS, pool.max_slots)
+            model.paged = PagedAttention(pool.storage, pool.block_size, FEW_QUERY_ROWS)
             try:
                 problem = check_inplace(model, pool, tolerance(model.dtype))
             except Exception as e:  # a kernel that does not compile or run here: the gather

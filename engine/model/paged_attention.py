@@ -34,37 +34,45 @@ def inplace_on(setting: str, device: str) -> bool:
 
 
 class PagedMask(NamedTuple):
-    """One pass's block mask over the pool (the same for every layer)."""
+    """One pass's block mask over the pool (the same for every layer), as tensors."""
 
-    block_mask: BlockMask
+    kv_num_blocks: torch.Tensor  # [B, 1, q_blocks] blocks of each sequence up to its last query
+    kv_indices: torch.Tensor  # [B, 1, q_blocks, num_blocks] its physical blocks, in order, first
+    to_logical: torch.Tensor  # [B, num_blocks + 1] each physical block's logical index in the sequence (-1: not its)
+    positions: torch.Tensor  # [B, T] the queries' positions
+
+
+def paged_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_num_blocks: torch.Tensor,
+               kv_indices: torch.Tensor, to_logical: torch.Tensor, positions: torch.Tensor, block_size: int,
+               scale: float) -> torch.Tensor:
+    """flex_attention of q [B, heads, T, D] over the pool's keys, values [1, kv_heads, rows, D] under
+    the pass's block mask. The mask_mod is made here from tensor arguments, so a compiled call is
+    traced once, not once per engine or per pass (a new closure each time would be re-traced until
+    dynamo's recompile limit, after which it runs the unfused reference: the whole pool's scores)."""
+    bs = block_size
+
+    def visible(b, h, q_idx, kv_idx):  # key row kv_idx is sequence b's and at or before query q_idx
+        block = to_logical[b, kv_idx // bs]
+        return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
+    mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=visible,
+                                    seq_lengths=(q.shape[2], keys.shape[2]), compute_q_blocks=False)
+    return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
 
 
 class PagedAttention:
     """In-place attention over one pool's storage [layers, 2, kv_heads, rows + 1, head_dim]."""
 
-    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int, max_batch: int,
-                 flex: Callable | None = None):
-        """flex: the flex_attention to call (None: compiled on CUDA, eager elsewhere)."""
+    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int, flex: Callable | None = None):
+        """flex: paged_flex, or a compiled form of it (None: compiled on CUDA, eager elsewhere)."""
         self.storage = storage  # the pool's [layers, 2, kv_heads, rows + 1, head_dim]
-        self.block_size = bs = block_size
-        self.num_blocks = nb = (storage.shape[3] - 1) // block_size
+        self.block_size = block_size
+        self.num_blocks = (storage.shape[3] - 1) // block_size
         self.max_queries = max_queries  # passes of at most this many queries a sequence read in place (decode, verify)
-        self.max_batch = max_batch
-        self._flex = flex or (_compiled_flex() if storage.device.type == "cuda" else flex_attention)
-        # what the mask_mod reads, refilled in place by every pass: one function over the same tensors, so
-        # the compiled kernel is not re-traced per pass (and a CUDA graph replays the refill)
-        to_logical = torch.full((max_batch, nb + 1), -1, dtype=torch.int32, device=storage.device)  # [max_batch, nb + 1]
-        positions = torch.zeros(max_batch, max_queries, dtype=torch.long, device=storage.device)  # [max_batch, max_queries]
-        self._to_logical, self._positions = to_logical, positions
+        self._flex = flex or (_compiled_flex() if storage.device.type == "cuda" else paged_flex)
 
-        def visible(b, h, q_idx, kv_idx):  # key row kv_idx is sequence b's and at or before query q_idx
-            block = to_logical[b, kv_idx // bs]  # its logical block in sequence b (-1: not b's)
-            return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
-        self._visible = visible
-
-    def takes(self, queries: int, view: KVView, batch: int) -> bool:
-        """Whether a pass of `batch` sequences of `queries` tokens over `view` reads in place (else it gathers)."""
-        return queries <= self.max_queries and batch <= self.max_batch and view.storage is self.storage \
+    def takes(self, queries: int, view: KVView) -> bool:
+        """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
+        return queries <= self.max_queries and view.storage is self.storage \
             and (view.read_rows is not None or view.read_slice is not None)
 
     def mask(self, view: KVView, positions: torch.Tensor) -> PagedMask:
@@ -78,34 +86,29 @@ class PagedAttention:
             first_rows = torch.arange(view.read_slice.start, view.read_slice.stop, bs, device=device)[None]
         table = first_rows // bs  # [B, M] physical blocks (nb: the scratch row's, a padded key)
         M = table.shape[1]
-        to_logical = self._to_logical[:B].fill_(-1)  # [B, nb + 1]
+        to_logical = torch.full((B, nb + 1), -1, dtype=torch.int32, device=device)  # [B, nb + 1]
         to_logical.scatter_(1, table, torch.arange(M, device=device, dtype=torch.int32).expand(B, M))
         to_logical[:, nb] = -1  # padded keys
-        self._positions[:B, :T].copy_(positions)
         counts = (positions.amax(dim=1) // bs + 1).clamp(max=M).to(torch.int32)  # [B] blocks up to the last query
         q_blocks = -(-T // Q_BLOCK)
         kv_num_blocks = counts[:, None, None].expand(B, 1, q_blocks).contiguous()  # [B, 1, q_blocks]
         # every block of the pool has a column (inductor's CPU kernel asserts it), the sequence's own first
         kv_indices = torch.zeros(B, 1, q_blocks, nb, dtype=torch.int32, device=device)  # [B, 1, q_blocks, nb]
         kv_indices[..., :min(M, nb)] = table[:, None, None, :nb].clamp(max=nb - 1).to(torch.int32)
-        return PagedMask(BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs),
-                                                  mask_mod=self._visible, seq_lengths=(T, nb * bs),
-                                                  compute_q_blocks=False))
+        return PagedMask(kv_num_blocks, kv_indices, to_logical, positions)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: PagedMask, scale: float) -> torch.Tensor:
         """q [B, heads, T, D] over one layer's pool kv [2, kv_heads, rows + 1, D] -> [B, heads, T, D]."""
         rows = self.num_blocks * self.block_size  # the scratch row past them is never a key
         keys, values = kv[0, :, :rows].unsqueeze(0), kv[1, :, :rows].unsqueeze(0)  # [1, kv_heads, rows, D]
-        return self._flex(q, keys, values, block_mask=mask.block_mask, scale=scale,
-                          enable_gqa=q.shape[1] != keys.shape[1])
+        return self._flex(q, keys, values, *mask, self.block_size, scale)
 
 
 @functools.cache
 def _compiled_flex() -> Callable:
-    """flex_attention compiled once per process, with dynamic shapes: a pass's batch and width
-    change every step, and a kernel per shape would soon pass dynamo's recompile limit (after which
-    it runs the unfused reference, the whole pool's scores in memory)."""
-    return torch.compile(flex_attention, dynamic=True)
+    """paged_flex compiled once per process, with dynamic shapes: a pass's batch and width change
+    every step, and a kernel per shape would soon pass dynamo's recompile limit."""
+    return torch.compile(paged_flex, dynamic=True)
 
 
 def check_inplace(model, pool, tolerance: float) -> str | None:

@@ -357,7 +357,7 @@ class Transformer:
     def _attention_inputs(self, kv: KVView, position_ids: torch.Tensor) -> list[AttentionGroup] | PagedMask:
         """Who reads which keys, once per pass: the block mask where this pass reads the pool in
         place, else the view's groups (each gathers its keys) with their masks."""
-        if self.paged is not None and self.paged.takes(position_ids.shape[1], kv, position_ids.shape[0]):
+        if self.paged is not None and self.paged.takes(position_ids.shape[1], kv):
             return self.paged.mask(kv, position_ids)
         return kv.attention_groups(position_ids)
 

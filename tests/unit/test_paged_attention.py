@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv import PagedKVPool
-from engine.model.paged_attention import PagedAttention, flex_attention, inplace_on
+from engine.model.paged_attention import PagedAttention, inplace_on, paged_flex
 
 D = 8
 
@@ -67,7 +67,7 @@ def _gather(q, view, positions):
 def test_in_place_equals_the_gather_and_a_float64_reference(heads, kv_heads):
     generator = torch.Generator().manual_seed(0)
     pool = _pool(kv_heads)
-    paged = PagedAttention(pool.storage, pool.block_size, max_queries=16, max_batch=4)
+    paged = PagedAttention(pool.storage, pool.block_size, max_queries=16)
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     logical = {}
     for step in range(4):  # interleaved growth: each sequence's blocks are scattered over the pool
@@ -98,12 +98,12 @@ def test_in_place_equals_the_gather_and_a_float64_reference(heads, kv_heads):
 
 def test_compiled_flex_attention_reads_in_place_as_the_eager_one():
     """The block mask and its mask_mod through torch.compile (inductor's CPU kernel; CUDA compiles
-    to Triton): a decode and a ragged verify pass over scattered blocks."""
+    to Triton): a decode and a ragged verify pass over scattered blocks; a second PagedAttention
+    (another engine) reuses the traced function."""
     generator = torch.Generator().manual_seed(1)
     pool = _pool(kv_heads=2, block_size=16)
-    eager = PagedAttention(pool.storage, 16, max_queries=16, max_batch=4)
-    compiled = PagedAttention(pool.storage, 16, max_queries=16, max_batch=4,
-                              flex=torch.compile(flex_attention, dynamic=False))
+    eager = PagedAttention(pool.storage, 16, max_queries=16)
+    compiled = PagedAttention(pool.storage, 16, max_queries=16, flex=torch.compile(paged_flex, dynamic=False))
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     logical = {}
     for chunks in ([20, 5, 33], [9, 17, 1]):
