@@ -17,6 +17,7 @@ DEFAULT_DRAFT_MODEL = "embedded:draft"  # its draft model, for speculative_metho
 KVBackend = Literal["slotted", "paged"]
 SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
+Verification = Literal["token", "block"]  # how a proposal is judged: token by token, or as a block
 DType = Literal["float32", "bfloat16", "float16"]
 LogprobsMode = Literal["raw", "processed"]
 CudaGraphs = Literal["auto", "on", "off"]
@@ -73,6 +74,7 @@ class SpecConfig:
     ngram_min: int = 1  # prompt lookup: the shortest suffix matched
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
+    verification: Verification = "token"  # token: Leviathan et al.'s rule; block: Sun et al.'s (exact, accepts at least as much)
 
     def __post_init__(self) -> None:
         check_bool("use_speculative_decoding", self.use_speculative_decoding)
@@ -86,6 +88,7 @@ class SpecConfig:
         check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
+        check_choice("verification", self.verification, get_args(Verification))
         if self.use_speculative_decoding and self.needs_draft_model and not self.draft_model:
             raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model)")
 

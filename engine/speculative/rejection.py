@@ -13,6 +13,13 @@ Terms, for one request in one round with k proposed tokens t_1..t_k:
 Either way a round emits num_accepted + 1 tokens. With greedy requests p and q are one-hot at
 their argmaxes, so the same rule reduces to "accept while the target argmax equals t".
 
+Block verification (Sun et al., ICLR 2025) judges the proposal as a block instead of token by
+token: a weight w_j = min(1, w_{j-1} p_{j-1}(t_j) / q_{j-1}(t_j)) (w_0 = 1) carries the evidence
+of the prefix t_1..t_j, the prefix is kept with probability h_j (w_k for the whole proposal, else
+r_j / (r_j + 1 - w_j) with r_j the mass of max(0, w_j p_j - q_j)), num_accepted is the longest kept
+prefix, and the recovered token comes from norm(max(0, w_j p_j - q_j)). Exact as well, and it
+accepts at least as many tokens in expectation (as many with one-hot q: n-gram, greedy drafting).
+
 `verify` is pure and vectorised over the batch. `accept` applies it to a verify pass: p is the
 target's adjusted distribution (engine/sampling.py) at each of the K + 1 positions, the
 repetition penalty at position j seeing t_1..t_j. A request with k proposals takes k + 1 draws
@@ -70,6 +77,54 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_proposed: 
     return Acceptance(num_accepted, final, is_bonus)
 
 
+def block_acceptance(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_proposed: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's weights and keep probabilities: w [N, K+1] (w_0 = 1) and h [N, K+1]
+    (h_0 = 1; h_j for j past num_proposed[i] is 0). p, q, draft, num_proposed as in `verify`."""
+    N, K1, V = p.shape
+    K = K1 - 1
+    idx = draft.unsqueeze(-1)  # [N, K, 1]
+    p_tok = p[:, :K].gather(-1, idx).squeeze(-1)  # [N, K]
+    q_tok = q.gather(-1, idx).squeeze(-1)  # [N, K]
+    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok))  # [N, K]
+    weights = [torch.ones(N, dtype=p.dtype, device=p.device)]
+    for j in range(K):
+        weights.append((weights[-1] * ratio[:, j]).clamp(max=1.0))
+    w = torch.stack(weights, dim=1)  # [N, K+1]
+    # r_j: the mass left for a token after t_1..t_j if the block stopped there (j < K; q_K does not exist)
+    r = (w[:, 1:K, None] * p[:, 1:K] - q[:, 1:K]).clamp_min(0).sum(-1)  # [N, K-1]
+    denom = r + 1 - w[:, 1:K]  # [N, K-1]
+    h_inner = torch.where(denom > 0, r / denom.clamp_min(1e-30), torch.ones_like(r))  # [N, K-1]
+    h = torch.cat([torch.ones(N, 1, dtype=p.dtype, device=p.device), h_inner,
+                   torch.zeros(N, 1, dtype=p.dtype, device=p.device)], dim=1)  # [N, K+1]
+    positions = torch.arange(K1, device=p.device)[None, :]  # [1, K+1]
+    h = torch.where(positions == num_proposed[:, None], w, h)  # the whole proposal: kept with prob w_k
+    h = torch.where(positions > num_proposed[:, None], torch.zeros_like(h), h)
+    h[:, 0] = 1.0
+    return w, h
+
+
+def verify_block(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_proposed: torch.Tensor,
+                 uniforms: torch.Tensor) -> Acceptance:
+    """Block verification for N requests; arguments as in `verify`."""
+    N, K1, V = p.shape
+    if K1 == 1:
+        return verify(p, q, draft, num_proposed, uniforms)
+    w, h = block_acceptance(p, q, draft, num_proposed)  # [N, K+1] each
+    kept = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=p.device), uniforms < h[:, 1:]], dim=1)  # [N, K+1]
+    positions = torch.arange(K1, device=p.device)[None, :].expand(N, K1)  # [N, K+1]
+    num_accepted = torch.where(kept, positions, torch.zeros_like(positions)).amax(dim=1)  # [N] the longest kept prefix
+    is_bonus = num_accepted == num_proposed  # [N]
+    rows = torch.arange(N, device=p.device)
+    p_at = p[rows, num_accepted]  # [N, V]
+    q_at = q[rows, num_accepted.clamp(max=K1 - 2)]  # [N, V]
+    residual = (w[rows, num_accepted][:, None] * p_at - q_at).clamp_min(0)  # [N, V]
+    mass = residual.sum(-1, keepdim=True)  # [N, 1]
+    recovered = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)  # [N, V]
+    final = torch.where(is_bonus[:, None], p_at, recovered)  # [N, V]
+    return Acceptance(num_accepted, final, is_bonus)
+
+
 def verify_greedy(target_argmax: torch.Tensor, draft: torch.Tensor, num_proposed: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy special case without probabilities.
@@ -86,8 +141,9 @@ def verify_greedy(target_argmax: torch.Tensor, draft: torch.Tensor, num_proposed
 
 
 def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor, raw_logits: torch.Tensor | None = None,
-           logprobs_mode: str = "raw") -> tuple[list[int], list[int]]:
-    """logits [N, K+1, V] -> (accepted proposals per request, final token per request). Requests
+           logprobs_mode: str = "raw", verification: str = "token") -> tuple[list[int], list[int]]:
+    """logits [N, K+1, V] -> (accepted proposals per request, final token per request), by the
+    token rule or block verification (`verification`: "token" | "block"). Requests
     that ask for logprobs get those of their emitted tokens (the accepted proposals and the final
     token) in pending_logprobs, from the target's distribution at each position (raw_logits: the
     verify pass's before structured-output masks; default `logits`), read in the same transfer."""
@@ -104,7 +160,8 @@ def accept(reqs: list[Request], proposal: Proposal, logits: torch.Tensor, raw_lo
         # row i: its k_i acceptance uniforms, then the final token's at column k_i; the rest unused
         uniforms = draw_uniforms([r.random_stream for r in reqs], k1, logits.device,
                                  counts=[len(t) + 1 for t in proposal.tokens])  # [N, K+1]
-        result = verify(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms[:, :k1 - 1])
+        rule = verify_block if verification == "block" else verify
+        result = rule(p, proposal.q[:, :k1 - 1], draft, num_proposed, uniforms[:, :k1 - 1])
         num_accepted = result.num_accepted
         final = inverse_cdf(result.final_probs, uniforms.gather(1, num_proposed[:, None])[:, 0])  # [N]
     k = most_wanted([r.params.logprobs for r in reqs])

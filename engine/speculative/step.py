@@ -121,7 +121,8 @@ class SpeculativeDecoder:
         raw = logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
         if masks is not None:
             logits = mask_logits(logits, masks)
-        num_accepted, finals = accept(reqs, proposal, logits, raw, self.runner.logprobs_mode)
+        num_accepted, finals = accept(reqs, proposal, logits, raw, self.runner.logprobs_mode,
+                                      self.settings.verification)
         target_seconds = time.perf_counter() - t1
         if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
             self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import torch
+import itertools
 
-from engine.speculative.rejection import verify, verify_greedy
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from engine.speculative.rejection import Acceptance, block_acceptance, verify, verify_block, verify_greedy
 
 
 def test_acceptance_probability_is_min_one_p_over_q():
@@ -65,3 +69,115 @@ def test_greedy_accepts_while_argmax_matches():
     assert final.tolist() == [8, 9, 1]
     n_acc, final = verify_greedy(target_argmax, draft, torch.tensor([2, 0, 3]))
     assert n_acc.tolist() == [2, 0, 0] and final.tolist() == [7, 5, 1]
+
+
+# --- block verification --------------------------------------------------------------------------
+V_SMALL, K_SMALL = 3, 3
+
+
+def _lm_tables(seed: int, concentration: float = 0.7, one_hot: bool = False) -> dict[tuple, torch.Tensor]:
+    """A toy language model over V_SMALL tokens: a next-token distribution for every prefix up to
+    K_SMALL + 1 long (one-hot ones for a deterministic proposer)."""
+    rng = np.random.default_rng(seed)
+    tables = {}
+    for length in range(K_SMALL + 2):
+        for prefix in itertools.product(range(V_SMALL), repeat=length):
+            draw = np.eye(V_SMALL)[rng.integers(V_SMALL)] if one_hot else rng.dirichlet([concentration] * V_SMALL)
+            tables[prefix] = torch.from_numpy(draw / draw.sum())
+    return tables
+
+
+def _rows(target: dict, proposer: dict, drafts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p [N, K+1, V], q [N, K, V] and the drafts [N, K] for the given proposals."""
+    p = torch.stack([torch.stack([target[d[:j]] for j in range(K_SMALL + 1)]) for d in drafts])
+    q = torch.stack([torch.stack([proposer[d[:j]] for j in range(K_SMALL)]) for d in drafts])
+    return p, q, torch.tensor(drafts)
+
+
+def _expected_accepted(target: dict, proposer: dict, rule: str) -> float:
+    """E[num_accepted] over every proposal (weighted by q), exactly: token rule Σ_i Π_{j<=i}
+    min(1, p/q); block rule Σ_i i h_i Π_{j>i} (1 - h_j)."""
+    drafts = list(itertools.product(range(V_SMALL), repeat=K_SMALL))
+    p, q, draft = _rows(target, proposer, drafts)
+    q_x = q.gather(-1, draft[..., None])[..., 0]  # [N, K]
+    weight = q_x.prod(-1)  # [N]
+    if rule == "token":
+        ratio = (p[:, :K_SMALL].gather(-1, draft[..., None])[..., 0] / q_x).clamp(max=1)
+        return float((weight * ratio.cumprod(-1).sum(-1)).sum())
+    _, h = block_acceptance(p, q, draft, torch.full((len(drafts),), K_SMALL))
+    expected = torch.zeros(len(drafts), dtype=torch.float64)
+    for i in range(1, K_SMALL + 1):
+        expected += i * h[:, i] * (1 - h[:, i + 1:]).prod(-1)
+    return float((weight * expected).sum())
+
+
+def test_block_verification_accepts_at_least_as_many_tokens_in_expectation():
+    for seed in range(4):
+        target, proposer = _lm_tables(seed), _lm_tables(100 + seed)
+        block, token = _expected_accepted(target, proposer, "block"), _expected_accepted(target, proposer, "token")
+        assert block >= token - 1e-12
+    assert block > token + 0.01  # strictly more on some pair: it is not the token rule in disguise
+
+
+def _sequences(rule, target: dict, proposer: dict, n: int, seed: int) -> torch.Tensor:
+    """n rounds of `rule` over proposals drawn from `proposer`, each output continued by sampling
+    the target to K + 1 tokens: [n, K + 1] token sequences, which must follow the target."""
+    gen = torch.Generator().manual_seed(seed)
+    drafts = []
+    for _ in range(n):
+        d: tuple = ()
+        for _ in range(K_SMALL):
+            d += (int(torch.multinomial(proposer[d], 1, generator=gen)),)
+        drafts.append(d)
+    p, q, draft = _rows(target, proposer, drafts)
+    res = rule(p, q, draft, torch.full((n,), K_SMALL), torch.rand(n, K_SMALL, generator=gen, dtype=torch.float64))
+    final = torch.multinomial(res.final_probs, 1, generator=gen)[:, 0]
+    out = []
+    for d, k, y in zip(drafts, res.num_accepted.tolist(), final.tolist()):
+        seq = d[:k] + (y,)
+        while len(seq) < K_SMALL + 1:
+            seq += (int(torch.multinomial(target[seq], 1, generator=gen)),)
+        out.append(seq)
+    return torch.tensor(out)
+
+
+def _chi2_sequences(sequences: torch.Tensor, target: dict) -> float:
+    cells = list(itertools.product(range(V_SMALL), repeat=K_SMALL + 1))
+    index = {c: i for i, c in enumerate(cells)}
+    counts = np.bincount([index[tuple(s)] for s in sequences.tolist()], minlength=len(cells))
+    probs = np.array([float(np.prod([target[c[:j]][c[j]].item() for j in range(K_SMALL + 1)])) for c in cells])
+    expected = probs / probs.sum() * len(sequences)
+    big = expected >= 5
+    return chisquare(np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
+
+
+def _unweighted_block(p, q, draft, num_proposed, uniforms) -> Acceptance:
+    """A wrong block rule: the recovered token from norm(max(0, p - q)), the weight left out."""
+    good = verify_block(p, q, draft, num_proposed, uniforms)
+    rows = torch.arange(p.shape[0])
+    k = good.num_accepted
+    residual = (p[rows, k] - q[rows, k.clamp(max=q.shape[1] - 1)]).clamp_min(0)
+    recovered = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+    return good._replace(final_probs=torch.where(good.is_bonus[:, None], good.final_probs, recovered))
+
+
+def test_block_verification_is_exact_and_the_test_has_teeth():
+    """Whole sequences (K + 1 tokens, 81 cells) against the target's joint distribution: block
+    verification passes; the same rule with the weight left out of the residual is rejected."""
+    target, proposer = _lm_tables(7, concentration=0.5), _lm_tables(8, concentration=0.5)
+    assert _chi2_sequences(_sequences(verify_block, target, proposer, 20000, seed=1), target) > 1e-3
+    assert _chi2_sequences(_sequences(verify, target, proposer, 20000, seed=2), target) > 1e-3
+    assert _chi2_sequences(_sequences(_unweighted_block, target, proposer, 20000, seed=3), target) < 1e-3
+
+
+def test_block_verification_with_a_deterministic_proposer_and_short_rows():
+    """One-hot q (n-gram, greedy drafting) stays exact; rows with fewer or no proposals keep the
+    rules of `verify` (nothing past num_proposed is accepted; no proposal: the bonus from p_0)."""
+    target, proposer = _lm_tables(3), _lm_tables(4, one_hot=True)
+    assert abs(_expected_accepted(target, proposer, "block") - _expected_accepted(target, proposer, "token")) < 1e-12
+    assert _chi2_sequences(_sequences(verify_block, target, proposer, 6000, seed=5), target) > 1e-3
+    p = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64).expand(2, -1, -1).clone()
+    q = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64).expand(2, -1, -1).clone()
+    res = verify_block(p, q, torch.tensor([[1, 0], [1, 0]]), torch.tensor([1, 0]), torch.zeros(2, 2, dtype=torch.float64))
+    assert res.num_accepted.tolist() == [1, 0] and res.is_bonus.tolist() == [True, True]
+    torch.testing.assert_close(res.final_probs, torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64))

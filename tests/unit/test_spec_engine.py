@@ -97,6 +97,8 @@ def test_spec_config_validation():
         SpecConfig(spec_policy="sometimes")
     with pytest.raises(ValueError, match="ngram_one_token_match_max"):
         SpecConfig(ngram_one_token_match_max=0)
+    with pytest.raises(ValueError, match="verification"):
+        SpecConfig(verification="tree")
     with pytest.raises(ValueError, match=r"unknown speculative field\(s\): \['spec_lenght'\]"):
         EngineConfig(speculative={"spec_lenght": 3})
     # flat keywords and the nested form are one configuration
@@ -112,6 +114,8 @@ def test_reconfigure_changes_method_and_validates(tiny_model, tiny_draft):
     settings = eng.reconfigure_speculation(speculative_method="ngram", spec_length=2, spec_policy="adaptive")
     assert (settings.speculative_method, settings.spec_length, settings.spec_policy) == ("ngram", 2, "adaptive")
     assert eng.stats()["speculation"]["speculative_method"] == "ngram" and eng.speculation.proposer.name == "ngram"
+    assert eng.reconfigure_speculation(verification="block").verification == "block"  # live, like the others
+    assert eng.speculation.settings.verification == "block"
     with pytest.raises(ValueError, match="spec_length"):
         eng.reconfigure_speculation(spec_length=0)
     with pytest.raises(ValueError, match=r"unknown speculation field\(s\): \['draft_model'\]"):

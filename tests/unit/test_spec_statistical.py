@@ -157,6 +157,35 @@ def test_teeth_correction_replaced_by_p_is_detected(pair, monkeypatch):
     assert min(p2, p3) < 1e-3
 
 
+@pytest.mark.parametrize("name", ["t1", "t07_topk", "presence_frequency"])
+def test_block_verification_matches_target_marginals(pair, name):
+    """`verification: block` in the engine: the same marginals, the same test."""
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS[name])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, acceptance = sample_speculative(tpath, dpath, params, verification="block")
+    assert 0.3 < acceptance < 0.95, f"draft should disagree sometimes (acceptance {acceptance:.2f})"
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+
+
+def test_teeth_block_verification_with_a_wrong_correction_is_detected(pair, monkeypatch):
+    """The engine's block path with its recovered token drawn from p (the classic bug) is rejected,
+    which also shows `verification: block` reaches verify_block. (A subtler bug, the block's
+    weight left out of the residual, needs the sharper whole-sequence test of test_rejection.py.)"""
+    def broken(p, q, draft, num_proposed, uniforms) -> Acceptance:
+        good = block(p, q, draft, num_proposed, uniforms)
+        return good._replace(final_probs=p[torch.arange(p.shape[0]), good.num_accepted])
+
+    block = accept_module.verify_block
+    monkeypatch.setattr(accept_module, "verify_block", broken)
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS["t1"])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, _ = sample_speculative(tpath, dpath, params, verification="block")
+    assert min(chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)) < 1e-3
+
+
 class EvenTokensDraft:
     """A proposer behind the Proposer seam whose q is zero on every odd token: the draft model's
     distribution restricted to the even ids and renormalised (what a reduced draft vocabulary,
