@@ -1,0 +1,89 @@
+"""Block vs token verification: accepted tokens per round and speed, batch 1, sampled.
+
+    python -m bench verification [--temperature 0.8] [--k 4] [--prompts 8] [--tokens 96] [--repeats 5]
+
+The shipped pair, EAGLE-3 head and draft model, each at fixed K and adaptive, held-out code prompts
+one at a time; token and block verification run interleaved on the same seeds (each repeat its own
+seeds, so the spread over repeats is the spread over seeds). Figures: accepted tokens per round and
+tok/s, block ÷ token (goals >= 1.0).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.common import adaptive, fixed, generate_each, interleave, parser, write
+from bench.workloads import load_prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("verification", __doc__, tokens=96, models=False)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--k", type=int, default=4, help="K of the fixed-K variants")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--methods", nargs="+", default=["eagle", "draft"], choices=["eagle", "draft"])
+    ap.set_defaults(repeats=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+
+    prompts = load_prompts("code")[:args.prompts]
+    results = {}
+    for method in args.methods:
+        llm = LLM(speculative_method=method, max_batch_size=1, max_seq_len=1024)
+        draws = {"repeat": 0}
+
+        def variant(spec: dict, verification: str, llm=llm, draws=draws):
+            def go() -> dict:
+                llm.engine.reconfigure_speculation(**spec, verification=verification)
+                params = [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
+                                         seed=1000 * draws["repeat"] + i) for i in range(len(prompts))]
+                t0 = time.perf_counter()
+                outs, _ = generate_each(llm, prompts, params)
+                seconds = time.perf_counter() - t0
+                rounds = sum(o.num_spec_rounds for o in outs)
+                return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+                        "accepted_per_round": sum(o.num_accepted_tokens for o in outs) / rounds if rounds else 0.0,
+                        "rounds": rounds}
+            return go
+
+        shapes = {f"K={args.k}": fixed(method, args.k), "adaptive": adaptive(method)}
+        variants = {f"{shape} {rule}": variant(spec, rule) for shape, spec in shapes.items()
+                    for rule in ("token", "block")}
+        names = list(variants)
+
+        def next_repeat(draws=draws):  # every variant of a repeat decodes with the same seeds
+            draws["repeat"] += 1
+            return {}
+
+        for fn in variants.values():
+            fn()  # warm-up
+        runs = interleave({**variants, "_seeds": next_repeat}, args.repeats, method)
+        row = {}
+        for shape in shapes:
+            token, block = runs[f"{shape} token"], runs[f"{shape} block"]
+            accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
+            speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
+            row[shape] = {
+                "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
+                                       for rule in ("token", "block")},
+                "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
+                                              "max": max(accepted), "per_seed": accepted},
+                "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed)},
+                "tok_s": {rule: statistics.median(r["tok_s"] for r in runs[f"{shape} {rule}"]) for rule in ("token", "block")},
+            }
+            print(f"{method} {shape}: accepted/round token {row[shape]['accepted_per_round']['token']:.3f} "
+                  f"block {row[shape]['accepted_per_round']['block']:.3f} -> x{statistics.median(accepted):.3f} "
+                  f"[{min(accepted):.3f}, {max(accepted):.3f}]; tok/s x{statistics.median(speed):.3f} "
+                  f"[{min(speed):.3f}, {max(speed):.3f}]", flush=True)
+        results[method] = {"variants": names, **row}
+    path = write("verification", {"temperature": args.temperature, "k": args.k, "prompts": args.prompts,
+                                  "tokens": args.tokens, "repeats": args.repeats, "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
