@@ -243,3 +243,45 @@ class RecordingObserver:
 
     def observe_catch_up(self, tokens, seconds):
         self.seen.append(("catch_up", tokens))
+
+
+def toy_lm(seed: int, vocab: int, max_len: int, concentration: float = 0.7,
+           one_hot: bool = False) -> dict[tuple, torch.Tensor]:
+    """A toy language model: a next-token distribution (float64) over `vocab` tokens for every
+    prefix of at most `max_len` tokens (one-hot ones for a deterministic proposer)."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tables = {}
+    for length in range(max_len + 1):
+        for prefix in itertools.product(range(vocab), repeat=length):
+            draw = np.eye(vocab)[rng.integers(vocab)] if one_hot else rng.dirichlet([concentration] * vocab)
+            tables[prefix] = torch.from_numpy(draw / draw.sum())
+    return tables
+
+
+def chi2_sequences(sequences: list[tuple], target: dict[tuple, torch.Tensor], vocab: int, length: int) -> float:
+    """Chi-square p-value of `sequences` (each `length` tokens) against the toy model `target`'s
+    joint distribution (cells expected below 5 pooled)."""
+    import itertools
+
+    import numpy as np
+    from scipy.stats import chisquare
+
+    cells = list(itertools.product(range(vocab), repeat=length))
+    index = {c: i for i, c in enumerate(cells)}
+    counts = np.bincount([index[tuple(s)] for s in sequences], minlength=len(cells))
+    probs = np.array([float(np.prod([target[c[:j]][c[j]].item() for j in range(length)])) for c in cells])
+    expected = probs / probs.sum() * len(sequences)
+    big = expected >= 5
+    return chisquare(np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
+
+
+def continue_with(target: dict[tuple, torch.Tensor], prefix: tuple, length: int, gen: torch.Generator) -> tuple:
+    """`prefix` continued by sampling the toy model `target` to `length` tokens."""
+    while len(prefix) < length:
+        prefix += (int(torch.multinomial(target[prefix], 1, generator=gen)),)
+    return prefix
+

@@ -72,12 +72,15 @@ class KVView:
         self.needs_mask = needs_mask
         self.groups = groups
         self.causal_tail = False  # every row's queries are exactly its last T keys (a lower-right causal mask)
+        self.mask_override: torch.Tensor | None = None  # [B, 1, T, L] a pass over token trees (kv/tree_view.py)
         self.input_ids: torch.Tensor | None = None  # [B, T] (padded rows: token 0)
         self.position_ids: torch.Tensor | None = None  # [B, T] (padded rows: position 0)
         self.last: torch.Tensor | None = None  # [B]
 
     def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """[B, 1, T, L] bool (True = attend): key j is visible to a query at position p iff j <= p."""
+        if self.mask_override is not None:
+            return self.mask_override
         if not self.needs_mask:
             return None
         return _causal_mask(position_ids, self.key_len)
@@ -154,6 +157,7 @@ class CachePool(Protocol):
     def ensure_capacity(self, slot: int, new_len: int) -> bool: ...
     def view(self, slots: list[int], chunk_lens: list[int], width: int | None = None,
              tokens: list[list[int]] | None = None) -> KVView: ...
+    def move_rows(self, slot: int, moves: list[tuple[int, int]]) -> None: ...
     def truncate_to(self, slot: int, new_len: int, keep_storage: bool = False) -> None: ...
     def free_token_capacity(self) -> int | None: ...
     def register_prefix(self, slot: int, token_ids: list[int]) -> None: ...

@@ -72,7 +72,7 @@ class PagedAttention:
 
     def takes(self, queries: int, view: KVView) -> bool:
         """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
-        return queries <= self.max_queries and view.storage is self.storage \
+        return queries <= self.max_queries and view.storage is self.storage and view.mask_override is None \
             and (view.read_rows is not None or view.read_slice is not None)
 
     def mask(self, view: KVView, positions: torch.Tensor) -> PagedMask:

@@ -11,6 +11,7 @@ import torch
 from engine import host_sync
 from engine.kv import CachePool, make_pool
 from engine.kv.protocol import KVView, power_of_two_at_least
+from engine.kv.tree_view import tree_view
 from engine.model.transformer import Transformer
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
@@ -43,15 +44,18 @@ class PassInputs(NamedTuple):
 
 
 def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
-                start_positions: list[int]) -> PassInputs:
+                start_positions: list[int], trees: list[list[int] | None] | None = None) -> PassInputs:
     """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its
-    length), reaching the device with the view's indices in one upload."""
+    length), reaching the device with the view's indices in one upload. trees[i]: chunk i is a
+    token tree's root and nodes, node j's parent trees[i][j] (-1: the root); None: a chain."""
     if any(pool.seq_len(s) != p for s, p in zip(slots, start_positions)):
         raise ValueError(f"chunks must start at their slots' lengths: {start_positions} vs "
                          f"{[pool.seq_len(s) for s in slots]}")
     longest = max(len(c) for c in chunks)
     T = padded_length(longest)
     view = pool.view(slots, [len(c) for c in chunks], width=T, tokens=[c + [0] * (T - len(c)) for c in chunks])
+    if trees is not None and any(t is not None for t in trees):
+        view = tree_view(view, start_positions, [len(c) for c in chunks], trees)
     return PassInputs(view.input_ids, view.position_ids, view, longest, view.last)
 
 
@@ -75,13 +79,15 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
-                   start_positions: list[int], all_logits: bool = False) -> torch.Tensor:
-    """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length).
+                   start_positions: list[int], all_logits: bool = False,
+                   trees: list[list[int] | None] | None = None) -> torch.Tensor:
+    """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length); chunks
+    that are token trees as `pass_inputs` says.
 
     Returns logits of each chunk's last token [B, vocab], or of every position [B, T, vocab]
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
-    x = pass_inputs(model, pool, slots, chunks, start_positions)
+    x = pass_inputs(model, pool, slots, chunks, start_positions, trees)
     replay = replayed(model, x)
     if replay is not None:
         return at_last(replay[0], x, all_logits)
@@ -97,8 +103,8 @@ def replayed(model: Transformer, x: PassInputs, extra: torch.Tensor | None = Non
     """The pass's every-position outputs [B, T, ...] replayed from the model's captured graphs
     (engine/model/cuda_graphs.py; with the features of `layers` second where asked), or None: eager."""
     graphs = model.graphs
-    if graphs is None or (layers and graphs.layers != layers):
-        return None
+    if graphs is None or (layers and graphs.layers != layers) or x.view.mask_override is not None:
+        return None  # no graph, or a tree pass (its mask is not a graph's)
     return graphs.run(x.ids, x.positions, x.view, extra)
 
 
@@ -114,9 +120,10 @@ def at_last(every: torch.Tensor, x: PassInputs, all_logits: bool) -> torch.Tenso
 
 def forward_chunks_features(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                             start_positions: list[int], layers: tuple[int, ...],
-                            all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            all_logits: bool = False, trees: list[list[int] | None] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_chunks' logits, and the features of `layers` at every position [B, longest, F]."""
-    x = pass_inputs(model, pool, slots, chunks, start_positions)
+    x = pass_inputs(model, pool, slots, chunks, start_positions, trees)
     replay = replayed(model, x, layers=layers)
     if replay is not None:
         return at_last(replay[0], x, all_logits), replay[1][:, :x.longest]

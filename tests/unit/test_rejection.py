@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import torch
-from scipy.stats import chisquare
 
 from engine.speculative.rejection import Acceptance, block_acceptance, verify, verify_block, verify_greedy
+from tests.helpers import chi2_sequences, continue_with, toy_lm
 
 
 def test_acceptance_probability_is_min_one_p_over_q():
@@ -76,15 +75,7 @@ V_SMALL, K_SMALL = 3, 3
 
 
 def _lm_tables(seed: int, concentration: float = 0.7, one_hot: bool = False) -> dict[tuple, torch.Tensor]:
-    """A toy language model over V_SMALL tokens: a next-token distribution for every prefix up to
-    K_SMALL + 1 long (one-hot ones for a deterministic proposer)."""
-    rng = np.random.default_rng(seed)
-    tables = {}
-    for length in range(K_SMALL + 2):
-        for prefix in itertools.product(range(V_SMALL), repeat=length):
-            draw = np.eye(V_SMALL)[rng.integers(V_SMALL)] if one_hot else rng.dirichlet([concentration] * V_SMALL)
-            tables[prefix] = torch.from_numpy(draw / draw.sum())
-    return tables
+    return toy_lm(seed, V_SMALL, K_SMALL + 1, concentration, one_hot)
 
 
 def _rows(target: dict, proposer: dict, drafts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,7 +110,7 @@ def test_block_verification_accepts_at_least_as_many_tokens_in_expectation():
     assert block > token + 0.01  # strictly more on some pair: it is not the token rule in disguise
 
 
-def _sequences(rule, target: dict, proposer: dict, n: int, seed: int) -> torch.Tensor:
+def _sequences(rule, target: dict, proposer: dict, n: int, seed: int) -> list[tuple]:
     """n rounds of `rule` over proposals drawn from `proposer`, each output continued by sampling
     the target to K + 1 tokens: [n, K + 1] token sequences, which must follow the target."""
     gen = torch.Generator().manual_seed(seed)
@@ -132,23 +123,12 @@ def _sequences(rule, target: dict, proposer: dict, n: int, seed: int) -> torch.T
     p, q, draft = _rows(target, proposer, drafts)
     res = rule(p, q, draft, torch.full((n,), K_SMALL), torch.rand(n, K_SMALL, generator=gen, dtype=torch.float64))
     final = torch.multinomial(res.final_probs, 1, generator=gen)[:, 0]
-    out = []
-    for d, k, y in zip(drafts, res.num_accepted.tolist(), final.tolist()):
-        seq = d[:k] + (y,)
-        while len(seq) < K_SMALL + 1:
-            seq += (int(torch.multinomial(target[seq], 1, generator=gen)),)
-        out.append(seq)
-    return torch.tensor(out)
+    return [continue_with(target, d[:k] + (y,), K_SMALL + 1, gen)
+            for d, k, y in zip(drafts, res.num_accepted.tolist(), final.tolist())]
 
 
-def _chi2_sequences(sequences: torch.Tensor, target: dict) -> float:
-    cells = list(itertools.product(range(V_SMALL), repeat=K_SMALL + 1))
-    index = {c: i for i, c in enumerate(cells)}
-    counts = np.bincount([index[tuple(s)] for s in sequences.tolist()], minlength=len(cells))
-    probs = np.array([float(np.prod([target[c[:j]][c[j]].item() for j in range(K_SMALL + 1)])) for c in cells])
-    expected = probs / probs.sum() * len(sequences)
-    big = expected >= 5
-    return chisquare(np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
+def _chi2_sequences(sequences: list[tuple], target: dict) -> float:
+    return chi2_sequences(sequences, target, V_SMALL, K_SMALL + 1)
 
 
 def _unweighted_block(p, q, draft, num_proposed, uniforms) -> Acceptance:

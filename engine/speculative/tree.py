@@ -1,0 +1,142 @@
+"""A proposal as a token tree, and exact acceptance over it (SpecInfer's multi-draft recursive
+rejection sampling; the seeds' notes `003_…`, "iterative speculative sampling").
+
+Terms, for one request in one round:
+- root: the request's last emitted token; node i (0..n-1) a proposed token `tokens[i]` whose
+  parent is `parents[i]` (-1: the root). Parents come before their children, so a chain is the
+  tree whose node i has parent i - 1; siblings are tried in their order.
+- depth(i): 1 for the root's children. A verify pass feeds the root and the n nodes, node i at
+  position (the root's) + depth(i), attending to the context, the root and its own ancestors.
+- p[0]: the target's distribution after the root; p[i + 1]: after node i.
+- q[i]: the distribution node i's token was drawn from, each child an independent draw given its
+  parent (siblings may repeat a token); a node that was chosen rather than drawn (top-k, n-gram
+  branches) is a point mass on its token, which is also what `q = None` means for every node.
+- accepting: from the root down, the children of the current node are tried in order against r,
+  the node's p with every rejected sibling's q taken out: child c is accepted with probability
+  min(1, r(x_c) / q_c(x_c)), else r <- norm(max(0, r - q_c)). The first accepted child becomes the
+  current node. The walk ends at a leaf (the bonus token, drawn from its p) or when every child is
+  rejected (the recovered token, drawn from r). Each step is speculative sampling of one token
+  with a proposal per sibling, so every emitted token follows the target exactly.
+- greedy: follow the child whose token is the target's argmax; the final token is the argmax
+  where no child matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: tuple[int, ...]  # node i's token
+    parents: tuple[int, ...]  # node i's parent (-1: the root); parents[i] < i
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"a token tree needs a parent per token: {len(self.tokens)} tokens, "
+                             f"{len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent must be -1 (the root) or an earlier node, got {parent}")
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> TokenTree:
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Node i's depth (1: a child of the root)."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return tuple(out)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[0]: the root's children; children[i + 1]: node i's; each in sibling order."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents):
+            out[parent + 1].append(i)
+        return tuple(tuple(c) for c in out)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node` (empty for the root, -1)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestor_mask(self, device=None) -> torch.Tensor:
+        """[n + 1, n + 1] bool over (root, nodes): row a may attend to column b, b being a or one of
+        a's ancestors (the root is everyone's)."""
+        n = len(self)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            mask[i + 1] = mask[parent + 1]
+            mask[i + 1, i + 1] = True
+        return mask.to(device) if device is not None else mask
+
+
+def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:
+    """target_argmax: the argmax of p[0..n] -> (the accepted nodes, root to last; the final token)."""
+    node, path = -1, []
+    while True:
+        best = target_argmax[node + 1]
+        nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return path, best
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tree: TokenTree, p: torch.Tensor, q: torch.Tensor | None, uniforms: list[float]
+                   ) -> tuple[list[int], torch.Tensor]:
+    """p [n + 1, V] (root, then each node), q [n, V] or None (every node a point mass), uniforms:
+    n + 1 draws in [0, 1) (one per child tried, in order; the rest unused) -> (the accepted nodes,
+    root to last; the distribution [V] the final token is drawn from)."""
+    node, path, used = -1, [], 0
+    residual = p[0]
+    while True:
+        kids = tree.children[node + 1]
+        if not kids:
+            return path, residual  # a leaf: the bonus token from its p (no sibling tried)
+        accepted = None
+        for c in kids:
+            x = tree.tokens[c]
+            q_c = q[c] if q is not None else None
+            q_x = float(q_c[x]) if q_c is not None else 1.0
+            ratio = min(1.0, float(residual[x]) / q_x) if q_x > 0 else 0.0
+            hit = uniforms[used] < ratio
+            used += 1
+            if hit:
+                accepted = c
+                break
+            if q_c is None:
+                left = residual.clone()
+                left[x] = 0.0
+            else:
+                left = (residual - q_c).clamp_min(0)
+            mass = float(left.sum())
+            # no mass left only through rounding, when r equalled q: r itself is then exact
+            residual = left / mass if mass > 0 else residual
+        if accepted is None:
+            return path, residual
+        path.append(accepted)
+        node = accepted
+        residual = p[node + 1]

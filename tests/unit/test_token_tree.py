@@ -1,0 +1,138 @@
+"""Token trees: their shape (depths, children, the ancestor mask) and exact acceptance over them,
+greedy and sampled, drawn or chosen children, against a toy language model's joint distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
+from tests.helpers import chi2_sequences, continue_with, toy_lm
+
+V, LENGTH = 3, 4  # toy vocabulary; sequences compared over the first 4 tokens (81 cells)
+#      root
+#     /    \
+#    0      1          depth 1
+#   / \     |
+#  2   3    4          depth 2
+#  |
+#  5                   depth 3
+SHAPE = (-1, -1, 0, 0, 1, 2)
+
+
+def test_shape_depths_children_and_ancestor_mask():
+    tree = TokenTree((5, 6, 7, 8, 9, 10), SHAPE)
+    assert tree.depths == (1, 1, 2, 2, 2, 3) and tree.depth == 3 and not tree.is_chain
+    assert tree.children == ((0, 1), (2, 3), (4,), (5,), (), (), ())
+    assert tree.path(5) == [0, 2, 5] and tree.path(-1) == []
+    mask = tree.ancestor_mask()  # rows and columns: root, nodes 0..5
+    assert mask[6].tolist() == [True, True, False, True, False, False, True]  # node 5: root, 0, 2, itself
+    assert mask[5].tolist() == [True, False, True, False, False, True, False]  # node 4: root, 1, itself
+    assert mask.sum().item() == 1 + 2 + 2 + 3 + 3 + 3 + 4
+    chain = TokenTree.chain([4, 4, 4])
+    assert chain.is_chain and chain.parents == (-1, 0, 1) and torch.equal(chain.ancestor_mask(), torch.ones(4, 4).tril().bool())
+    with pytest.raises(ValueError, match="parent"):
+        TokenTree((1, 2), (-1, 1))
+    with pytest.raises(ValueError, match="a parent per token"):
+        TokenTree((1, 2), (-1,))
+
+
+def test_greedy_follows_the_argmax_down_the_tree():
+    tree = TokenTree((1, 2, 0, 1, 2, 2), SHAPE)
+    # argmax after root, node 0..5: root -> 2 (node 1) -> 2 (node 4, a leaf) -> final 0
+    assert accept_greedy(tree, [2, 9, 2, 9, 9, 0, 9]) == ([1, 4], 0)
+    assert accept_greedy(tree, [0, 9, 9, 9, 9, 9, 9]) == ([], 0)  # no child matches: the argmax itself
+    assert accept_greedy(tree, [1, 0, 9, 1, 9, 9, 9]) == ([0, 2], 1)  # node 2 has no child 1: its argmax follows
+    assert accept_greedy(tree, [1, 0, 9, 2, 9, 9, 1]) == ([0, 2, 5], 1)  # node 5 is a leaf: its argmax follows
+
+
+def _round(tree_of, target: dict, proposer: dict, n: int, seed: int, rule=accept_sampled) -> list[tuple]:
+    """n rounds: a tree built from the toy proposer by `tree_of`, accepted against the toy target,
+    the output continued by sampling the target to LENGTH tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tree, q = tree_of(proposer, gen)
+        prefixes = [()] + [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree))]
+        p = torch.stack([target[x] for x in prefixes])  # [n + 1, V]
+        path, final = rule(tree, p, q, torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist())
+        emitted = tuple(tree.tokens[i] for i in path) + (int(torch.multinomial(final, 1, generator=gen)),)
+        out.append(continue_with(target, emitted, LENGTH, gen))
+    return out
+
+
+def drawn_tree(proposer: dict, gen: torch.Generator) -> tuple[TokenTree, torch.Tensor]:
+    """SHAPE with every child an independent draw from the proposer given its parent (siblings may
+    repeat a token); q: each node's proposal distribution."""
+    tokens, dists = [], []
+    for parent in SHAPE:
+        prefix = () if parent < 0 else tuple(tokens[j] for j in TokenTree(tuple(tokens), SHAPE[:len(tokens)]).path(parent))
+        tokens.append(int(torch.multinomial(proposer[prefix], 1, generator=gen)))
+        dists.append(proposer[prefix])
+    return TokenTree(tuple(tokens), SHAPE), torch.stack(dists)
+
+
+def chosen_tree(proposer: dict, gen: torch.Generator) -> tuple[TokenTree, None]:
+    """The proposer's top two tokens after the root, its top one after each (a chosen tree, as
+    EAGLE-2's top-k expansion or several n-gram matches give): point masses, q None."""
+    first = proposer[()].argsort(descending=True)[:2].tolist()
+    tokens, parents = list(first), [-1, -1]
+    for i, t in enumerate(first):
+        prefix = (t,)
+        for _ in range(2):
+            nxt = int(proposer[prefix].argmax())
+            parents.append(i if len(prefix) == 1 else len(tokens) - 1)
+            tokens.append(nxt)
+            prefix += (nxt,)
+    return TokenTree(tuple(tokens), tuple(parents)), None
+
+
+@pytest.mark.parametrize("tree_of", [drawn_tree, chosen_tree])
+def test_sampled_acceptance_on_trees_is_exact(tree_of):
+    target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
+    assert chi2_sequences(_round(tree_of, target, proposer, 12000, seed=3), target, V, LENGTH) > 1e-3
+
+
+def _no_residual(tree, p, q, uniforms):
+    """A wrong tree rule: every sibling tried against the node's p, rejected siblings not taken out."""
+    node, path, used = -1, [], 0
+    while True:
+        kids = tree.children[node + 1]
+        accepted = None
+        for c in kids:
+            x = tree.tokens[c]
+            q_x = float(q[c][x]) if q is not None else 1.0
+            hit = uniforms[used] < min(1.0, float(p[node + 1][x]) / q_x)
+            used += 1
+            if hit:
+                accepted = c
+                break
+        if accepted is None:
+            return path, p[node + 1]
+        path.append(accepted)
+        node = accepted
+
+
+@pytest.mark.parametrize("tree_of", [drawn_tree, chosen_tree])
+def test_teeth_siblings_tried_without_the_residual_are_rejected(tree_of):
+    target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
+    sequences = _round(tree_of, target, proposer, 12000, seed=4, rule=_no_residual)
+    assert chi2_sequences(sequences, target, V, LENGTH) < 1e-3
+
+
+def test_a_tree_accepts_more_than_its_first_chain():
+    """The same drawn trees, accepted whole and cut to their first chain (node 0, 2, 5): the tree's
+    other branches add accepted tokens on average."""
+    target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
+    gen = torch.Generator().manual_seed(5)
+    whole = chain = 0
+    for _ in range(3000):
+        tree, q = drawn_tree(proposer, gen)
+        prefixes = [()] + [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree))]
+        p = torch.stack([target[x] for x in prefixes])
+        u = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist()
+        whole += len(accept_sampled(tree, p, q, u)[0])
+        first = [0, 2, 5]
+        sub = TokenTree.chain([tree.tokens[i] for i in first])
+        chain += len(accept_sampled(sub, p[[0] + [i + 1 for i in first]], q[first], u)[0])
+    assert whole > 1.1 * chain
