@@ -75,6 +75,8 @@ class SpecConfig:
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
     verification: Verification = "token"  # token: Leviathan et al.'s rule; block: Sun et al.'s (exact, accepts at least as much)
+    tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (n-gram proposals only for now)
+    tree_tokens: int = 16  # most tree nodes verified per round (trees only)
 
     def __post_init__(self) -> None:
         check_bool("use_speculative_decoding", self.use_speculative_decoding)
@@ -89,6 +91,8 @@ class SpecConfig:
         check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
         check_choice("verification", self.verification, get_args(Verification))
+        check_int("tree_width", self.tree_width, 1, 8)
+        check_int("tree_tokens", self.tree_tokens, 1, 64)
         if self.use_speculative_decoding and self.needs_draft_model and not self.draft_model:
             raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model)")
 

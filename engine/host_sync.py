@@ -16,6 +16,11 @@ def read(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+def fetch(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor on the host (one transfer, a sync on a GPU): for host-side work on many values."""
+    return tensor.cpu()
+
+
 def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (nested Python numbers, or a CPU tensor) as a tensor on `device`, copied without
     blocking the host on CUDA (staged in pinned memory; the caching host allocator keeps the

@@ -110,8 +110,16 @@ class ModelRunner:
             first += len(rows)
         return logits
 
-    def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool) -> torch.Tensor:
+    def verify_trees(self, reqs: list[Request], chunks: list[list[int]], trees: list[list[int] | None]) -> torch.Tensor:
+        """verify's one pass where chunks[i] is a token tree's root and nodes (trees[i]: node j's
+        parent, -1 the root; None: a chain): logits [B, T, vocab], node j's at j + 1."""
+        return self._pass(reqs, chunks, [self.kv.computed(r) for r in reqs], True, trees)
+
+    def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool,
+              trees: list[list[int] | None] | None = None) -> torch.Tensor:
         slots = [self.kv.target_slot(r) for r in reqs]
+        if trees is not None:  # a tree round runs without a feature-reading proposer (its features are per path)
+            return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits, trees=trees)
         if not self.capture:
             return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits)
         logits, features = forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,

@@ -24,6 +24,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
+from engine.speculative.tree_round import accept_trees, takes_trees
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,11 @@ class SpeculativeDecoder:
             self.kv.features.clear()
 
     def tokens_per_round(self) -> int:
-        """KV tokens a request's decode round may write: K + 1."""
-        return self.settings.spec_length + 1 if self.settings.use_speculative_decoding else 1
+        """KV tokens a request's decode round may write: K + 1 (a tree's nodes + 1)."""
+        if not self.settings.use_speculative_decoding:
+            return 1
+        nodes = self.settings.tree_tokens if self.settings.tree_width > 1 else 0
+        return max(self.settings.spec_length, nodes) + 1
 
     def forget(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
@@ -104,6 +108,8 @@ class SpeculativeDecoder:
         plan = self._plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
+        if self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs):
+            return self._decode_trees(reqs, plan)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
         masks = None
@@ -129,6 +135,41 @@ class SpeculativeDecoder:
         tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
+
+    def _decode_trees(self, reqs: list[Request], plan: RoundPlan) -> DecodeResult:
+        """A round over token trees: each request's tree (depth at most its k, at most tree_tokens
+        nodes within its KV room) verified in one pass, accepted exactly, the accepted path's K/V
+        moved into place."""
+        t0 = time.perf_counter()
+        budgets = [max(0, min(self.settings.tree_tokens, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
+        trees = self.proposer.propose_trees(reqs, plan.ks, budgets, self.settings.tree_width)
+        draft_seconds = time.perf_counter() - t0
+        if all(t is None for t in trees):
+            return self._plain(reqs, "no_proposal", draft_seconds)
+        t1 = time.perf_counter()
+        starts = [self.kv.computed(r) for r in reqs]
+        chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
+        logits = self.runner.verify_trees(reqs, chunks, [list(t.parents) if t is not None else None for t in trees])
+        paths, finals = accept_trees(reqs, trees, logits)
+        target_seconds = time.perf_counter() - t1
+        self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
+        out = []
+        for r, start, tree, path, final in zip(reqs, starts, trees, paths, finals):
+            if tree is not None:
+                self.kv.keep_path(r, start, path)
+            self.kv.rollback(r, start + len(path) + 1)
+            out.append((r, [tree.tokens[j] for j in path] + [final] if tree is not None else [final]))
+        # the policy's estimates and the per-position stats read a tree as the chain it accepted
+        # along (its depth); the per-request and metrics counts of proposed tokens are its nodes
+        chain_like = Proposal([[0] * (t.depth if t is not None else 0) for t in trees], None,
+                              [self.proposer.name if t is not None else "none" for t in trees])
+        stats = self._record(reqs, plan, chain_like, [len(p) for p in paths])
+        for r, tree in zip(reqs, trees):
+            if tree is not None:
+                r.spec.proposed_per_round[-1] = len(tree)
+        stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
+        stats.tree_nodes = sum(len(t) for t in trees if t is not None)
+        return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _verify_groups(self, widths: list[int]) -> list[list[int]]:
         """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a

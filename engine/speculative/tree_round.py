@@ -1,0 +1,48 @@
+"""A speculative round over token trees: which batches may take one, and exact acceptance of a
+batch's trees from one verify pass (engine/speculative/tree.py; the pass: kv/tree_view.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import host_sync
+from engine.request import Request
+from engine.sampling import SamplingRows, adjusted_probs, inverse_cdf
+from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
+from engine.uniforms import draw_uniforms
+
+NO_TREE = TokenTree((), ())
+
+
+def takes_trees(reqs: list[Request]) -> bool:
+    """Trees for this batch: no grammar, penalty or logit bias (each node's distribution would
+    depend on its own path) and no logprobs asked for; otherwise the round is a chain."""
+    return all(r.grammar is None and not r.params.adjusts_logits and r.params.logprobs is None for r in reqs)
+
+
+def accept_trees(reqs: list[Request], trees: list[TokenTree | None], logits: torch.Tensor
+                 ) -> tuple[list[list[int]], list[int]]:
+    """logits [N, T, V] of a tree pass (row i: root, then its nodes) -> (each row's accepted
+    nodes, root to last; its final token). A row without a tree emits one token, as plain
+    decoding. A row with n nodes takes n + 1 draws from its random stream."""
+    trees = [t if t is not None else NO_TREE for t in trees]
+    n, T, V = logits.shape
+    params = [r.params for r in reqs]
+    if all(p.greedy for p in params):
+        argmax = host_sync.read(logits.argmax(dim=-1))  # [N, T]
+        out = [accept_greedy(t, row) for t, row in zip(trees, argmax)]
+        return [o[0] for o in out], [o[1] for o in out]
+    rows = SamplingRows.build(params, logits.device)
+    p = adjusted_probs(logits.reshape(n * T, V), rows.repeat_rows(T), None).reshape(n, T, V)  # [N, T, V]
+    uniforms = draw_uniforms([r.random_stream for r in reqs], T, logits.device,
+                             counts=[len(t) + 1 for t in trees])  # [N, T]
+    p_host = host_sync.fetch(p).double()  # [N, T, V]
+    u_host = host_sync.read(uniforms)  # [N][T]
+    paths, finals = [], []
+    for t, p_row, u_row in zip(trees, p_host, u_host):
+        path, final = accept_sampled(t, p_row[:len(t) + 1], None, u_row)
+        paths.append(path)
+        finals.append(final)
+    picks = inverse_cdf(torch.stack(finals), torch.tensor([u[len(t)] for t, u in zip(trees, u_host)],
+                                                          dtype=torch.float64))  # [N]
+    return paths, picks.tolist()

@@ -1,0 +1,141 @@
+"""Token-tree rounds in the engine: greedy output equals plain greedy output (n-gram trees,
+slotted and paged, fixed and adaptive K, prefix-cache hits, a live switch between trees and
+chains), and sampled trees follow the target distribution (chi-square, with teeth)."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.speculative.step as step_module
+import engine.speculative.tree_round as tree_round
+from engine import LLM, SamplingParams
+from engine.speculative.proposer import Proposal
+from engine.speculative.tree import TokenTree
+from tests.unit.test_spec_statistical import CONFIGS, chi2_pvalue, exact_marginals, make_pair, sample_speculative
+from tests.unit.test_token_tree import _no_residual
+
+# prompts whose suffixes occurred before with different continuations: n-gram trees branch
+PROMPTS = [
+    "x = 1\ny = 2\nx = 3\ny = 4\nx = 5\ny =",
+    "def add(a, b):\n    return a + b\n\ndef add(a, c):\n    return a - c\n\ndef add(a,",
+    "for i in range(10):\n    print(i)\nfor i in range(3):\n    print(i * i)\nfor i in",
+    "print(os.path.join('a', 'b'))\n" * 3,
+    "The cat sat. The dog ran. The cat ran. The",
+]
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, max_batch_size=8)
+    return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+
+
+@pytest.fixture
+def branching(monkeypatch):
+    """Records how many of the trees accept_trees saw branched (more nodes than depth)."""
+    seen = {"trees": 0, "branched": 0}
+    real = tree_round.accept_trees
+
+    def counting(reqs, trees, logits):
+        for t in trees:
+            if t is not None:
+                seen["trees"] += 1
+                seen["branched"] += int(len(t) > t.depth)
+        return real(reqs, trees, logits)
+
+    monkeypatch.setattr(step_module, "accept_trees", counting)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_ngram_trees_greedy_equals_plain(tiny_model, reference, branching, backend, policy):
+    llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+              spec_policy=policy, spec_length=4, tree_width=3, tree_tokens=10, dtype="float32",
+              kv_cache_backend=backend, block_size=4, max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)
+    alone = [llm.generate(p, greedy())[0] for p in PROMPTS]
+    batched = llm.generate(PROMPTS, greedy())  # the prompts' blocks come from the prefix cache now
+    assert [o.token_ids for o in alone] == reference
+    assert [o.token_ids for o in batched] == reference
+    assert branching["branched"] > 0, branching
+    if policy == "fixed":
+        assert sum(o.num_accepted_tokens for o in batched) > 0
+    assert all(pool.num_used_slots() == 0 for pool in llm.engine.kv.pools().values())
+
+
+def test_a_live_switch_between_trees_and_chains_keeps_greedy_output(tiny_model, reference, branching):
+    llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+              spec_policy="fixed", spec_length=4, tree_width=3, dtype="float32", max_seq_len=200, max_batch_size=8)
+    engine = llm.engine
+    ids = [engine.add_request(p, greedy()) for p in PROMPTS]
+    widths = iter([1, 3, 1, 3] * 50)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.reconfigure_speculation(tree_width=next(widths))
+    assert [engine.get_output(i).token_ids for i in ids] == reference
+    assert branching["trees"] > 0
+
+
+class FixedTrees:
+    """A proposer behind the seam whose every round is the same chosen tree (point masses): the
+    two likeliest second tokens, the two likeliest third tokens under the first of them, one
+    under the second; `propose` (chains) is the wrapped draft's."""
+
+    name = "fixed_tree"
+    runs_model = False
+    catch_up = "own"
+    long_catch_up = 4
+
+    def __init__(self, engine, tree: TokenTree):
+        self.inner = engine.speculation.proposer
+        self.tree = tree
+
+    def propose(self, requests, ks, with_q) -> Proposal:
+        return self.inner.propose(requests, ks, with_q)
+
+    def propose_trees(self, requests, depths, budgets, width):
+        return [self.tree if d >= self.tree.depth and b >= len(self.tree) else None for d, b in zip(depths, budgets)]
+
+    def lag(self, requests):
+        return [0] * len(requests)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tok_dir):
+    """test_spec_statistical's 16-token target and its perturbed copy."""
+    tpath, dpath = tmp_path_factory.mktemp("tree_t"), tmp_path_factory.mktemp("tree_d")
+    return tpath, dpath, make_pair(tpath, dpath, tok_dir)
+
+
+def _tree_for(m2, m3) -> TokenTree:
+    first, second = (int(i) for i in (-m2).argsort()[:2])
+    third = [int(i) for i in (-m3).argsort()[:2]]
+    return TokenTree((first, second, third[0], third[1], third[0]), (-1, -1, 0, 0, 1))
+
+
+@pytest.mark.parametrize("name", ["t1", "t07_topk"])
+def test_sampled_trees_match_target_marginals(pair, name):
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS[name])
+    m2, m3 = exact_marginals(hf, params)
+    tree = _tree_for(m2, m3)
+    tokens, acceptance = sample_speculative(tpath, dpath, params, tree_width=3, tree_tokens=8,
+                                            proposer=lambda e: FixedTrees(e, tree))
+    assert acceptance > 0.05  # some rounds accepted a node
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3
+
+
+def test_teeth_a_tree_rule_without_the_residual_is_detected(pair, monkeypatch):
+    monkeypatch.setattr(tree_round, "accept_sampled", _no_residual)
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS["t1"])
+    m2, m3 = exact_marginals(hf, params)
+    tree = _tree_for(m2, m3)
+    tokens, _ = sample_speculative(tpath, dpath, params, tree_width=3, tree_tokens=8,
+                                   proposer=lambda e: FixedTrees(e, tree))
+    assert min(chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)) < 1e-3
