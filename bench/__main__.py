@@ -11,10 +11,13 @@
     hf       plain decode, our engine vs transformers on a random-init model of the target's shape
     gpu      the one-command GPU check: correctness, syncs, kernels and speed on random-weight models
              (at most ~8 minutes on one H100; `--device cpu --smoke` runs the same code on CPU)
+    scale-out  2 replicas, shared-prefix multi-turn chat: one deployment vs ingress + engine, default vs
+             prefix-aware router (hit rate, TTFT, tok/s); the ingress hop's cost at 1 replica
     startup  `LLM()` and `serve run` to the first answer, cold and warm caches, each in a fresh process
     compare  the default engine of two source trees (--before DIR --after DIR), alternating processes
     alpha    per-token acceptance of draft models and EAGLE-3 heads side by side, same prompts
     host-reads  tensor reads back to the host per decode step (each a sync on a GPU), plain and speculative
+    trees    token trees vs chains (n-gram): accepted tokens per round, speed at batch 1 and in batches
     verification  block vs token verification: accepted tokens per round and speed, batch 1, sampled
     logprobs what output logprobs cost: on vs off, plain and speculative, batch 1 and 16
     clients  third-party clients against `serve run`: lm-evaluation-harness scores (speculation on = off)
@@ -33,7 +36,7 @@ import sys
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu", "startup": "bench.startup",
-            "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification",
+            "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification", "trees": "bench.trees", "scale-out": "bench.scale_out",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

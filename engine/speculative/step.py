@@ -26,6 +26,8 @@ from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
 from engine.speculative.tree_round import accept_trees, takes_trees
 
+TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
+
 
 @dataclass(frozen=True)
 class RoundPlan:
@@ -141,7 +143,8 @@ class SpeculativeDecoder:
         nodes within its KV room) verified in one pass, accepted exactly, the accepted path's K/V
         moved into place."""
         t0 = time.perf_counter()
-        budgets = [max(0, min(self.settings.tree_tokens, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
+        nodes = self._tree_nodes(len(reqs), plan.k)
+        budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
         trees = self.proposer.propose_trees(reqs, plan.ks, budgets, self.settings.tree_width)
         draft_seconds = time.perf_counter() - t0
         if all(t is None for t in trees):
@@ -170,6 +173,16 @@ class SpeculativeDecoder:
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
         stats.tree_nodes = sum(len(t) for t in trees if t is not None)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
+
+    def _tree_nodes(self, batch: int, k: int) -> int:
+        """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the
+        adaptive one, as many as keep the verify pass within TREE_COST_SLACK of the chain's of
+        the chosen K (by the measured costs), so a tree never prices the chain out."""
+        if self.settings.spec_policy != "adaptive":
+            return self.settings.tree_tokens
+        times = self.costs.verify_times(batch, self.settings.tree_tokens)  # K = 0..tree_tokens
+        limit = times[min(k, len(times) - 1)] * (1 + TREE_COST_SLACK)
+        return max([k] + [n for n in range(k, self.settings.tree_tokens + 1) if times[n] <= limit])
 
     def _verify_groups(self, widths: list[int]) -> list[list[int]]:
         """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a

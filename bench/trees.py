@@ -1,0 +1,108 @@
+"""Token trees vs chains: accepted tokens per round and speed, n-gram proposals on the shipped target.
+
+    python -m bench trees [--workload code] [--prompts 8] [--tokens 96] [--repeats 3] [--batches 8 16 32 64]
+
+Batch 1, greedy and T = 0.8, held-out prompts one at a time, interleaved: a chain and a tree of the
+same depth at fixed K (accepted tokens per round, tree ÷ chain), and adaptive K with and without
+trees (tok/s, trees ÷ chain-only; plain decoding beside them). Then batches of the same prompts
+(repeated to fill): adaptive with trees ÷ adaptive chain-only (trees must never cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.common import PLAIN, adaptive, fixed, generate_each, interleave, parser, write
+from bench.sweep import run_batch
+from bench.workloads import load_prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("trees", __doc__, tokens=96, models=False)
+    ap.add_argument("--workload", choices=["code", "edit"], default="code")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--k", type=int, default=4, help="depth of the fixed-K chain and tree")
+    ap.add_argument("--width", type=int, default=3, help="tree_width of the tree variants")
+    ap.add_argument("--nodes", type=int, default=12, help="tree_tokens of the tree variants")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+
+    prompts = load_prompts(args.workload)[:args.prompts]
+    llm = LLM(speculative_method="ngram", max_batch_size=max([1, *args.batches]), max_seq_len=1024,
+              enable_prefix_caching=False, tree_tokens=args.nodes)
+    chain, tree = {"tree_width": 1}, {"tree_width": args.width}
+    shapes = {"plain": PLAIN, f"chain K={args.k}": {**fixed("ngram", args.k), **chain},
+              f"tree K={args.k}": {**fixed("ngram", args.k), **tree},
+              "adaptive chain": {**adaptive("ngram"), **chain}, "adaptive tree": {**adaptive("ngram"), **tree}}
+    results: dict = {"batch_1": {}, "batches": {}}
+    for temperature in (0.0, 0.8):
+        seeds = {"repeat": 0}
+
+        def variant(spec: dict, temperature=temperature, seeds=seeds):
+            def go() -> dict:
+                llm.engine.reconfigure_speculation(**spec)
+                params = [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True,
+                                         seed=1000 * seeds["repeat"] + i) for i in range(len(prompts))]
+                t0 = time.perf_counter()
+                outs, _ = generate_each(llm, prompts, params)
+                seconds = time.perf_counter() - t0
+                rounds = sum(o.num_spec_rounds for o in outs)
+                return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "rounds": rounds,
+                        "accepted_per_round": sum(o.num_accepted_tokens for o in outs) / rounds if rounds else 0.0,
+                        "verified_per_round": sum(o.num_draft_tokens for o in outs) / rounds if rounds else 0.0}
+            return go
+
+        def next_seeds(seeds=seeds):
+            seeds["repeat"] += 1
+            return {}
+
+        variants = {name: variant(spec) for name, spec in shapes.items()}
+        for fn in variants.values():
+            fn()  # warm-up (the adaptive policy's calibration included)
+        runs = interleave({**variants, "_seeds": next_seeds}, args.repeats, f"batch 1, T={temperature}")
+        row = {name: {key: statistics.median(r[key] for r in runs[name])
+                      for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
+        same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
+                      for t, c in zip(runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]) if c["accepted_per_round"]]
+        speed = [t["tok_s"] / c["tok_s"] for t, c in zip(runs["adaptive tree"], runs["adaptive chain"])]
+        row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
+                                                     "max": max(same_depth)}
+        row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed)}
+        print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
+              f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
+              f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
+              f"[{min(speed):.3f}, {max(speed):.3f}]; plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
+        results["batch_1"][f"T={temperature}"] = row
+    for b in args.batches:
+        batch = (prompts * (b // len(prompts) + 1))[:b]
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+
+        def batch_variant(spec: dict, batch=batch, params=params):
+            def go() -> dict:
+                llm.engine.reconfigure_speculation(**spec)
+                run = run_batch(llm, batch, params)
+                del run["tokens"]
+                return run
+            return go
+
+        variants = {name: batch_variant(shapes[name]) for name in ("adaptive chain", "adaptive tree")}
+        for fn in variants.values():
+            fn()
+        runs = interleave(variants, args.repeats, f"batch {b}")
+        ratio = [t["tok_s_end_to_end"] / c["tok_s_end_to_end"] for t, c in zip(runs["adaptive tree"], runs["adaptive chain"])]
+        results["batches"][str(b)] = {"adaptive_tree_over_chain_tok_s": {"median": statistics.median(ratio),
+                                                                         "min": min(ratio), "max": max(ratio)}}
+        print(f"batch {b}: adaptive tree/chain tok/s x{statistics.median(ratio):.3f} [{min(ratio):.3f}, {max(ratio):.3f}]",
+              flush=True)
+    path = write("trees", {"workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
+                           "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
