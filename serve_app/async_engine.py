@@ -86,6 +86,9 @@ class AsyncLLMEngine:
         self._stop = False
         self.fatal_error: str | None = None
         self.step_observers: list[Callable[[LLMEngine, list], None]] = []
+        # the prefix cache's hit rate over finished requests: prompt tokens, and those read from the cache
+        self.prompt_tokens_total = 0
+        self.cached_prompt_tokens_total = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -101,6 +104,11 @@ class AsyncLLMEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+    def prefix_cache_stats(self) -> dict:
+        """Prompt tokens of the finished requests, how many the prefix cache served, and their ratio."""
+        total, cached = self.prompt_tokens_total, self.cached_prompt_tokens_total
+        return {"prompt_tokens": total, "cached_tokens": cached, "hit_rate": cached / total if total else None}
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Runs fn(engine) on the engine thread between steps and returns its result."""
@@ -187,6 +195,9 @@ class AsyncLLMEngine:
         for rid, delta in deltas.items():
             if delta.finished:
                 delta.output = engine.get_output(rid) if engine.request(rid) is not None else None
+                if delta.output is not None:
+                    self.prompt_tokens_total += len(delta.output.prompt_token_ids)
+                    self.cached_prompt_tokens_total += delta.output.num_cached_prompt_tokens or 0
                 engine.release(rid)
                 _send(self._streams.pop(rid, None), delta)
             else:

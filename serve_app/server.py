@@ -1,11 +1,20 @@
-"""The engine deployment with its OpenAI-compatible FastAPI ingress.
+"""The engine deployment and its OpenAI-compatible FastAPI ingress, in two topologies.
 
-One deployment, not two: each replica holds the target + draft models, both KV pools and the
-engine loop (on its own thread, see AsyncLLMEngine), and serves HTTP itself. Tokens then flow
-from the engine thread to the replica's event loop to Serve's proxy with no extra hop, which
-matters on a 2-core machine where every process and serialisation costs decode time;
-autoscaling adds whole engines, which is what a busy service needs. The proxy routes each
-request to a replica below `max_ongoing_requests` and queues up to `max_queued_requests`.
+`single` (serve_config.yaml, the default): one deployment, LLMServer. Each replica holds the
+target + draft models, both KV pools and the engine loop (on its own thread, see AsyncLLMEngine),
+and serves HTTP itself. Tokens then flow from the engine thread to the replica's event loop to
+Serve's proxy with no extra hop, which matters on a 2-core machine where every process and
+serialisation costs decode time; autoscaling adds whole engines. The proxy routes each request
+to a replica below `max_ongoing_requests` (by queue length: it routes raw HTTP before the body
+is read) and queues up to `max_queued_requests`.
+
+`ingress` (serve_config.ingress.yaml): an OpenAIIngress deployment (HTTP, API key, JSON and
+schema validation; no tokenizer, no model) calls the engine deployment, LLMServer, through a
+deployment handle with a typed request: CompletionCall (`prompt`) or ChatCall (`messages`). The
+engine answers with a Reply, then (streaming) the server-sent events one by one through the
+handle. Because the handle's router sees the prompt, the engine deployment can use a
+prefix-aware router (`request_router_config`, Ray's PrefixCacheAffinityRouter): a conversation's
+next turn and a shared system prompt go to the replica whose prefix cache holds them.
 """
 
 
@@ -19,6 +28,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,22 +53,31 @@ log = logging.getLogger("ray.serve")  # configured by Serve in replicas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
-app = FastAPI(title="specserve", description="OpenAI-compatible API with lossless speculative decoding")
 
 
-@app.exception_handler(RequestValidationError)
 async def _validation_handler(_request, exc: RequestValidationError):
     return from_validation_errors(exc.errors()).response()
 
 
-@app.exception_handler(StarletteHTTPException)
 async def _http_error_handler(_request, exc: StarletteHTTPException):
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
-@app.exception_handler(APIError)
 async def _api_error_handler(_request, exc: APIError):
     return exc.response()
+
+
+def _openai_app() -> FastAPI:
+    """A FastAPI app whose errors are OpenAI-shaped."""
+    out = FastAPI(title="specserve", description="OpenAI-compatible API with lossless speculative decoding")
+    out.add_exception_handler(RequestValidationError, _validation_handler)
+    out.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    out.add_exception_handler(APIError, _api_error_handler)
+    return out
+
+
+app = _openai_app()  # the single deployment's routes (LLMServer)
+ingress_app = _openai_app()  # the ingress topology's routes (OpenAIIngress)
 
 
 FAULT_USER = "specserve-test-fault"  # with SPECSERVE_TEST_HOOKS=1: this request fails mid-generation
@@ -125,12 +144,51 @@ def usage(outs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@serve.deployment(name="LLMServer")
-@serve.ingress(app)
-class LLMServer:
+def authorize(request: Request, api_key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <api_key>` (no key configured: open)."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    token = header[7:] if header.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+async def parse_request(request: Request, schema, api_key: str | None):
+    """The authorised, size-checked, JSON-parsed and schema-validated request body (no tokenizer)."""
+    authorize(request, api_key)
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class OpenAIServing:
+    """One engine and the OpenAI response bodies built from its outputs: the part of a replica
+    both topologies share (the tokenizer lives here: logprobs' token strings, tool calls, echo)."""
+
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
-                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64, max_n: int = 16,
-                 tool_call_format: str = "auto"):
+                 max_waiting_requests: int = 64, max_n: int = 16, tool_call_format: str = "auto"):
         if tool_call_format not in ("auto", *FORMATS):
             raise ValueError(f"tool_call_format must be 'auto' or one of {list(FORMATS)}, got {tool_call_format!r}")
         bound_kernel_caches()  # before any model runs in this replica process
@@ -144,7 +202,6 @@ class LLMServer:
         self.token_texts = TokenTexts(self.engine.engine.tokenizer)  # logprobs' token strings
         found, self.template_renders_tools = tool_format(getattr(self.engine.engine.tokenizer.hf, "chat_template", None))
         self.tool_format = found if tool_call_format == "auto" else tool_call_format  # how `auto` calls are read
-        self.api_key = os.environ.get(api_key_env) or None
         self.created = int(time.time())
         self.metrics_buffer = BufferedRecorder()
         self.engine.step_observers.append(StepMetrics(self.metrics_buffer, served_model_name).on_step)
@@ -167,37 +224,34 @@ class LLMServer:
     async def check_health(self) -> None:
         self.engine.check_health()
 
-    # --- helpers -----------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
-
-    async def _parse(self, request: Request, schema):
-        self._authorize(request)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            req = schema.model_validate(obj)
-        except ValidationError as exc:
-            raise from_validation_errors(exc.errors()) from None
-        except RecursionError:
-            raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    # --- bodies ------------------------------------------------------------------------
+    def check_model(self, req) -> None:
         if req.model is not None and req.model not in (self.model_name, self.config.model):
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
                                 f"`{self.model_name}`", param="model", code="model_not_found")
-        return req
+
+    def health_body(self) -> tuple[dict, int]:
+        """(body, status) of /health."""
+        if not self.engine.is_alive:
+            return {"status": "unhealthy", "error": self.engine.fatal_error}, 503
+        engine = self.engine.engine
+        calibration = engine.speculation.calibration if engine.speculation is not None else None
+        return {"status": "ok", "startup_s": engine.startup,  # each start-up phase (the engine is built before Serve routes here)
+                "calibration_pending": list(calibration.pending) if calibration is not None else []}, 200
+
+    def models_body(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "specserve", "root": self.config.model}]}
+
+    async def stats_body(self) -> dict:
+        out = await self.engine.call(lambda engine: engine.stats())
+        out["prefix_cache"] = self.engine.prefix_cache_stats()
+        out["exported_counter_totals"] = dict(self.exporter.totals)
+        out["replica"] = _replica_id()
+        out["node_id"] = _node_id()
+        out["pid"] = os.getpid()
+        out["rss_bytes"] = _rss_bytes()
+        return out
 
     @property
     def _spec_method(self) -> str | None:
@@ -229,39 +283,9 @@ class LLMServer:
     def _default_chat_max_tokens(self) -> int:
         return max(1, min(self.config.max_seq_len // 2, 512))
 
-    # --- routes ------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(self):
-        """Liveness and start-up: `{"status": "ok", "startup_s", "calibration_pending"}`, or 503 once the engine loop has died. Needs no API key."""
-        if not self.engine.is_alive:
-            return JSONResponse({"status": "unhealthy", "error": self.engine.fatal_error}, status_code=503)
-        engine = self.engine.engine
-        calibration = engine.speculation.calibration if engine.speculation is not None else None
-        return {"status": "ok", "startup_s": engine.startup,  # each start-up phase (the engine is built before Serve routes here)
-                "calibration_pending": list(calibration.pending) if calibration is not None else []}
-
-    @app.get("/v1/models")
-    async def models(self, request: Request):
-        """OpenAI's model list: the one model served, its name and checkpoint path (`root`)."""
-        self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "specserve", "root": self.config.model}]}
-
-    @app.get("/v1/engine/stats")
-    async def engine_stats(self, request: Request):
-        """Engine state: running and waiting requests, KV slots and blocks in use, preemptions, the speculation settings, the forward plan, start-up phases, the replica's id and memory."""
-        self._authorize(request)
-        out = await self.engine.call(lambda engine: engine.stats())
-        out["exported_counter_totals"] = dict(self.exporter.totals)
-        out["replica"] = _replica_id()
-        out["pid"] = os.getpid()
-        out["rss_bytes"] = _rss_bytes()
-        return out
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        """OpenAI completions: one prompt (text or token ids), streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
-        req = await self._parse(request, CompletionRequest)
+    async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """A completion's response body, or (stream) its server-sent events; raises APIError."""
+        self.check_model(req)
         streams = await self._start(req, req.prompt, None, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -279,7 +303,7 @@ class LLMServer:
                 offsets[index] += len(d.text)
                 return choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
 
-            return self._sse(streams, base, chunk_choice, req.include_usage)
+            return self._events(streams, base, chunk_choice, req.include_usage)
         outs = await self._collect_all(streams)
         choices = []
         for index, out in enumerate(outs):
@@ -295,10 +319,9 @@ class LLMServer:
             choices.append(choice(index, text, out.finish_reason, logprobs))
         return {**base, "choices": choices, "usage": usage(outs), "speculation": speculation_stats(outs, self._spec_method)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
-        req = await self._parse(request, ChatCompletionRequest)
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        """A chat completion's response body, or (stream) its server-sent events; raises APIError."""
+        self.check_model(req)
         tool_set = req.tool_set
         messages, tools = render_messages([m.for_template() for m in req.messages], tool_set.tools,
                                           self.template_renders_tools)
@@ -327,7 +350,7 @@ class LLMServer:
 
             first = {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None} for i in range(len(streams))]}
-            return self._sse(streams, chunk_base, chunk_choice, req.include_usage, first=first)
+            return self._events(streams, chunk_base, chunk_choice, req.include_usage, first=first)
         outs = await self._collect_all(streams)
         choices = []
         for i, out in enumerate(outs):
@@ -365,7 +388,8 @@ class LLMServer:
                 raise r
         return list(results)
 
-    def _sse(self, streams: list, base: dict, make_choice, include_usage: bool, first: dict | None = None):
+    def _events(self, streams: list, base: dict, make_choice, include_usage: bool,
+                first: dict | None = None) -> AsyncIterator[str]:
         """Server-sent events over the choices' streams, interleaved as their deltas come:
         make_choice(index, delta); the speculation stats (and the usage, when asked) after the last."""
         async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
@@ -402,11 +426,11 @@ class LLMServer:
             deltas = merged()
             try:
                 if first is not None:
-                    yield f"data: {json.dumps(first)}\n\n"
+                    yield _event(first)
                 async for index, delta in deltas:
                     if delta.finished and delta.finish_reason == "error":
                         err = APIError(500, f"generation failed: {delta.output.error if delta.output else ''}")
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                        yield _event(err.body())
                         break
                     if delta.finished:
                         outs[index] = delta.output
@@ -417,22 +441,229 @@ class LLMServer:
                         done = [o for o in outs if o is not None]
                         stats = speculation_stats(done, self._spec_method)
                         if include_usage:
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield _event(chunk)
                             chunk = {**base, "choices": [], "usage": usage(done), "speculation": stats}
                         else:
                             chunk["speculation"] = stats
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield _event(chunk)
             except EngineDeadError as exc:
-                yield f"data: {json.dumps(APIError(503, f'engine unavailable: {exc}').body())}\n\n"
+                yield _event(APIError(503, f"engine unavailable: {exc}").body())
             finally:
                 await deltas.aclose()  # a client gone or an error: every choice's request is aborted
-            yield "data: [DONE]\n\n"
+            yield DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return events()
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _respond(result: dict | AsyncIterator[str]):
+    return result if isinstance(result, dict) else _sse(result)
+
+
+# --- topology `single`: one deployment serves HTTP and holds the engine ---------------------
+@serve.deployment(name="LLMServer")
+@serve.ingress(app)
+class LLMServer(OpenAIServing):
+    def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
+                 api_key_env: str = "SPECSERVE_API_KEY", max_waiting_requests: int = 64, max_n: int = 16,
+                 tool_call_format: str = "auto"):
+        super().__init__(engine, served_model_name, max_waiting_requests, max_n, tool_call_format)
+        self.api_key = os.environ.get(api_key_env) or None
+
+    @app.get("/health")
+    async def health(self):
+        """Liveness and start-up: `{"status": "ok", "startup_s", "calibration_pending"}`, or 503 once the engine loop has died. Needs no API key."""
+        body, status = self.health_body()
+        return body if status == 200 else JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        """OpenAI's model list: the one model served, its name and checkpoint path (`root`)."""
+        authorize(request, self.api_key)
+        return self.models_body()
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats(self, request: Request):
+        """Engine state: running and waiting requests, KV slots and blocks in use, the prefix cache's hit rate, preemptions, the speculation settings, the forward plan, start-up phases, the replica's id, node and memory."""
+        authorize(request, self.api_key)
+        return await self.stats_body()
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        """OpenAI completions: one prompt (text or token ids), streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
+        return _respond(await self.completion(await parse_request(request, CompletionRequest, self.api_key)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        """OpenAI chat completions: the messages through the checkpoint's chat template, streamed as server-sent events or not; the `speculation` stats in the response or the last chunk."""
+        return _respond(await self.chat(await parse_request(request, ChatCompletionRequest, self.api_key)))
+
+
+# --- topology `ingress`: OpenAIIngress -> handle -> the engine deployment ---------------------
+@dataclass
+class CompletionCall:
+    """A validated completion request for the engine deployment. `prompt` is the prompt as text
+    (token ids written as numbers): what a prefix-aware router matches replicas' history on."""
+    request: CompletionRequest
+    prompt: str
+
+    @classmethod
+    def of(cls, req: CompletionRequest) -> "CompletionCall":
+        p = req.prompt
+        return cls(req, p if isinstance(p, str) else " ".join(map(str, p)))
+
+
+@dataclass
+class ChatCall:
+    """A validated chat request for the engine deployment. `messages` is the conversation as
+    `{"role", "content"}` text (the role leads each content, so none is empty): what a
+    prefix-aware router matches on; a conversation's next turn extends the previous one's."""
+    request: ChatCompletionRequest
+    messages: list[dict]
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> "ChatCall":
+        return cls(req, [{"role": m.role, "content": f"<{m.role}>{m.text()}"} for m in req.messages])
+
+
+@dataclass
+class Reply:
+    """The engine deployment's first item for a call: an error (status, body), a whole response
+    body (200), or (200, None): the server-sent events follow, one string per item."""
+    status: int
+    body: dict | None
+
+
+@serve.deployment(name="LLMServer")
+class EngineServer(OpenAIServing):
+    """The engine deployment of the `ingress` topology, called through a handle (no HTTP)."""
+
+    async def generate(self, call: CompletionCall | ChatCall):
+        """A streaming handle method: a Reply, then (streaming) the events. Cancelling the call
+        (the client went away) aborts the request within one engine step."""
+        try:
+            result = await (self.completion(call.request) if isinstance(call, CompletionCall)
+                            else self.chat(call.request))
+        except APIError as exc:
+            yield Reply(exc.status, exc.body())
+            return
+        if isinstance(result, dict):
+            yield Reply(200, result)
+            return
+        yield Reply(200, None)
+        async for event in result:
+            yield event
+
+    async def health(self) -> tuple[dict, int]:
+        return self.health_body()
+
+    async def models(self) -> dict:
+        return self.models_body()
+
+    async def stats(self) -> dict:
+        return await self.stats_body()
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(ingress_app)
+class OpenAIIngress:
+    """HTTP in front of the engine deployment: API key, body size, JSON and schema validation
+    here (no tokenizer, no model); the engine's replica is chosen by the handle's router."""
+
+    def __init__(self, engine, api_key_env: str = "SPECSERVE_API_KEY"):
+        self.engine = engine  # DeploymentHandle of EngineServer
+        self.streaming = engine.options(stream=True)
+        self.api_key = os.environ.get(api_key_env) or None
+
+    async def _call(self, call: CompletionCall | ChatCall):
+        gen = self.streaming.generate.remote(call)
+        try:
+            first = await gen.__anext__()
+        except Exception as exc:  # the replica died, or none is reachable
+            gen.cancel()
+            raise APIError(503, f"engine unavailable: {type(exc).__name__}: {str(exc)[:300]}",
+                           code="engine_unavailable") from None
+        if first.status != 200:
+            return JSONResponse(first.body, status_code=first.status)
+        if first.body is not None:
+            return first.body
+
+        async def events() -> AsyncIterator[str]:
+            ended = False
+            try:
+                async for event in gen:
+                    yield event
+                ended = True
+            except Exception as exc:  # the engine's replica (or its node) died mid-stream
+                ended = True
+                log.warning("stream from the engine deployment broke: %s", exc)
+                yield _event(APIError(503, f"engine unavailable mid-stream: {type(exc).__name__}: {str(exc)[:300]}",
+                                      code="engine_unavailable").body())
+                yield DONE
+            finally:
+                if not ended:  # the client went away: the engine aborts the request
+                    gen.cancel()
+
+        return _sse(events())
+
+    @ingress_app.get("/health")
+    async def health(self):
+        """Liveness of the engine deployment (one replica asked), as LLMServer's /health answers."""
+        try:
+            body, status = await self.engine.health.remote()
+        except Exception as exc:
+            body, status = {"status": "unhealthy", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, 503
+        return body if status == 200 else JSONResponse(body, status_code=status)
+
+    @ingress_app.get("/v1/models")
+    async def models(self, request: Request):
+        """OpenAI's model list: the one model served, its name and checkpoint path (`root`)."""
+        authorize(request, self.api_key)
+        return await self.engine.models.remote()
+
+    @ingress_app.get("/v1/engine/stats")
+    async def engine_stats(self, request: Request):
+        """One engine replica's state (as LLMServer's /v1/engine/stats)."""
+        authorize(request, self.api_key)
+        return await self.engine.stats.remote()
+
+    @ingress_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        """OpenAI completions, served by the engine deployment through the handle."""
+        return await self._call(CompletionCall.of(await parse_request(request, CompletionRequest, self.api_key)))
+
+    @ingress_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        """OpenAI chat completions, served by the engine deployment through the handle."""
+        return await self._call(ChatCall.of(await parse_request(request, ChatCompletionRequest, self.api_key)))
+
+
+TOPOLOGIES = ("single", "ingress")
 
 
 def build_app(args: dict | None = None):
-    """Serve application builder (`import_path: serve_app.server:build_app`)."""
+    """Serve application builder (`import_path: serve_app.server:build_app`).
+
+    `topology: single` (the default): LLMServer alone. `topology: ingress`: OpenAIIngress calling
+    the engine deployment (named LLMServer too, so its settings keep their place in the config)
+    through a handle; `api_key_env` goes to the ingress, the rest to the engine."""
     args = dict(args or {})
-    return LLMServer.bind(**args)
+    topology = args.pop("topology", "single")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
+    if topology == "single":
+        return LLMServer.bind(**args)
+    api_key_env = args.pop("api_key_env", "SPECSERVE_API_KEY")
+    return OpenAIIngress.bind(EngineServer.bind(**args), api_key_env=api_key_env)
