@@ -5,7 +5,9 @@
 The shipped pair, EAGLE-3 head and draft model, each at fixed K and adaptive, held-out code prompts
 one at a time; token and block verification run interleaved on the same seeds (each repeat its own
 seeds, so the spread over repeats is the spread over seeds). Figures: accepted tokens per round and
-tok/s, block ÷ token (goals >= 1.0).
+tok/s, block ÷ token (goals >= 1.0). Beside the accepted tokens each rule drew, both rules'
+expected accepted tokens are computed for every sampled round from its p, q and proposal: a
+comparison on the same rounds, free of acceptance noise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,51 @@ import torch
 
 from bench.common import adaptive, fixed, generate_each, interleave, parser, write
 from bench.workloads import load_prompts
+
+
+class ExpectedAcceptance:
+    """Both rules' expected accepted tokens, summed over every round the engine verifies by sampling
+    (rejection.verify / verify_block wrapped): token rule Σ_i Π_{j<=i} min(1, p/q); block rule
+    Σ_i i h_i Π_{j>i} (1 - h_j)."""
+
+    def __init__(self):
+        self.token = self.block = 0.0
+        self.rounds = 0
+
+    def install(self) -> None:
+        import engine.speculative.rejection as rejection
+
+        for name in ("verify", "verify_block"):
+            real = getattr(rejection, name)
+
+            def wrapped(p, q, draft, num_proposed, uniforms, real=real):
+                self.observe(p, q, draft, num_proposed)
+                return real(p, q, draft, num_proposed, uniforms)
+            setattr(rejection, name, wrapped)
+
+    def observe(self, p, q, draft, num_proposed) -> None:
+        from engine.speculative.rejection import block_acceptance
+
+        K = p.shape[1] - 1
+        if K == 0:
+            return
+        p, q = p.double(), q.double()
+        p_tok = p[:, :K].gather(-1, draft[..., None])[..., 0]  # [N, K]
+        q_tok = q.gather(-1, draft[..., None])[..., 0]  # [N, K]
+        ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok)).clamp(max=1)
+        in_range = torch.arange(K)[None, :] < num_proposed[:, None]  # [N, K]
+        self.token += float((ratio * in_range).cumprod(-1).sum())
+        _, h = block_acceptance(p, q, draft, num_proposed)  # [N, K + 1]
+        for i in range(1, K + 1):
+            self.block += float((i * h[:, i] * (1 - h[:, i + 1:]).prod(-1)).sum())
+        self.rounds += int((num_proposed > 0).sum())
+
+    def take(self) -> dict:
+        out = {"expected_token": self.token / self.rounds if self.rounds else 0.0,
+               "expected_block": self.block / self.rounds if self.rounds else 0.0}
+        self.token = self.block = 0.0
+        self.rounds = 0
+        return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM, SamplingParams
 
     prompts = load_prompts("code")[:args.prompts]
+    expected = ExpectedAcceptance()
+    expected.install()
     results = {}
     for method in args.methods:
         llm = LLM(speculative_method=method, max_batch_size=1, max_seq_len=1024)
@@ -39,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         def variant(spec: dict, verification: str, llm=llm, draws=draws):
             def go() -> dict:
                 llm.engine.reconfigure_speculation(**spec, verification=verification)
+                expected.take()
                 params = [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
                                          seed=1000 * draws["repeat"] + i) for i in range(len(prompts))]
                 t0 = time.perf_counter()
@@ -47,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                 rounds = sum(o.num_spec_rounds for o in outs)
                 return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds,
                         "accepted_per_round": sum(o.num_accepted_tokens for o in outs) / rounds if rounds else 0.0,
-                        "rounds": rounds}
+                        "rounds": rounds, **expected.take()}
             return go
 
         shapes = {f"K={args.k}": fixed(method, args.k), "adaptive": adaptive(method)}
@@ -67,18 +117,22 @@ def main(argv: list[str] | None = None) -> None:
             token, block = runs[f"{shape} token"], runs[f"{shape} block"]
             accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
             speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
+            same_rounds = [r["expected_block"] / r["expected_token"] for r in token + block if r["expected_token"]]
             row[shape] = {
                 "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
                                        for rule in ("token", "block")},
                 "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
                                               "max": max(accepted), "per_seed": accepted},
                 "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed)},
+                "expected_block_over_token_same_rounds": {"median": statistics.median(same_rounds),
+                                                          "min": min(same_rounds), "max": max(same_rounds)},
                 "tok_s": {rule: statistics.median(r["tok_s"] for r in runs[f"{shape} {rule}"]) for rule in ("token", "block")},
             }
             print(f"{method} {shape}: accepted/round token {row[shape]['accepted_per_round']['token']:.3f} "
                   f"block {row[shape]['accepted_per_round']['block']:.3f} -> x{statistics.median(accepted):.3f} "
                   f"[{min(accepted):.3f}, {max(accepted):.3f}]; tok/s x{statistics.median(speed):.3f} "
-                  f"[{min(speed):.3f}, {max(speed):.3f}]", flush=True)
+                  f"[{min(speed):.3f}, {max(speed):.3f}]; expected on the same rounds x"
+                  f"{statistics.median(same_rounds):.3f} [{min(same_rounds):.3f}, {max(same_rounds):.3f}]", flush=True)
         results[method] = {"variants": names, **row}
     path = write("verification", {"temperature": args.temperature, "k": args.k, "prompts": args.prompts,
                                   "tokens": args.tokens, "repeats": args.repeats, "results": results})

@@ -34,6 +34,13 @@ PANELS = [
     ("Mean accepted length per round", "short",
      [(f"{rate('specserve_draft_accepted_tokens_total')} / {rate('specserve_spec_rounds_total')}", "accepted / round")],
      "Proposed tokens accepted per speculation round (each round also emits one target token)."),
+    ("Verified and accepted tokens per round", "short",
+     [(f"{rate('specserve_verified_tokens_per_round_sum')} / {rate('specserve_verified_tokens_per_round_count')}",
+       "verified / round"),
+      (f"{rate('specserve_accepted_length_per_round_sum')} / {rate('specserve_accepted_length_per_round_count')}",
+       "accepted / round")],
+     "Proposed tokens each speculation round verified (a chain's K; a token tree's nodes, with tree_width > 1) "
+     "and how many of them it accepted (a tree: its accepted path's length)."),
     ("Acceptance by draft position", "percentunit",
      [(f"{rate('specserve_accepted_tokens_by_position_total', 'position')} / "
        f"{rate('specserve_proposed_tokens_by_position_total', 'position')}", "position {{position}}")],

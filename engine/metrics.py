@@ -64,6 +64,9 @@ METRICS: tuple[MetricSpec, ...] = (
                buckets=E2E_BUCKETS),
     MetricSpec("specserve_accepted_length_per_round", "histogram", "Accepted proposed tokens per speculation round.",
                unit="tokens", buckets=LENGTH_BUCKETS),
+    MetricSpec("specserve_verified_tokens_per_round", "histogram",
+               "Proposed tokens one speculation round verified: a chain's K, a token tree's nodes.", unit="tokens",
+               buckets=LENGTH_BUCKETS),
     MetricSpec("specserve_request_acceptance_rate", "histogram",
                "Per finished request: accepted / proposed tokens (requests that speculated).", buckets=RATE_BUCKETS),
     MetricSpec("specserve_running_requests", "gauge", "Requests holding KV (prefilling or decoding).",
@@ -147,6 +150,8 @@ class StepMetrics:
                 rec.inc("specserve_accepted_tokens_by_position_total", acc, self._labels(position=str(i)))
         for a in s.accepted_per_round:
             rec.observe("specserve_accepted_length_per_round", a, base)
+        for n in s.verified_per_round:
+            rec.observe("specserve_verified_tokens_per_round", n, base)
 
     def _on_finish(self, engine, rid: str, reason: str | None, now: float) -> None:
         rec, base = self.recorder, self._labels()

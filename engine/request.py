@@ -182,7 +182,7 @@ class DecodeStats:
     accepted_per_round: list[int] = field(default_factory=list)  # one entry per speculating request
     rows_without_proposal: int = 0
     num_tokens: int = 0
-    tree_nodes: int = 0  # a tree round: the nodes verified (num_proposed counts them too)
+    verified_per_round: list[int] = field(default_factory=list)  # proposed tokens verified per round: a chain's K, a tree's nodes
 
 
 @dataclass

@@ -171,7 +171,7 @@ class SpeculativeDecoder:
             if tree is not None:
                 r.spec.proposed_per_round[-1] = len(tree)
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
-        stats.tree_nodes = sum(len(t) for t in trees if t is not None)
+        stats.verified_per_round = [len(t) for t in trees if t is not None]
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _tree_nodes(self, batch: int, k: int) -> int:
@@ -284,6 +284,7 @@ class SpeculativeDecoder:
             stats.num_proposed += k
             stats.num_accepted += a
             stats.accepted_per_round.append(a)
+            stats.verified_per_round.append(k)
             for j in range(k):
                 stats.proposed_by_position[j] += 1
                 stats.accepted_by_position[j] += int(j < a)
