@@ -107,12 +107,12 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 def sections() -> list[tuple[str, Callable[[Context, dict], None], float, float]]:
     """(name, run(ctx, out), budget seconds on the real run, on the smoke run), in priority order."""
-    from bench.gpu import attention, correctness, environment, faults, graphs, large, speed, syncs
+    from bench.gpu import attention, correctness, environment, faults, graphs, large, speed, syncs, trees
 
     return [("environment", environment.run, 15, 20), ("attention", attention.run, 35, 15),
             ("correctness", correctness.run, 110, 70), ("syncs", syncs.run, 30, 20),
             ("llama_1b", speed.run, 170, 40), ("cuda_graphs", graphs.run_graphs, 90, 40),
-            ("paged_attention", graphs.run_paged, 90, 60), ("llama_8b", large.run, 80, 15),
+            ("paged_attention", graphs.run_paged, 90, 60), ("trees", trees.run, 45, 40), ("llama_8b", large.run, 80, 15),
             ("faults", faults.run, 45, 30)]
 
 

@@ -1,0 +1,82 @@
+"""Token trees on the device (section `trees`): what a verify pass costs by its width, as a chain
+and as a tree (the ancestor mask), at batch 1 and 8 on the Llama-3.2-1B shape, where a wider pass
+is nearly free while decoding reads the weights; and greedy n-gram trees equal plain decoding
+(float32, both pools) on the device."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.gpu.check import Context, check
+from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
+from engine import LLM, SamplingParams
+from engine.model.passes import fill_slots, forward_chunks, pool_for
+from engine.speculative.tree import TokenTree
+
+WIDTHS = (1, 5, 9, 17)  # tokens per sequence in a verify pass (root + nodes)
+
+
+def _tree(nodes: int) -> TokenTree:
+    """A bushy tree of `nodes` nodes: three children a node, breadth first."""
+    return TokenTree(tuple(range(1, nodes + 1)), tuple((i - 1) // 3 - 1 if i else -1 for i in range(nodes)))
+
+
+def run(ctx: Context, out: dict) -> None:
+    config = ctx.size(LLAMA_3_2_1B, SMOKE_1B)
+    work = ctx.work / "trees"
+    hf = hf_model(config, getattr(torch, ctx.dtype), ctx.device)
+    target = checkpoint_dir(work / "target", config)
+    store = {str(target): hf_tensors(hf)}
+    del hf
+    context, batches = ctx.size(512, 48), ctx.size((1, 8), (1, 2))
+    with weights_in_memory(store):
+        llm = LLM(**ctx.engine_kwargs(max(batches), context + 32, model=str(target), dtype=ctx.dtype))
+    model = llm.engine.runner.model
+    repeats = ctx.size(20, 2)
+    rows = out.setdefault("verify_ms", {})
+    out.update(context=context, widths=list(WIDTHS), dtype=ctx.dtype)
+    for batch in batches:
+        pool = pool_for(model, batch, context + 32)
+        slots = fill_slots(model, pool, batch, context)
+        for width in WIDTHS:
+            for shape in ("chain", "tree"):
+                trees = None if shape == "chain" or width == 1 else [list(_tree(width - 1).parents)] * batch
+                times = []
+                for _ in range(repeats + 1):
+                    ctx.sync()
+                    t0 = time.perf_counter()
+                    forward_chunks(model, pool, slots, [[1] * width] * batch, [context] * batch, all_logits=True,
+                                   trees=trees)
+                    ctx.sync()
+                    times.append(time.perf_counter() - t0)
+                    for s in slots:
+                        pool.truncate_to(s, context, keep_storage=True)
+                rows.setdefault(str(batch), {}).setdefault(shape, {})[str(width)] = 1e3 * statistics.median(times[1:])
+        ctx.log(f"batch {batch}: verify ms by width {rows[str(batch)]}")
+    del llm, model
+    ctx.free()
+    _parity(ctx, out, work)
+
+
+def _parity(ctx: Context, out: dict, work) -> None:
+    """Greedy n-gram trees = plain decoding, float32 on the device, paged and slotted pools."""
+    config = SMOKE_1B
+    hf = hf_model(config, torch.float32, ctx.device, seed=3)
+    target = checkpoint_dir(work / "parity", config)
+    store = {str(target): hf_tensors(hf)}
+    del hf
+    prompts = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [20, 21, 22, 20, 21, 23, 20, 21, 22, 24, 20, 21]]
+    params = SamplingParams(temperature=0, max_tokens=ctx.size(48, 12), ignore_eos=True)
+    with weights_in_memory(store):
+        plain = LLM(**ctx.engine_kwargs(4, 128, model=str(target), dtype="float32"))
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+        for backend in ctx.size(("paged", "slotted"), ("paged",)):
+            spec = LLM(**ctx.engine_kwargs(4, 128, model=str(target), dtype="float32", kv_cache_backend=backend,
+                                           use_speculative_decoding=True, speculative_method="ngram",
+                                           spec_policy="fixed", spec_length=4, tree_width=3, tree_tokens=10))
+            outs = spec.generate(prompts, params)
+            check(out, f"greedy n-gram trees = plain ({backend})", [o.token_ids for o in outs] == expected,
+                  {"rounds": sum(o.num_spec_rounds for o in outs)})
