@@ -36,11 +36,13 @@ def accept_trees(reqs: list[Request], trees: list[TokenTree | None], logits: tor
     p = adjusted_probs(logits.reshape(n * T, V), rows.repeat_rows(T), None).reshape(n, T, V)  # [N, T, V]
     uniforms = draw_uniforms([r.random_stream for r in reqs], T, logits.device,
                              counts=[len(t) + 1 for t in trees])  # [N, T]
-    p_host = host_sync.fetch(p).double()  # [N, T, V]
+    wanted = [i * T + j for i, t in enumerate(trees) for j in range(len(t) + 1)]  # each row's root and nodes
+    p_host = host_sync.fetch(p.reshape(n * T, V).index_select(0, host_sync.upload(wanted, p.device, torch.long)))
     u_host = host_sync.read(uniforms)  # [N][T]
-    paths, finals = [], []
-    for t, p_row, u_row in zip(trees, p_host, u_host):
-        path, final = accept_sampled(t, p_row[:len(t) + 1], None, u_row)
+    paths, finals, first = [], [], 0
+    for t, u_row in zip(trees, u_host):
+        path, final = accept_sampled(t, p_host[first:first + len(t) + 1].double(), None, u_row)
+        first += len(t) + 1
         paths.append(path)
         finals.append(final)
     picks = inverse_cdf(torch.stack(finals), torch.tensor([u[len(t)] for t, u in zip(trees, u_host)],
