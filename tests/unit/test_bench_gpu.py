@@ -17,7 +17,7 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
     report = json.loads((tmp_path / "gpu_cpu_smoke.json").read_text())
     sections = report["sections"]
     assert list(sections) == ["environment", "attention", "correctness", "syncs", "llama_1b", "cuda_graphs",
-                              "paged_attention", "llama_8b", "faults"]
+                              "paged_attention", "trees", "llama_8b", "faults"]
     bad = {name: (s["status"], s.get("error"), s.get("failed_checks")) for name, s in sections.items()
            if s["status"] != "ok"}
     assert not bad, bad
@@ -27,6 +27,9 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
     for name in ("cuda_graphs", "paged_attention"):  # on ÷ off, plain and speculative, each batch; kept at load
         assert set(sections[name]["plain"]) == set(sections[name]["speculative"]) == {"1", "8", "32"}, name
         assert len(sections[name]["checks"]) == 2 + 6 and all(c["ok"] for c in sections[name]["checks"].values())
+    trees = sections["trees"]
+    assert set(trees["verify_ms"]["1"]) == {"chain", "tree"} and trees["checks"] and all(
+        c["ok"] for c in trees["checks"].values())
     assert "# GPU check" in (tmp_path / "gpu_cpu_smoke.md").read_text()
 
 
