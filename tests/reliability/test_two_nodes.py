@@ -5,7 +5,7 @@ answered by both replicas; then the worker node is killed mid-load (its raylet a
 under it, SIGKILL: a machine gone): the streams it held end with a clear error (never a hang, never
 a cut stream ending in [DONE] without an error), new requests are served by the head's replica,
 and the replica comes back when the node rejoins. Both nodes' metrics endpoints carry the
-engine's metrics for their own replica.
+engine's metrics for their own replica, and a real Prometheus scraping both sees them.
 
 The cluster has its own ports (the shared `serve run` of the other tests may be up beside it)
 and is torn down by process, never by `ray stop`.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,6 +191,35 @@ def cluster(tmp_path):
             n.stop()
 
 
+def prometheus_sees_both_nodes(work: Path, ports: list[int]) -> None:
+    """A real Prometheus (Debian's package, as tests/e2e/test_metrics_prometheus.py uses) scraping
+    both nodes' metrics endpoints (static targets: Ray's service-discovery file under /tmp/ray is
+    shared with any other cluster on this machine) sees the engine's counter from each node."""
+    binary = shutil.which("prometheus")
+    assert binary, "Debian's prometheus package is required (.ci/run installs it)"
+    cfg = {"global": {"scrape_interval": "1s"},
+           "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}]}
+    (work / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    with open(work / "prometheus.log", "w") as log:
+        proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={work / 'prom-data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def instances() -> set[str]:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", timeout=5, params={
+                    "query": 'sum by (instance) (ray_specserve_generation_tokens_total{deployment="LLMServer"})'})
+                return {x["metric"]["instance"] for x in r.json()["data"]["result"]}
+            except (httpx.HTTPError, KeyError, ValueError):
+                return set()
+
+        wait_until(lambda: len(instances()) == 2, 60, "Prometheus to see the engine's metrics from both nodes")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def _up(url: str) -> bool:
     try:
         httpx.get(url, timeout=2)
@@ -252,6 +282,8 @@ def test_two_nodes_serve_and_survive_losing_one(cluster):
     wait_until(lambda: metric_lines(head.ports["metrics-export-port"], "ray_specserve_generation_tokens_total")
                and metric_lines(worker.ports["metrics-export-port"], "ray_specserve_generation_tokens_total"), 60,
                "the engine's metrics on both nodes' metrics endpoints")
+
+    prometheus_sees_both_nodes(work, [head.ports["metrics-export-port"], worker.ports["metrics-export-port"]])
 
     # --- the worker node dies mid-load ---------------------------------------------------------
     head_id = head_node_id(dashboard)
