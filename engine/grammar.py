@@ -179,3 +179,32 @@ def cut_proposals(matchers: list[GrammarMatcher | None], tokens: list[list[int]]
     cut = [t if m is None else t[:m.walk(t, bitmask[i])] for i, (m, t) in enumerate(zip(matchers, tokens))]
     width = max(map(len, cut)) + 1
     return cut, unpack_bitmask(bitmask[:, :width], vocab_size)
+
+
+def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
+    """A token tree (engine/speculative/tree.py) without the nodes its grammar forbids after their
+    path (nor their subtrees, nor anything after a stop token), and the masks [n + 1, V] (bool) of
+    its root and each kept node: what the grammar allows next there. The matcher is left as it was."""
+    from engine.speculative.tree import TokenTree
+
+    tokens: list[int] = []
+    parents: list[int] = []
+    bitmask = new_bitmask(len(tree) + 1, vocab_size)  # [n + 1, W], row j + 1: after kept node j
+
+    def visit(old: int, new: int) -> None:  # the matcher stands after `new`'s path
+        row = new + 1
+        matcher.fill(bitmask, row)
+        if matcher.terminated:
+            return
+        for child in tree.children[old + 1]:
+            token = tree.tokens[child]
+            if not int(bitmask[row, token >> 5]) >> (token & 31) & 1 or not matcher.accept(token):
+                continue
+            tokens.append(token)
+            parents.append(new)
+            visit(child, len(tokens) - 1)
+            matcher.rollback(1)
+
+    visit(-1, -1)
+    return TokenTree(tuple(tokens), tuple(parents)), unpack_bitmask(bitmask[:len(tokens) + 1], vocab_size)
+

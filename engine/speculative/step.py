@@ -24,7 +24,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
-from engine.speculative.tree_round import accept_trees, takes_trees
+from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
 
@@ -146,13 +146,16 @@ class SpeculativeDecoder:
         nodes = self._tree_nodes(len(reqs), plan.k)
         budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
         trees = self.proposer.propose_trees(reqs, plan.ks, budgets, self.settings.tree_width)
+        trees, masks = grammar_masks(reqs, trees, self.runner.model.shape.vocab_size)  # [N, T, V] or None
         draft_seconds = time.perf_counter() - t0
-        if all(t is None for t in trees):
+        if all(t is None or not len(t) for t in trees):
             return self._plain(reqs, "no_proposal", draft_seconds)
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
         logits = self.runner.verify_trees(reqs, chunks, [list(t.parents) if t is not None else None for t in trees])
+        if masks is not None:
+            logits = mask_logits(logits, masks[:, :logits.shape[1]])
         paths, finals = accept_trees(reqs, trees, logits)
         target_seconds = time.perf_counter() - t1
         self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
@@ -165,13 +168,13 @@ class SpeculativeDecoder:
         # the policy's estimates and the per-position stats read a tree as the chain it accepted
         # along (its depth); the per-request and metrics counts of proposed tokens are its nodes
         chain_like = Proposal([[0] * (t.depth if t is not None else 0) for t in trees], None,
-                              [self.proposer.name if t is not None else "none" for t in trees])
+                              [self.proposer.name if t is not None and len(t) else "none" for t in trees])
         stats = self._record(reqs, plan, chain_like, [len(p) for p in paths])
         for r, tree in zip(reqs, trees):
-            if tree is not None:
+            if tree is not None and len(tree):
                 r.spec.proposed_per_round[-1] = len(tree)
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
-        stats.verified_per_round = [len(t) for t in trees if t is not None]
+        stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _tree_nodes(self, batch: int, k: int) -> int:

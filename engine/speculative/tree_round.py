@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import host_sync
+from engine.grammar import cut_tree
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, inverse_cdf
 from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
@@ -15,9 +16,35 @@ NO_TREE = TokenTree((), ())
 
 
 def takes_trees(reqs: list[Request]) -> bool:
-    """Trees for this batch: no grammar, penalty or logit bias (each node's distribution would
-    depend on its own path) and no logprobs asked for; otherwise the round is a chain."""
-    return all(r.grammar is None and not r.params.adjusts_logits and r.params.logprobs is None for r in reqs)
+    """Trees for this batch: no penalty or logit bias (each node's distribution would depend on its
+    own path) and no logprobs asked for; otherwise the round is a chain. Grammars apply at every
+    node (`grammar_masks`)."""
+    return all(not r.params.adjusts_logits and r.params.logprobs is None for r in reqs)
+
+
+def grammar_masks(reqs: list[Request], trees: list[TokenTree | None], vocab_size: int
+                  ) -> tuple[list[TokenTree | None], torch.Tensor | None]:
+    """Each constrained row's tree cut where its grammar forbids a node, and the verify pass's
+    masks [N, T, V] (T: the widest row's root and nodes; True on unconstrained rows), or None
+    where no row has a grammar."""
+    if all(r.grammar is None for r in reqs):
+        return trees, None
+    cut: list[TokenTree | None] = []
+    row_masks: list[torch.Tensor | None] = []
+    for r, t in zip(reqs, trees):
+        if r.grammar is None:
+            cut.append(t)
+            row_masks.append(None)
+            continue
+        pruned, masks = cut_tree(r.grammar, t if t is not None else NO_TREE, vocab_size)  # masks [n + 1, V]
+        cut.append(pruned if len(pruned) else (None if t is None else pruned))
+        row_masks.append(masks)
+    width = max(len(t) + 1 if t is not None else 1 for t in cut)
+    out = torch.ones(len(reqs), width, vocab_size, dtype=torch.bool)  # [N, T, V]
+    for i, m in enumerate(row_masks):
+        if m is not None:
+            out[i, :m.shape[0]] = m
+    return cut, out
 
 
 def accept_trees(reqs: list[Request], trees: list[TokenTree | None], logits: torch.Tensor

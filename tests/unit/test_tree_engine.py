@@ -139,3 +139,66 @@ def test_teeth_a_tree_rule_without_the_residual_is_detected(pair, monkeypatch):
     tokens, _ = sample_speculative(tpath, dpath, params, tree_width=3, tree_tokens=8,
                                    proposer=lambda e: FixedTrees(e, tree))
     assert min(chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)) < 1e-3
+
+
+def _choice_tree(tok_dir) -> tuple[TokenTree, int]:
+    """Branches of the choice grammar's strings, and a forbidden one ("a", cut before the pass)."""
+    from engine.model.tokenizer import Tokenizer
+
+    one, zero, a = (Tokenizer(tok_dir).hf.convert_tokens_to_ids(c) for c in "10a")
+    #      root: "1" ("0", "1"), "0" ("1"), "a" ("1")
+    return TokenTree((one, zero, a, zero, one, one, one), (-1, -1, -1, 0, 0, 1, 2)), a
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_sampled_trees_under_a_grammar_follow_the_masked_target_distribution(tiny_model, tok_dir, monkeypatch,
+                                                                              masked):
+    """The structured-output test (a choice grammar, every allowed path enumerated) with every
+    round a branched tree that includes a forbidden branch. Teeth: with the masks left out of the
+    tree pass, outputs leave the grammar."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    from engine.structured_output import StructuredOutput
+    from tests.unit.test_structured_output import CHOICES, N, _exact_outcomes
+
+    if not masked:
+        monkeypatch.setattr(step_module, "mask_logits", lambda logits, masks: logits)
+    tpath, hf = tiny_model
+    spec = StructuredOutput.choice(CHOICES)
+    prompt = [5, 17, 9, 30]
+    expected = _exact_outcomes(hf, tok_dir, prompt, spec, depth=4)
+    tree, forbidden = _choice_tree(tok_dir)
+    llm = LLM(model=str(tpath), dtype="float32", max_batch_size=64, seed=7, use_speculative_decoding=True,
+              speculative_method="ngram", spec_length=2, spec_policy="fixed", tree_width=3, tree_tokens=8)
+    llm.engine.speculation.proposer = FixedTrees(llm.engine, tree)
+    outs = llm.generate([prompt] * N, SamplingParams(temperature=1.0, max_tokens=4, structured_output=spec))
+    seen = Counter(tuple(o.token_ids) for o in outs)
+    if not masked:
+        assert not set(seen) <= set(expected)
+        return
+    assert set(seen) <= set(expected) and all(forbidden not in k for k in seen)
+    assert sum(o.num_spec_rounds for o in outs) >= N  # rounds were tree rounds, not plain steps
+    keys = sorted(expected, key=expected.get, reverse=True)
+    big = [k for k in keys if expected[k] * N >= 5]
+    f_exp = [expected[k] * N for k in big] + [N * (1 - sum(expected[k] for k in big))]
+    f_obs = [seen[k] for k in big] + [N - sum(seen[k] for k in big)]
+    if f_exp[-1] < 5:
+        f_exp, f_obs = f_exp[:-2] + [f_exp[-2] + f_exp[-1]], f_obs[:-2] + [f_obs[-2] + f_obs[-1]]
+    assert len(big) >= 3
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3, (f_obs, f_exp)
+
+
+def test_constrained_greedy_output_is_the_same_with_trees(tiny_model, branching):
+    from engine.structured_output import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array",
+              "items": {"type": "integer"}, "maxItems": 4}}, "required": ["a", "b"]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_output=StructuredOutput.json_schema(schema))
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200)
+    trees = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, use_speculative_decoding=True,
+                speculative_method="ngram", spec_policy="fixed", spec_length=4, tree_width=3, tree_tokens=10)
+    prompts = PROMPTS[:3]
+    assert [o.token_ids for o in trees.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert branching["trees"] > 0
