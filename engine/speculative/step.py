@@ -24,7 +24,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
-from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees
+from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
 
@@ -153,10 +153,11 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
-        logits = self.runner.verify_trees(reqs, chunks, [list(t.parents) if t is not None else None for t in trees])
+        raw = logits = self.runner.verify_trees(reqs, chunks, [list(t.parents) if t is not None else None for t in trees])
         if masks is not None:
             logits = mask_logits(logits, masks[:, :logits.shape[1]])
         paths, finals = accept_trees(reqs, trees, logits)
+        tree_logprobs(reqs, trees, paths, finals, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
         self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
         out = []

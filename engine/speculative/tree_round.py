@@ -7,6 +7,7 @@ import torch
 
 from engine import host_sync
 from engine.grammar import cut_tree
+from engine.logprobs import log_distribution, most_wanted, row_logprob, table
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, inverse_cdf
 from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
@@ -17,9 +18,39 @@ NO_TREE = TokenTree((), ())
 
 def takes_trees(reqs: list[Request]) -> bool:
     """Trees for this batch: no penalty or logit bias (each node's distribution would depend on its
-    own path) and no logprobs asked for; otherwise the round is a chain. Grammars apply at every
-    node (`grammar_masks`)."""
-    return all(not r.params.adjusts_logits and r.params.logprobs is None for r in reqs)
+    own path); otherwise the round is a chain. Grammars apply at every node (`grammar_masks`);
+    logprobs come from the positions of the emitted tokens (`tree_logprobs`)."""
+    return all(not r.params.adjusts_logits for r in reqs)
+
+
+def tree_logprobs(reqs: list[Request], trees: list[TokenTree | None], paths: list[list[int]], finals: list[int],
+                  logits: torch.Tensor, raw_logits: torch.Tensor, logprobs_mode: str) -> None:
+    """Each request that asks for logprobs gets those of its emitted tokens (the accepted nodes,
+    then the final token) in pending_logprobs, from the target's distribution at the root and at
+    each accepted node: raw_logits [N, T, V] before grammar masks ("raw"), or the distribution
+    sampled from ("processed": logits [N, T, V] masked, temperature and filters applied)."""
+    k = most_wanted([r.params.logprobs for r in reqs])
+    if k is None:
+        return
+    n, T, V = logits.shape
+    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    at = [i * T + pos for i in wanted for pos in [0] + [node + 1 for node in paths[i]]]  # emitted positions
+    index = host_sync.upload(at, logits.device, torch.long)  # [M]
+    probs = None
+    if logprobs_mode == "processed":
+        rows = SamplingRows.build([reqs[i].params for i in wanted], logits.device)
+        counts = host_sync.upload([len(paths[i]) + 1 for i in wanted], logits.device, torch.long)  # [rows]
+        rows = SamplingRows(**{key: v.repeat_interleave(counts) if isinstance(v, torch.Tensor) else v
+                               for key, v in vars(rows).items()})
+        probs = adjusted_probs(logits.reshape(n * T, V).index_select(0, index), rows, None)  # [M, V]
+    emitted = [t for i in wanted for t in [trees[i].tokens[j] for j in paths[i]] + [finals[i]]]
+    lp = log_distribution(raw_logits.reshape(n * T, V).index_select(0, index), probs, logprobs_mode)  # [M, V]
+    values = host_sync.read(table(lp, host_sync.upload(emitted, logits.device, torch.long), k))  # [M, 2 + 2k]
+    first = 0
+    for i in wanted:
+        r, count = reqs[i], len(paths[i]) + 1
+        r.pending_logprobs = [row_logprob(v, k, r.params.logprobs) for v in values[first:first + count]]
+        first += count
 
 
 def grammar_masks(reqs: list[Request], trees: list[TokenTree | None], vocab_size: int

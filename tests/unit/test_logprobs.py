@@ -65,6 +65,40 @@ def test_logprobs_are_the_targets_at_every_emitted_position(tiny_model, tiny_dra
         assert_matches(tiny_model[1], out)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_token_tree_rounds_give_the_targets_logprobs(tiny_model, tiny_draft, head_dir, monkeypatch, temperature, mode):
+    """n-gram trees (a prompt whose suffix was followed by two continuations): the emitted tokens'
+    logprobs come from the root's and the accepted nodes' positions of the tree pass."""
+    import engine.speculative.step as step_module
+
+    branched = []
+    real = step_module.tree_logprobs
+
+    def spy(reqs, trees, *args):
+        branched.extend(len(t) > t.depth for t in trees if t is not None)
+        return real(reqs, trees, *args)
+
+    monkeypatch.setattr(step_module, "tree_logprobs", spy)
+    llm = engine(tiny_model, tiny_draft, head_dir, "ngram", tree_width=3, tree_tokens=8, logprobs_mode=mode)
+    prompts = [[5, 9, 30, 7, 5, 9, 31, 8, 5, 9], *PROMPTS]
+    params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=i, logprobs=K)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert any(branched)
+    for out in outs:
+        if mode == "raw":
+            assert_matches(tiny_model[1], out)
+            continue
+        raw = reference_logprobs(tiny_model[1], out.prompt_token_ids, out.token_ids)
+        for j, entry in enumerate(out.logprobs):
+            if temperature == 0.0:  # processed greedy: the one-hot distribution sampled from
+                assert entry.logprob == pytest.approx(0.0, abs=1e-6)
+            else:
+                ref = (raw[j] / temperature).log_softmax(dim=-1)
+                assert entry.logprob == pytest.approx(float(ref[entry.token_id]), abs=1e-4)
+
+
 def test_speculative_greedy_logprobs_equal_plain_decodings(tiny_model, tiny_draft, head_dir):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain = engine(tiny_model, tiny_draft, head_dir, None).generate(PROMPTS, params)
