@@ -87,11 +87,12 @@ class KVManager:
         if self.features is not None:
             self.features.truncate_to(request.request_id, length)
 
-    def keep_path(self, request: Request, start: int, path: list[int]) -> None:
-        """After a tree pass written from `start` (the root there, node i at start + 1 + i): the
-        accepted nodes' target K/V moved to follow the root, in path order (then `rollback`)."""
-        record = self._records[request.request_id]
-        self.target.move_rows(record.target_slot, [(start + 1 + node, start + 1 + j) for j, node in enumerate(path)])
+    def keep_paths(self, requests: list[Request], starts: list[int], paths: list[list[int]]) -> None:
+        """After a pass over token trees, each written from its start (the root there, node i at
+        start + 1 + i): the accepted nodes' target K/V moved to follow the root, in path order,
+        for every request in one copy (then `rollback`)."""
+        self.target.move_rows([(self._records[r.request_id].target_slot, start + 1 + node, start + 1 + j)
+                               for r, start, path in zip(requests, starts, paths) for j, node in enumerate(path)])
 
     def register_prefix(self, request: Request) -> None:
         """Offers the request's computed prompt blocks to the prefix cache."""

@@ -114,18 +114,22 @@ class PagedKVPool:
         return build_view(self.storage, lengths, chunk_lens, [t.blocks for t in tables], self.block_size, width,
                           tokens)
 
-    def move_rows(self, slot: int, moves: list[tuple[int, int]]) -> None:
-        """Copies the K/V at position src to position dst of `slot`, every layer, for each
-        (src, dst) in `moves` (all read before any is written): a tree's accepted path into place."""
-        moves = [(a, b) for a, b in moves if a != b]
+    def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copies the K/V at position src of a slot to its position dst, every layer, for each
+        (slot, src, dst) in `moves` (all read before any is written; one copy for all): the
+        accepted paths of token trees into place."""
+        moves = [m for m in moves if m[1] != m[2]]
         if not moves:
             return
-        t = self._tables[slot]
-        if max(max(m) for m in moves) >= t.length:
-            raise ValueError(f"move_rows: positions must be below the slot's length {t.length}, got {moves}")
         bs = self.block_size
-        rows = [t.blocks[p // bs] * bs + p % bs for m in zip(*moves) for p in m]  # sources, then destinations
-        index = host_sync.upload(rows, self.storage.device, torch.long)  # [2 * n]
+        src, dst = [], []
+        for slot, a, b in moves:
+            t = self._tables[slot]
+            if max(a, b) >= t.length:
+                raise ValueError(f"move_rows: positions must be below slot {slot}'s length {t.length}, got {a} -> {b}")
+            src.append(t.blocks[a // bs] * bs + a % bs)
+            dst.append(t.blocks[b // bs] * bs + b % bs)
+        index = host_sync.upload(src + dst, self.storage.device, torch.long)  # [2 * n]
         n = len(moves)
         self.storage.index_copy_(3, index[n:], self.storage.index_select(3, index[:n]))
 

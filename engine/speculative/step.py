@@ -26,7 +26,8 @@ from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.rejection import accept
 from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
-TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
+TREE_COST_SLACK = 0.05  # adaptive: a tree round may cost this much more than the chain's
+TREE_EXTRA_EMA = 0.2  # weight of the newest tree round in the measured extra cost per request
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SpeculativeDecoder:
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
+        self._tree_extra_per_row: float | None = None  # seconds a tree round adds per request over a chain round
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -110,7 +112,8 @@ class SpeculativeDecoder:
         plan = self._plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
-        if self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs):
+        if self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs) \
+                and self._trees_pay(len(reqs), plan.k):
             return self._decode_trees(reqs, plan)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
@@ -160,10 +163,9 @@ class SpeculativeDecoder:
         tree_logprobs(reqs, trees, paths, finals, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
         self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
+        self.kv.keep_paths(reqs, starts, paths)
         out = []
         for r, start, tree, path, final in zip(reqs, starts, trees, paths, finals):
-            if tree is not None:
-                self.kv.keep_path(r, start, path)
             self.kv.rollback(r, start + len(path) + 1)
             out.append((r, [tree.tokens[j] for j in path] + [final] if tree is not None else [final]))
         # the policy's estimates and the per-position stats read a tree as the chain it accepted
@@ -176,7 +178,26 @@ class SpeculativeDecoder:
                 r.spec.proposed_per_round[-1] = len(tree)
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
         stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
+        self._observe_tree_round(len(reqs), plan.k, time.perf_counter() - t0)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
+
+    def _chain_round_seconds(self, batch: int, k: int) -> float:
+        """The measured costs' price of a chain round of K = k at this batch: its verify pass and
+        the step's time outside the passes."""
+        return self.costs.verify_times(batch, k)[k] + self.costs.other_times(batch, k)[k]
+
+    def _trees_pay(self, batch: int, k: int) -> bool:
+        """Under the adaptive policy, a tree round only while what trees add to a round (measured
+        per request: drafting the trees, their pass beyond a chain's, acceptance on the host)
+        stays within TREE_COST_SLACK of the chain round; the fixed policy always takes trees."""
+        if self.settings.spec_policy != "adaptive" or self._tree_extra_per_row is None:
+            return True
+        return self._tree_extra_per_row * batch <= TREE_COST_SLACK * self._chain_round_seconds(batch, k)
+
+    def _observe_tree_round(self, batch: int, k: int, seconds: float) -> None:
+        extra = max(0.0, seconds - self._chain_round_seconds(batch, k)) / batch
+        old = self._tree_extra_per_row
+        self._tree_extra_per_row = extra if old is None else old + TREE_EXTRA_EMA * (extra - old)
 
     def _tree_nodes(self, batch: int, k: int) -> int:
         """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the

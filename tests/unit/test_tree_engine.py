@@ -53,7 +53,8 @@ def branching(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_ngram_trees_greedy_equals_plain(tiny_model, reference, branching, backend, policy):
+def test_ngram_trees_greedy_equals_plain(tiny_model, reference, branching, monkeypatch, backend, policy):
+    monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy=policy, spec_length=4, tree_width=3, tree_tokens=10, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)
@@ -202,3 +203,29 @@ def test_constrained_greedy_output_is_the_same_with_trees(tiny_model, branching)
     prompts = PROMPTS[:3]
     assert [o.token_ids for o in trees.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     assert branching["trees"] > 0
+
+
+def test_the_adaptive_policy_drops_trees_that_cost_more_than_they_may(tiny_model, monkeypatch):
+    """With no room for extra cost (a negative slack: no measured cost fits), the first tree
+    round's measurement ends trees: the rest of the run decodes chains, with the same greedy output."""
+    monkeypatch.setattr(step_module, "TREE_COST_SLACK", -1.0)
+    rounds = {"tree": 0, "chain": 0}
+    real_trees, real_accept = step_module.SpeculativeDecoder._decode_trees, step_module.accept
+
+    def tree_round(self, *args):
+        rounds["tree"] += 1
+        return real_trees(self, *args)
+
+    def chain_accept(*args, **kw):
+        rounds["chain"] += 1
+        return real_accept(*args, **kw)
+
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_decode_trees", tree_round)
+    monkeypatch.setattr(step_module, "accept", chain_accept)
+    llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+              spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=200, max_batch_size=8)
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, max_batch_size=8)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(40))] == \
+        [o.token_ids for o in plain.generate(PROMPTS, greedy(40))]
+    assert rounds["tree"] == 1 and rounds["chain"] > 1, rounds
+

@@ -79,7 +79,7 @@ def test_the_accepted_path_moved_into_place_continues_like_a_chain(model, backen
     start = len(prompt) - 1
     forward_chunks(model, pool, [slot], [[prompt[-1], *TREE.tokens]], [start], all_logits=True,
                    trees=[list(TREE.parents)])
-    pool.move_rows(slot, [(start + 1 + node, start + 1 + j) for j, node in enumerate(accepted)])
+    pool.move_rows([(slot, start + 1 + node, start + 1 + j) for j, node in enumerate(accepted)])
     pool.truncate_to(slot, start + 1 + len(accepted))
     path = [TREE.tokens[i] for i in accepted]
     after = forward_chunks(model, pool, [slot], [[99, 100]], [start + 1 + len(accepted)], all_logits=True)[0]
@@ -90,5 +90,5 @@ def test_the_accepted_path_moved_into_place_continues_like_a_chain(model, backen
 def test_move_rows_checks_positions(model):
     pool = _pool(model, "paged")
     (slot,) = _prefilled(model, pool, [PROMPTS[2]])
-    with pytest.raises(ValueError, match="below the slot's length"):
-        pool.move_rows(slot, [(10, 1)])
+    with pytest.raises(ValueError, match="below slot"):
+        pool.move_rows([(slot, 10, 1)])
