@@ -30,6 +30,11 @@ TREE_COST_SLACK = 0.05  # adaptive: a tree round may cost this much more than th
 TREE_EXTRA_EMA = 0.2  # weight of the newest tree round in the measured extra cost per request
 
 
+def _sampled(reqs: list[Request]) -> bool:
+    """Whether the batch's acceptance samples (on the host, for trees) rather than compares argmaxes."""
+    return any(r.params.needs_probs for r in reqs)
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     k: int  # the step's K (0: plain decoding)
@@ -66,7 +71,7 @@ class SpeculativeDecoder:
         self.settings = settings
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
-        self._tree_extra_per_row: float | None = None  # seconds a tree round adds per request over a chain round
+        self._tree_extra_per_row: dict[bool, float] = {}  # sampled batch? -> seconds a tree round adds per request
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -113,7 +118,7 @@ class SpeculativeDecoder:
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         if self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs) \
-                and self._trees_pay(len(reqs), plan.k):
+                and self._trees_pay(reqs, plan.k):
             return self._decode_trees(reqs, plan)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
@@ -178,7 +183,7 @@ class SpeculativeDecoder:
                 r.spec.proposed_per_round[-1] = len(tree)
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
         stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
-        self._observe_tree_round(len(reqs), plan.k, time.perf_counter() - t0)
+        self._observe_tree_round(reqs, plan.k, time.perf_counter() - t0)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _chain_round_seconds(self, batch: int, k: int) -> float:
@@ -186,18 +191,22 @@ class SpeculativeDecoder:
         the step's time outside the passes."""
         return self.costs.verify_times(batch, k)[k] + self.costs.other_times(batch, k)[k]
 
-    def _trees_pay(self, batch: int, k: int) -> bool:
+    def _trees_pay(self, reqs: list[Request], k: int) -> bool:
         """Under the adaptive policy, a tree round only while what trees add to a round (measured
-        per request: drafting the trees, their pass beyond a chain's, acceptance on the host)
-        stays within TREE_COST_SLACK of the chain round; the fixed policy always takes trees."""
-        if self.settings.spec_policy != "adaptive" or self._tree_extra_per_row is None:
+        per request, apart for greedy and sampled batches: drafting the trees, their pass beyond a
+        chain's, acceptance on the host) stays within TREE_COST_SLACK of the chain round; the
+        fixed policy always takes trees."""
+        if self.settings.spec_policy != "adaptive":
             return True
-        return self._tree_extra_per_row * batch <= TREE_COST_SLACK * self._chain_round_seconds(batch, k)
+        extra = self._tree_extra_per_row.get(_sampled(reqs))
+        return extra is None or extra * len(reqs) <= TREE_COST_SLACK * self._chain_round_seconds(len(reqs), k)
 
-    def _observe_tree_round(self, batch: int, k: int, seconds: float) -> None:
-        extra = max(0.0, seconds - self._chain_round_seconds(batch, k)) / batch
-        old = self._tree_extra_per_row
-        self._tree_extra_per_row = extra if old is None else old + TREE_EXTRA_EMA * (extra - old)
+    def _observe_tree_round(self, reqs: list[Request], k: int, seconds: float) -> None:
+        if self.settings.spec_policy != "adaptive":
+            return
+        extra = max(0.0, seconds - self._chain_round_seconds(len(reqs), k)) / len(reqs)
+        old = self._tree_extra_per_row.get(_sampled(reqs))
+        self._tree_extra_per_row[_sampled(reqs)] = extra if old is None else old + TREE_EXTRA_EMA * (extra - old)
 
     def _tree_nodes(self, batch: int, k: int) -> int:
         """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the
