@@ -42,15 +42,13 @@ class ExpectedAcceptance:
             setattr(rejection, name, wrapped)
 
     def observe(self, p, q, draft, num_proposed) -> None:
-        from engine.speculative.rejection import block_acceptance
+        from engine.speculative.rejection import acceptance_ratios, block_acceptance
 
         K = p.shape[1] - 1
         if K == 0:
             return
         p, q = p.double(), q.double()
-        p_tok = p[:, :K].gather(-1, draft[..., None])[..., 0]  # [N, K]
-        q_tok = q.gather(-1, draft[..., None])[..., 0]  # [N, K]
-        ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok)).clamp(max=1)
+        ratio = acceptance_ratios(p, q, draft).clamp(max=1)  # [N, K]
         in_range = torch.arange(K)[None, :] < num_proposed[:, None]  # [N, K]
         self.token += float((ratio * in_range).cumprod(-1).sum())
         _, h = block_acceptance(p, q, draft, num_proposed)  # [N, K + 1]

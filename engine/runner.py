@@ -4,6 +4,7 @@ speculative verify passes) and the sampling that follows them."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from engine.model.passes import forward_chunks, forward_chunks_features, put_row
 from engine.model.transformer import Transformer
 from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
+
+if TYPE_CHECKING:
+    from engine.speculative.tree import TokenTree
 
 
 class ModelRunner:
@@ -110,13 +114,13 @@ class ModelRunner:
             first += len(rows)
         return logits
 
-    def verify_trees(self, reqs: list[Request], chunks: list[list[int]], trees: list[list[int] | None]) -> torch.Tensor:
-        """verify's one pass where chunks[i] is a token tree's root and nodes (trees[i]: node j's
-        parent, -1 the root; None: a chain): logits [B, T, vocab], node j's at j + 1."""
+    def verify_trees(self, reqs: list[Request], chunks: list[list[int]], trees: list[TokenTree | None]) -> torch.Tensor:
+        """verify's one pass where chunks[i] is trees[i]'s root and nodes (None: a chain): logits
+        [B, T, vocab], node j's at j + 1."""
         return self._pass(reqs, chunks, [self.kv.computed(r) for r in reqs], True, trees)
 
     def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool,
-              trees: list[list[int] | None] | None = None) -> torch.Tensor:
+              trees: list[TokenTree | None] | None = None) -> torch.Tensor:
         slots = [self.kv.target_slot(r) for r in reqs]
         if trees is not None:  # a tree round runs without a feature-reading proposer (its features are per path)
             return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits, trees=trees)

@@ -71,8 +71,9 @@ class SamplingRows:
         at the argmax on greedy rows: nothing reorders, cuts or penalises the logits."""
         return not (self.needs_sort or self.needs_penalty or self.needs_min_p or self.needs_counts or self.needs_bias)
 
-    def repeat_rows(self, n: int) -> SamplingRows:
-        """Each row repeated n times in place (row i -> rows i*n .. i*n+n-1)."""
+    def repeat_rows(self, n: int | torch.Tensor) -> SamplingRows:
+        """Each row repeated n times in place (row i -> rows i*n .. i*n+n-1); n may be a tensor
+        [N] of counts per row."""
         return SamplingRows(**{k: v.repeat_interleave(n) if isinstance(v, torch.Tensor) else v
                                for k, v in vars(self).items()})
 

@@ -43,7 +43,7 @@ def run(ctx: Context, out: dict) -> None:
         slots = fill_slots(model, pool, batch, context)
         for width in WIDTHS:
             for shape in ("chain", "tree"):
-                trees = None if shape == "chain" or width == 1 else [list(_tree(width - 1).parents)] * batch
+                trees = None if shape == "chain" or width == 1 else [_tree(width - 1)] * batch
                 times = []
                 for _ in range(repeats + 1):
                     ctx.sync()

@@ -8,34 +8,33 @@ place (`CachePool.move_rows`) and truncates the rest.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine import host_sync
 from engine.kv.protocol import KVView
 
+if TYPE_CHECKING:
+    from engine.speculative.tree import TokenTree
 
-def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], parents: list[list[int] | None]) -> KVView:
+
+def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], trees: list[TokenTree | None]) -> KVView:
     """`view` (of a pass over chunks [root, node 0, node 1, ...] at `starts`) with tree masks and
-    positions. parents[b]: row b's tree (node i's parent, -1 the root), or None for a chain."""
+    positions. trees[b]: row b's tree, or None for a chain."""
     B, T = view.position_ids.shape
     L = view.key_len
-    host = list(starts)  # [B] starts, then [B * T] depth of every query, then [B * T * T] ancestors
-    depth_rows, ancestor_rows = [], []
-    for b in range(B):
-        c = chunk_lens[b]
-        tree = parents[b] if parents[b] is not None else list(range(-1, c - 2))  # a chain: node i's parent i - 1
-        depths = [0]  # the root
-        anc = [[0] * T for _ in range(T)]
-        anc[0][0] = 1
-        for i, parent in enumerate(tree):
-            depths.append(depths[parent + 1] + 1)
-            anc[i + 1] = list(anc[parent + 1])
-            anc[i + 1][i + 1] = 1
-        for i in range(c, T):  # padded queries see themselves only (a scratch key): finite, unused
-            anc[i][i] = 1
-        depth_rows += depths + [0] * (T - c)
-        ancestor_rows += [x for row in anc for x in row]
-    packed = host_sync.upload(host + depth_rows + ancestor_rows, view.position_ids.device)  # one upload
+    depths = torch.zeros(B, T, dtype=torch.int64)  # [B, T] padded queries: depth 0
+    ancestors = torch.eye(T, dtype=torch.int64).repeat(B, 1, 1)  # [B, T, T] padded queries see themselves only
+    for b, (c, tree) in enumerate(zip(chunk_lens, trees)):
+        if tree is None:  # a chain: each token sees those before it
+            depths[b, :c] = torch.arange(c)
+            ancestors[b, :c, :c] = torch.ones(c, c, dtype=torch.int64).tril()
+        else:
+            depths[b, 1:c] = torch.tensor(tree.depths, dtype=torch.int64)
+            ancestors[b, :c, :c] = tree.ancestor_mask().long()
+    packed = host_sync.upload(torch.cat([torch.tensor(starts, dtype=torch.int64), depths.view(-1), ancestors.view(-1)]),
+                              view.position_ids.device)  # one upload
     start = packed[:B]  # [B]
     depth = packed[B:B + B * T].view(B, T)  # [B, T]
     ancestors = packed[B + B * T:].view(B, T, T).bool()  # [B, T, T] query i may see chunk key j

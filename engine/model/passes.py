@@ -4,7 +4,7 @@ grouped into passes."""
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -13,6 +13,9 @@ from engine.kv import CachePool, make_pool
 from engine.kv.protocol import KVView, power_of_two_at_least
 from engine.kv.tree_view import tree_view
 from engine.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from engine.speculative.tree import TokenTree
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
 PAD_MULTIPLE = 32  # wider ones are padded to a multiple of this (docs/performance-notes.md#prefill-padding)
@@ -44,10 +47,10 @@ class PassInputs(NamedTuple):
 
 
 def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
-                start_positions: list[int], trees: list[list[int] | None] | None = None) -> PassInputs:
+                start_positions: list[int], trees: list[TokenTree | None] | None = None) -> PassInputs:
     """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its
-    length), reaching the device with the view's indices in one upload. trees[i]: chunk i is a
-    token tree's root and nodes, node j's parent trees[i][j] (-1: the root); None: a chain."""
+    length), reaching the device with the view's indices in one upload. trees[i]: chunk i is the
+    root and the nodes of that token tree; None: a chain."""
     if any(pool.seq_len(s) != p for s, p in zip(slots, start_positions)):
         raise ValueError(f"chunks must start at their slots' lengths: {start_positions} vs "
                          f"{[pool.seq_len(s) for s in slots]}")
@@ -80,7 +83,7 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                    start_positions: list[int], all_logits: bool = False,
-                   trees: list[list[int] | None] | None = None) -> torch.Tensor:
+                   trees: list[TokenTree | None] | None = None) -> torch.Tensor:
     """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length); chunks
     that are token trees as `pass_inputs` says.
 
@@ -120,7 +123,7 @@ def at_last(every: torch.Tensor, x: PassInputs, all_logits: bool) -> torch.Tenso
 
 def forward_chunks_features(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                             start_positions: list[int], layers: tuple[int, ...],
-                            all_logits: bool = False, trees: list[list[int] | None] | None = None
+                            all_logits: bool = False, trees: list[TokenTree | None] | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_chunks' logits, and the features of `layers` at every position [B, longest, F]."""
     x = pass_inputs(model, pool, slots, chunks, start_positions, trees)

@@ -46,6 +46,15 @@ class Acceptance(NamedTuple):
     is_bonus: torch.Tensor  # [N] bool: all proposed tokens were accepted
 
 
+def acceptance_ratios(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """p_{j-1}(t_j) / q_{j-1}(t_j) for each proposed token [N, K] (0 where q gives it nothing);
+    p [N, K+1, V], q [N, K, V], draft [N, K]."""
+    idx = draft.unsqueeze(-1)  # [N, K, 1]
+    p_tok = p[:, :draft.shape[1]].gather(-1, idx).squeeze(-1)  # [N, K]
+    q_tok = q.gather(-1, idx).squeeze(-1)  # [N, K]
+    return torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok))
+
+
 def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_proposed: torch.Tensor,
            uniforms: torch.Tensor) -> Acceptance:
     """Speculative acceptance for N requests.
@@ -58,10 +67,7 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_proposed: 
     K = K1 - 1
     if K == 0:
         return Acceptance(torch.zeros(N, dtype=torch.long, device=p.device), p[:, 0], torch.ones(N, dtype=torch.bool, device=p.device))
-    idx = draft.unsqueeze(-1)  # [N, K, 1]
-    p_tok = p[:, :K].gather(-1, idx).squeeze(-1)  # [N, K]
-    q_tok = q.gather(-1, idx).squeeze(-1)  # [N, K]
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok))  # [N, K]
+    ratio = acceptance_ratios(p, q, draft)  # [N, K]
     in_range = torch.arange(K, device=p.device)[None, :] < num_proposed[:, None]  # [N, K]
     accept = (uniforms < ratio) & in_range  # [N, K]
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [N]
@@ -83,10 +89,7 @@ def block_acceptance(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, num_
     (h_0 = 1; h_j for j past num_proposed[i] is 0). p, q, draft, num_proposed as in `verify`."""
     N, K1, V = p.shape
     K = K1 - 1
-    idx = draft.unsqueeze(-1)  # [N, K, 1]
-    p_tok = p[:, :K].gather(-1, idx).squeeze(-1)  # [N, K]
-    q_tok = q.gather(-1, idx).squeeze(-1)  # [N, K]
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok))  # [N, K]
+    ratio = acceptance_ratios(p, q, draft)  # [N, K]
     weights = [torch.ones(N, dtype=p.dtype, device=p.device)]
     for j in range(K):
         weights.append((weights[-1] * ratio[:, j]).clamp(max=1.0))

@@ -161,7 +161,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
-        raw = logits = self.runner.verify_trees(reqs, chunks, [list(t.parents) if t is not None else None for t in trees])
+        raw = logits = self.runner.verify_trees(reqs, chunks, trees)
         if masks is not None:
             logits = mask_logits(logits, masks[:, :logits.shape[1]])
         paths, finals = accept_trees(reqs, trees, logits)

@@ -39,9 +39,7 @@ def tree_logprobs(reqs: list[Request], trees: list[TokenTree | None], paths: lis
     probs = None
     if logprobs_mode == "processed":
         rows = SamplingRows.build([reqs[i].params for i in wanted], logits.device)
-        counts = host_sync.upload([len(paths[i]) + 1 for i in wanted], logits.device, torch.long)  # [rows]
-        rows = SamplingRows(**{key: v.repeat_interleave(counts) if isinstance(v, torch.Tensor) else v
-                               for key, v in vars(rows).items()})
+        rows = rows.repeat_rows(host_sync.upload([len(paths[i]) + 1 for i in wanted], logits.device, torch.long))
         probs = adjusted_probs(logits.reshape(n * T, V).index_select(0, index), rows, None)  # [M, V]
     emitted = [t for i in wanted for t in [trees[i].tokens[j] for j in paths[i]] + [finals[i]]]
     lp = log_distribution(raw_logits.reshape(n * T, V).index_select(0, index), probs, logprobs_mode)  # [M, V]

@@ -60,7 +60,7 @@ def test_every_node_sees_its_path_only(model, backend):
     starts = [len(p) - 1 for p in PROMPTS]
     chain = [5, 9]  # the middle row: a chain in the same pass
     chunks = [[PROMPTS[0][-1], *TREE.tokens], [PROMPTS[1][-1], *chain], [PROMPTS[2][-1], *TREE.tokens]]
-    trees = [list(TREE.parents), None, list(TREE.parents)]
+    trees = [TREE, None, TREE]
     logits = forward_chunks(model, pool, slots, chunks, starts, all_logits=True, trees=trees)  # [3, 7, V]
     for row in (0, 2):
         for node in range(-1, len(TREE)):
@@ -78,7 +78,7 @@ def test_the_accepted_path_moved_into_place_continues_like_a_chain(model, backen
     (slot,) = _prefilled(model, pool, [prompt])
     start = len(prompt) - 1
     forward_chunks(model, pool, [slot], [[prompt[-1], *TREE.tokens]], [start], all_logits=True,
-                   trees=[list(TREE.parents)])
+                   trees=[TREE])
     pool.move_rows([(slot, start + 1 + node, start + 1 + j) for j, node in enumerate(accepted)])
     pool.truncate_to(slot, start + 1 + len(accepted))
     path = [TREE.tokens[i] for i in accepted]
