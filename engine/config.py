@@ -15,7 +15,9 @@ DEFAULT_HEAD = "embedded:eagle3"  # the embedded target's EAGLE-3 head: its defa
 DEFAULT_DRAFT_MODEL = "embedded:draft"  # its draft model, for speculative_method "draft"
 
 KVBackend = Literal["slotted", "paged"]
-SpecMethod = Literal["draft", "ngram", "hybrid", "eagle"]
+SpecMethod = Literal["draft", "ngram", "hybrid", "eagle", "suffix"]
+Lookup = Literal["ngram", "suffix"]  # the model-free proposers
+SuffixSharing = Literal["all", "tenant"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
 Verification = Literal["token", "block"]  # how a proposal is judged: token by token, or as a block
 DType = Literal["float32", "bfloat16", "float16"]
@@ -66,17 +68,20 @@ class SpecConfig:
 
     use_speculative_decoding: bool = False  # off: plain decoding (LLM() and serve turn it on for the embedded pair)
     draft_model: str | None = None  # a draft model, or an EAGLE-3 head (speculative_method "eagle")
-    speculative_method: SpecMethod = "draft"  # a draft model, prompt lookup, lookup else the model, an EAGLE-3 head
+    speculative_method: SpecMethod = "draft"  # a draft model, prompt lookup, lookup else the model, an EAGLE-3 head, suffix decoding
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
     spec_policy: SpecPolicyMode = "adaptive"  # adaptive: K from measured costs each step (0 = plain); fixed: spec_length
     spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
     ngram_max: int = 4  # prompt lookup: the longest suffix matched
     ngram_min: int = 1  # prompt lookup: the shortest suffix matched
-    hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
+    hybrid_ngram_min: int = 3  # hybrid: trust a lookup match this long, else the draft model or head
+    hybrid_lookup: Lookup = "ngram"  # hybrid: the lookup tried before the model (prompt lookup or suffix decoding)
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
     verification: Verification = "token"  # token: Leviathan et al.'s rule; block: Sun et al.'s (exact, accepts at least as much)
     tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (n-gram proposals only for now)
     tree_tokens: int = 16  # most tree nodes verified per round (trees only)
+    suffix_cache_tokens: int = 1_000_000  # suffix decoding: most tokens of finished outputs kept (oldest evicted); 0: own text only
+    suffix_sharing: SuffixSharing = "all"  # whose finished outputs inform a request: all requests', or its tenant's only
 
     def __post_init__(self) -> None:
         check_bool("use_speculative_decoding", self.use_speculative_decoding)
@@ -91,6 +96,9 @@ class SpecConfig:
         check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)
         check_int("ngram_one_token_match_max", self.ngram_one_token_match_max, 1, 64)
         check_choice("verification", self.verification, get_args(Verification))
+        check_choice("hybrid_lookup", self.hybrid_lookup, get_args(Lookup))
+        check_int("suffix_cache_tokens", self.suffix_cache_tokens, 0, 1 << 31)
+        check_choice("suffix_sharing", self.suffix_sharing, get_args(SuffixSharing))
         check_int("tree_width", self.tree_width, 1, 8)
         check_int("tree_tokens", self.tree_tokens, 1, 64)
         if self.use_speculative_decoding and self.needs_draft_model and not self.draft_model:
@@ -281,6 +289,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100..100)
     logprobs: int | None = None  # each output token's logprob and this many top alternatives (0..20)
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top alternatives
+    tenant: str | None = None  # whose earlier outputs may inform this one's suffix proposals (suffix_sharing "tenant")
 
     def __post_init__(self) -> None:
         self.temperature = _check_number("temperature", self.temperature, 0.0, 100.0)
@@ -304,6 +313,8 @@ class SamplingParams:
         self._check_logit_bias()
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ValueError(f"tenant must be a non-empty string or None, got {self.tenant!r}")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -61,7 +61,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None  # include_usage: one more chunk at the end with the usage
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    user: str | None = None  # accepted, not used
+    user: str | None = None  # the end user: with suffix_sharing "tenant", whose earlier answers may inform suffix proposals
     # extensions
     top_k: Annotated[int, Field(ge=-1)] = -1  # keep the k most likely tokens; -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
@@ -125,7 +125,7 @@ class _Common(BaseModel):
             seed=self.seed, spec_length=self.spec_length, structured_output=self.structured_output(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            logprobs=self.token_logprobs, prompt_logprobs=self.prompt_logprobs,
+            logprobs=self.token_logprobs, prompt_logprobs=self.prompt_logprobs, tenant=self.user or None,
         )
 
     @property

@@ -19,11 +19,11 @@ from engine.runner import ModelRunner
 from engine.speculative.calibration import Calibration
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.eagle import EagleProposer
-from engine.speculative.hybrid import HybridProposer
-from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
+from engine.speculative.proposers import build_proposer, lookup_of
 from engine.speculative.rejection import accept
+from engine.speculative.suffix import SuffixCache
 from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree round may cost this much more than the chain's
@@ -42,23 +42,6 @@ class RoundPlan:
     ks: list[int]  # what each request may propose (<= k)
 
 
-def build_proposer(settings: SpecConfig, draft: Proposer | None, vocab_size: int, device) -> Proposer:
-    """The proposer `settings.speculative_method` names; `draft` is the engine's model proposer
-    (a draft model's or an EAGLE-3 head's), which "draft", "eagle" and "hybrid" need."""
-    method = settings.speculative_method
-    if settings.needs_draft_model and draft is None:
-        raise ValueError(f"speculative_method={method!r} needs a draft model (draft_model); this engine has none")
-    if method in ("draft", "eagle") and draft.name != method:
-        raise ValueError(f"speculative_method={method!r} does not fit this engine's draft_model, "
-                         f"{'an EAGLE-3 head' if draft.name == 'eagle' else 'a draft model'}: use "
-                         f"{draft.name!r}, 'hybrid' or 'ngram'")
-    if method in ("draft", "eagle"):
-        return draft
-    min_n = settings.hybrid_ngram_min if settings.speculative_method == "hybrid" else settings.ngram_min
-    lookup = NgramProposer(vocab_size, device, settings.ngram_max, min_n, settings.ngram_one_token_match_max)
-    return lookup if settings.speculative_method == "ngram" else HybridProposer(lookup, draft)
-
-
 class SpeculativeDecoder:
     def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, draft: Proposer | None,
                  costs: MeasuredCosts):
@@ -69,7 +52,9 @@ class SpeculativeDecoder:
         self.policy = SpecPolicy(costs, settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
-        self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device)
+        self.suffix_cache = SuffixCache(settings.suffix_cache_tokens)  # the replica's finished outputs (suffix decoding)
+        self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device,
+                                       self.suffix_cache)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self._tree_extra_per_row: dict[bool, float] = {}  # sampled batch? -> seconds a tree round adds per request
         self._capture_features()
@@ -77,8 +62,9 @@ class SpeculativeDecoder:
     def reconfigure(self, changes: dict) -> SpecConfig:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
         settings = self.settings.updated(changes)
+        self.suffix_cache.evict(settings.suffix_cache_tokens)
         self.proposer = build_proposer(settings, self.draft, self.runner.model.shape.vocab_size,
-                                       self.runner.model.device)
+                                       self.runner.model.device, self.suffix_cache)
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.settings = settings
         self._capture_features()
@@ -100,7 +86,11 @@ class SpeculativeDecoder:
         return max(self.settings.spec_length, nodes) + 1
 
     def forget(self, request: Request) -> None:
+        """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
         self.acceptance.forget(request.request_id)
+        lookup = lookup_of(self.proposer)
+        if hasattr(lookup, "learn"):
+            lookup.learn(request)
 
     def observe_step(self, decoded: DecodeResult, phases: PhaseSeconds) -> None:
         """A decode-only step's time outside its model passes, by its (B, K) (not a probe's): the

@@ -1,0 +1,296 @@
+"""Suffix decoding (Oliaro et al., NeurIPS 2025): proposals from what the server has already said.
+
+A `SuffixCache` keeps the outputs of finished requests, at most `max_tokens` of them (the oldest
+requests evicted first), apart per sharing scope; the request's own prompt and output so far are
+searched beside it. A draft from a text: the recent occurrences of the context's longest suffix
+(at least two tokens) and the tree of the tokens that followed them, each node scored by the share
+of the occurrences that went on through it (an estimate of its acceptance). Nodes are kept best
+first down to MIN_PROB, at most match length x SPEC_FACTOR of them (the paper's rule: a longer
+match is stronger evidence, so it may propose more). Of the drafts from the request's own text and
+from the cache, the one with the higher score (expected accepted tokens) is proposed.
+
+Proposals are chosen, not drawn: each node is a point mass, exact through the token rule for
+chains and the tree rule (engine/speculative/tree.py), as prompt lookup's are.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.request import Request
+from engine.speculative.proposer import LONG_CATCH_UP, Proposal, one_hot_q
+from engine.speculative.tree import TokenTree
+
+SEPARATOR = -1  # before every stored text: no match or continuation crosses from one into the next
+MIN_MATCH = 2  # a match is at least a bigram (the index's key)
+MAX_MATCH = 24  # the longest suffix matched (the paper's tree depth)
+MIN_PROB = 0.1  # the least score a proposed node may have
+SPEC_FACTOR = 1.0  # a match of m tokens proposes at most m x this many nodes
+MAX_OCCURRENCES = 64  # the most recent occurrences a draft counts
+KEY_SPAN = 1 << 24  # bigram key: first token x KEY_SPAN + second (token ids < 2^24)
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    tree: TokenTree
+    score: float  # expected accepted tokens by the scores: the sum of the nodes' scores
+    match: int  # tokens of the context matched
+
+
+def match_sets(text: np.ndarray, ends: np.ndarray, context: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """text [L] (SEPARATOR first and between texts), ends: the positions in text where the
+    context's last MIN_MATCH tokens end -> (m, the positions where its last m tokens end) for the
+    longest m of each distinct set of positions, longest first."""
+    out: list[tuple[int, np.ndarray]] = []
+    m, limit = MIN_MATCH, min(MAX_MATCH, len(context))
+    while len(ends):
+        if m == limit:
+            out.append((m, ends))
+            break
+        longer = ends[text[ends - m] == context[-1 - m]]  # text[0] is SEPARATOR: never below 0
+        if len(longer) < len(ends):
+            out.append((m, ends))
+        ends, m = longer, m + 1
+    return out[::-1]
+
+
+def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_nodes: int, width: int
+               ) -> SuffixDraft | None:
+    """The tree of what followed the most recent MAX_OCCURRENCES of `ends` in text (at most
+    `depth` tokens on), a node's score being the share of occurrences continuing through it: the
+    best nodes first, each with its parent, at most `width` children a node, scores >= MIN_PROB."""
+    depth = min(depth, int(match * SPEC_FACTOR + 1e-6))
+    max_nodes = min(max_nodes, int(match * SPEC_FACTOR + 1e-6))
+    ends = ends[-MAX_OCCURRENCES:]
+    n = len(ends)
+    if depth <= 0 or max_nodes <= 0 or n == 0:
+        return None
+    at = ends[:, None] + 1 + np.arange(depth)  # [n, depth]
+    rows = np.where(at < len(text), text[np.minimum(at, len(text) - 1)], SEPARATOR)  # [n, depth]
+    rows[np.maximum.accumulate(rows < 0, axis=1)] = SEPARATOR  # nothing after a text's end
+    least = MIN_PROB * n
+    tokens: list[int] = []
+    parents: list[int] = []
+    counts: list[int] = []
+    node_of_row = np.full(n, -1, dtype=np.int64)  # [n] each occurrence's node so far (-1: the root)
+    alive = np.ones(n, dtype=bool)
+    for d in range(depth):
+        alive &= rows[:, d] >= 0
+        if not alive.any():
+            break
+        keys = (node_of_row[alive] + 1) * KEY_SPAN + rows[alive, d]
+        unique, inverse, count = np.unique(keys, return_inverse=True, return_counts=True)
+        first = len(tokens)
+        tokens += (unique % KEY_SPAN).tolist()
+        parents += (unique // KEY_SPAN - 1).tolist()
+        counts += count.tolist()
+        node_of_row[alive] = first + inverse
+        alive[alive] = count[inverse] >= least  # a node below MIN_PROB: none of its children is above
+    order = sorted((i for i in range(len(tokens)) if counts[i] >= least), key=lambda i: -counts[i])
+    kept: dict[int, int] = {}  # node -> its index in the draft
+    children: dict[int, int] = {}  # draft index (-1: root) -> children kept
+    out_tokens, out_parents, score = [], [], 0.0
+    for i in order:  # stable: a parent (count >= its child's, created earlier) comes first
+        parent = kept.get(parents[i], -1) if parents[i] >= 0 else -1
+        if (parents[i] >= 0 and parents[i] not in kept) or children.get(parent, 0) >= width:
+            continue
+        kept[i] = len(out_tokens)
+        children[parent] = children.get(parent, 0) + 1
+        out_tokens.append(tokens[i])
+        out_parents.append(parent)
+        score += counts[i] / n
+        if len(out_tokens) >= max_nodes:
+            break
+    if not out_tokens:
+        return None
+    return SuffixDraft(TokenTree(tuple(out_tokens), tuple(out_parents)), score, match)
+
+
+def best_draft(text: np.ndarray, ends: np.ndarray, context: np.ndarray, depth: int, max_nodes: int, width: int,
+               min_match: int = MIN_MATCH) -> SuffixDraft | None:
+    """The best-scored draft over the context's matches of at least min_match tokens in text
+    (ties: the longer match)."""
+    best = None
+    for m, at in match_sets(text, ends, context):
+        if m < min_match:
+            break
+        draft = grow_draft(text, at, m, depth, max_nodes, width)
+        if draft is not None and (best is None or draft.score > best.score):
+            best = draft
+    return best
+
+
+def own_text_draft(context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int = MIN_MATCH
+                   ) -> SuffixDraft | None:
+    """A draft from the request's own text: the context [L] searched in itself."""
+    if len(context) < MIN_MATCH + 1:
+        return None
+    text = np.concatenate(([SEPARATOR], context))  # context[i] at text[i + 1]
+    # bigram ends e in 2..L - 1: text[e - 1], text[e] == the context's last two (e = L: the context's own end)
+    ends = np.flatnonzero((text[1:-2] == context[-2]) & (text[2:-1] == context[-1])) + 2
+    return best_draft(text, ends, context, depth, max_nodes, width, min_match)
+
+
+class _Texts:
+    """The texts of one sharing scope, oldest first: one array, each text after a SEPARATOR, and a
+    bigram index (keys sorted, each with the absolute position where it ends)."""
+
+    def __init__(self) -> None:
+        self.buffer = np.full(1024, SEPARATOR, dtype=np.int32)
+        self.size = 0  # tokens in buffer
+        self.base = 0  # the absolute position of buffer[0]
+        self.keys = np.zeros(0, dtype=np.int64)  # [B] sorted bigram keys
+        self.ends = np.zeros(0, dtype=np.int64)  # [B] absolute position of each key's second token
+        self.spans: deque[tuple[int, int]] = deque()  # each text's [start, end) (absolute, SEPARATOR first)
+
+    def add(self, tokens: list[int]) -> None:
+        start = self.base + self.size
+        chunk = np.asarray([SEPARATOR, *tokens], dtype=np.int32)
+        if self.size + len(chunk) > len(self.buffer):
+            grown = np.full(max(2 * len(self.buffer), self.size + len(chunk)), SEPARATOR, dtype=np.int32)
+            grown[:self.size] = self.buffer[:self.size]
+            self.buffer = grown
+        self.buffer[self.size:self.size + len(chunk)] = chunk
+        self.size += len(chunk)
+        self.spans.append((start, start + len(chunk)))
+        if len(tokens) >= 2:
+            pairs = chunk[1:].astype(np.int64)
+            keys = pairs[:-1] * KEY_SPAN + pairs[1:]
+            ends = start + 2 + np.arange(len(keys), dtype=np.int64)  # chunk[1 + j + 1] ends pair j
+            order = np.argsort(keys, kind="stable")
+            at = np.searchsorted(self.keys, keys[order], side="right")  # after older ends of the same key
+            self.keys = np.insert(self.keys, at, keys[order])
+            self.ends = np.insert(self.ends, at, ends[order])
+
+    def drop_oldest(self) -> int:
+        """Forgets the oldest text; its tokens."""
+        start, end = self.spans.popleft()
+        keep = self.ends >= end
+        self.keys, self.ends = self.keys[keep], self.ends[keep]
+        cut = end - self.base
+        self.buffer = self.buffer[cut:].copy()
+        self.size -= cut
+        self.base = end
+        return end - start - 1
+
+    def draft(self, context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int
+              ) -> SuffixDraft | None:
+        key = int(context[-2]) * KEY_SPAN + int(context[-1])
+        lo, hi = np.searchsorted(self.keys, [key, key + 1])
+        if lo == hi:
+            return None
+        return best_draft(self.buffer[:self.size], self.ends[lo:hi] - self.base, context, depth, max_nodes,
+                          width, min_match)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes + self.keys.nbytes + self.ends.nbytes
+
+
+class SuffixCache:
+    """Finished requests' outputs, at most max_tokens in all (the oldest evicted first), kept apart
+    per scope (a request's draft reads its own scope's texts only)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self._scopes: dict[str, _Texts] = {}
+        self._order: deque[str] = deque()  # the scope of each stored text, oldest first
+
+    def add(self, scope: str, tokens: list[int]) -> None:
+        """Stores a finished output (longer than max_tokens: its last max_tokens)."""
+        if self.max_tokens == 0 or len(tokens) < MIN_MATCH:
+            return
+        tokens = tokens[-self.max_tokens:]
+        self._scopes.setdefault(scope, _Texts()).add(tokens)
+        self._order.append(scope)
+        self.num_tokens += len(tokens)
+        self.evict(self.max_tokens)
+
+    def evict(self, max_tokens: int) -> None:
+        """Forgets the oldest texts until at most max_tokens are kept."""
+        self.max_tokens = max_tokens
+        while self.num_tokens > max_tokens:
+            scope = self._order.popleft()
+            texts = self._scopes[scope]
+            self.num_tokens -= texts.drop_oldest()
+            if not texts.spans:
+                del self._scopes[scope]
+
+    def draft(self, scope: str, context: np.ndarray, depth: int, max_nodes: int, width: int,
+              min_match: int = MIN_MATCH) -> SuffixDraft | None:
+        texts = self._scopes.get(scope)
+        if texts is None or len(context) < MIN_MATCH:
+            return None
+        return texts.draft(context, depth, max_nodes, width, min_match)
+
+    @property
+    def num_texts(self) -> int:
+        return len(self._order)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored texts and their index take (arrays only)."""
+        return sum(t.nbytes for t in self._scopes.values())
+
+
+class SuffixProposer:
+    name = "suffix"
+    runs_model = False
+    catch_up = "own"
+    long_catch_up = LONG_CATCH_UP  # a lookup never catches up
+
+    def __init__(self, cache: SuffixCache, sharing: str, vocab_size: int, device, min_match: int = MIN_MATCH):
+        self.cache = cache
+        self.sharing = sharing  # "all": every request's outputs inform every request; "tenant": the same tenant's only
+        self.vocab_size = vocab_size
+        self.device = device
+        self.min_match = min_match
+
+    def scope(self, request: Request) -> str | None:
+        """The cache scope a request reads and joins; None: neither (a request without a tenant
+        when outputs are shared per tenant)."""
+        if self.sharing == "all":
+            return ""
+        return None if request.params.tenant is None else f"tenant:{request.params.tenant}"
+
+    def draft(self, request: Request, depth: int, max_nodes: int, width: int) -> SuffixDraft | None:
+        if depth <= 0 or max_nodes <= 0:
+            return None
+        context = np.asarray(request.all_token_ids, dtype=np.int64)
+        own = own_text_draft(context, depth, max_nodes, width, self.min_match)
+        scope = self.scope(request)
+        shared = None if scope is None else self.cache.draft(scope, context[-(MAX_MATCH + 1):], depth, max_nodes,
+                                                             width, self.min_match)
+        if own is None or (shared is not None and shared.score > own.score):
+            return shared
+        return own
+
+    def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
+        tokens = []
+        for r, k in zip(requests, ks):
+            d = self.draft(r, k, k, 1)
+            tokens.append(list(d.tree.tokens) if d is not None else [])
+        q = one_hot_q(tokens, self.vocab_size, self.device) if with_q else None
+        return Proposal(tokens, q, [self.name if t else "none" for t in tokens])
+
+    def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
+                      width: int) -> list[TokenTree | None]:
+        """A tree per request: depth at most depths[i], at most budgets[i] nodes (None: no match)."""
+        out = []
+        for r, d, b in zip(requests, depths, budgets):
+            draft = self.draft(r, d, b, width)
+            out.append(draft.tree if draft is not None else None)
+        return out
+
+    def learn(self, request: Request) -> None:
+        """Stores a finished request's output, unless it opted out of speculation."""
+        scope = self.scope(request)
+        if scope is not None and request.params.spec_length != 0:
+            self.cache.add(scope, request.output_token_ids)
+
+    def lag(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)
