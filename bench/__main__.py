@@ -17,6 +17,8 @@
     compare  the default engine of two source trees (--before DIR --after DIR), alternating processes
     alpha    per-token acceptance of draft models and EAGLE-3 heads side by side, same prompts
     host-reads  tensor reads back to the host per decode step (each a sync on a GPU), plain and speculative
+    suffix   suffix decoding vs n-gram, EAGLE-3 and plain on an agent workload (JSON tool calls) and code
+             prompts, batch 1 and 16; proposal time vs arctic-inference; --soak: the cache's memory bound
     trees    token trees vs chains (n-gram): accepted tokens per round, speed at batch 1 and in batches
     verification  block vs token verification: accepted tokens per round and speed, batch 1, sampled
     logprobs what output logprobs cost: on vs off, plain and speculative, batch 1 and 16
@@ -36,7 +38,7 @@ import sys
 COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "bench.llama_cpp",
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu", "startup": "bench.startup",
-            "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification", "trees": "bench.trees", "scale-out": "bench.scale_out",
+            "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification", "trees": "bench.trees", "suffix": "bench.suffix", "scale-out": "bench.scale_out",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

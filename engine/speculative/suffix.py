@@ -62,50 +62,47 @@ def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_n
     """The tree of what followed the most recent MAX_OCCURRENCES of `ends` in text (at most
     `depth` tokens on), a node's score being the share of occurrences continuing through it: the
     best nodes first, each with its parent, at most `width` children a node, scores >= MIN_PROB."""
-    depth = min(depth, int(match * SPEC_FACTOR + 1e-6))
-    max_nodes = min(max_nodes, int(match * SPEC_FACTOR + 1e-6))
+    cap = int(match * SPEC_FACTOR + 1e-6)
+    depth, max_nodes = min(depth, cap), min(max_nodes, cap)
     ends = ends[-MAX_OCCURRENCES:]
     n = len(ends)
     if depth <= 0 or max_nodes <= 0 or n == 0:
         return None
-    at = ends[:, None] + 1 + np.arange(depth)  # [n, depth]
-    rows = np.where(at < len(text), text[np.minimum(at, len(text) - 1)], SEPARATOR)  # [n, depth]
+    at = ends[:, None] + 1 + np.arange(depth)  # [n, D]
+    rows = np.where(at < len(text), text[np.minimum(at, len(text) - 1)], SEPARATOR)  # [n, D]
     rows[np.maximum.accumulate(rows < 0, axis=1)] = SEPARATOR  # nothing after a text's end
+    # the trie of the rows at once: sorted, a node at depth d starts where a row's first d + 1
+    # tokens differ from the row before's; its count is its run of rows
+    rows = rows[np.lexsort(rows.T[::-1])]
+    starts = np.ones((n, depth), dtype=bool)  # [n, D] row i opens a node at depth d
+    starts[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
+    per_depth = starts.sum(axis=0)  # [D]
+    node = np.cumsum(starts, axis=0) - 1 + (np.cumsum(per_depth) - per_depth)  # [n, D] each row's node id
+    counts = np.bincount(node.ravel(), minlength=int(per_depth.sum()))  # [nodes] rows through each node
     least = MIN_PROB * n
-    tokens: list[int] = []
-    parents: list[int] = []
-    counts: list[int] = []
-    node_of_row = np.full(n, -1, dtype=np.int64)  # [n] each occurrence's node so far (-1: the root)
-    alive = np.ones(n, dtype=bool)
-    for d in range(depth):
-        alive &= rows[:, d] >= 0
-        if not alive.any():
-            break
-        keys = (node_of_row[alive] + 1) * KEY_SPAN + rows[alive, d]
-        unique, inverse, count = np.unique(keys, return_inverse=True, return_counts=True)
-        first = len(tokens)
-        tokens += (unique % KEY_SPAN).tolist()
-        parents += (unique // KEY_SPAN - 1).tolist()
-        counts += count.tolist()
-        node_of_row[alive] = first + inverse
-        alive[alive] = count[inverse] >= least  # a node below MIN_PROB: none of its children is above
-    order = sorted((i for i in range(len(tokens)) if counts[i] >= least), key=lambda i: -counts[i])
+    good = starts & (rows >= 0) & (counts[node] >= least)  # [n, D] the first row of each node worth proposing
+    r, d = np.nonzero(good.T)  # by depth, then row
+    d, r = r, d
+    if not len(r):
+        return None
+    ids = node[r, d]
+    parents = np.where(d > 0, node[r, np.maximum(d - 1, 0)], -1)
+    order = np.lexsort((d, -counts[ids]))  # best first; ties: shallower (a parent before its child)
     kept: dict[int, int] = {}  # node -> its index in the draft
     children: dict[int, int] = {}  # draft index (-1: root) -> children kept
     out_tokens, out_parents, score = [], [], 0.0
-    for i in order:  # stable: a parent (count >= its child's, created earlier) comes first
-        parent = kept.get(parents[i], -1) if parents[i] >= 0 else -1
-        if (parents[i] >= 0 and parents[i] not in kept) or children.get(parent, 0) >= width:
+    for j in order.tolist():
+        i, parent = int(ids[j]), int(parents[j])
+        at_parent = kept.get(parent, -2) if parent >= 0 else -1
+        if at_parent == -2 or children.get(at_parent, 0) >= width:
             continue
         kept[i] = len(out_tokens)
-        children[parent] = children.get(parent, 0) + 1
-        out_tokens.append(tokens[i])
-        out_parents.append(parent)
+        children[at_parent] = children.get(at_parent, 0) + 1
+        out_tokens.append(int(rows[r[j], d[j]]))
+        out_parents.append(at_parent)
         score += counts[i] / n
         if len(out_tokens) >= max_nodes:
             break
-    if not out_tokens:
-        return None
     return SuffixDraft(TokenTree(tuple(out_tokens), tuple(out_parents)), score, match)
 
 
@@ -115,8 +112,8 @@ def best_draft(text: np.ndarray, ends: np.ndarray, context: np.ndarray, depth: i
     (ties: the longer match)."""
     best = None
     for m, at in match_sets(text, ends, context):
-        if m < min_match:
-            break
+        if m < min_match or (best is not None and best.score >= min(max_nodes, int(m * SPEC_FACTOR + 1e-6))):
+            break  # (a shorter match proposes fewer nodes: it cannot score more)
         draft = grow_draft(text, at, m, depth, max_nodes, width)
         if draft is not None and (best is None or draft.score > best.score):
             best = draft
