@@ -1,6 +1,7 @@
 """The server under load from a standard client: guidellm against `serve run` on the shipped pair.
 
     python -m bench serve [--concurrency 1 2 4 8 16 32] [--ks 1 2 3 5] [--tokens 128] [--repeats 2]
+                          [--method suffix --spec-length 16]  (-> bench/results/serve_<method>.json)
                           [--slo-ttft-ms 1500] [--slo-itl-ms 25]
 
 One replica of serve_config.yaml (autoscaling pinned to 1: the figures compare speculation
@@ -197,10 +198,12 @@ def table(results: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = parser("serve", __doc__, tokens=128, models=False)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 5], help="fixed K values to compare")
+    ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 5], help="fixed K values to compare")
     ap.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     ap.add_argument("--slo-itl-ms", type=float, default=25.0, help="SLO on each request's mean inter-token latency")
     ap.add_argument("--config", type=Path, default=REPO / "serve_config.yaml")
+    ap.add_argument("--method", help="speculative_method of every speculative mode (default: serve_config.yaml's)")
+    ap.add_argument("--spec-length", type=int, help="the adaptive mode's spec_length (default: serve_config.yaml's)")
     ap.set_defaults(repeats=2)
     args = ap.parse_args(argv)
     from serve_app.local_run import local_server
@@ -209,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     app, deployment = cfg["applications"][0], cfg["applications"][0]["deployments"][0]
     deployment.pop("autoscaling_config", None)
     deployment["num_replicas"] = 1
-    mode_configs = modes(args.ks, deployment.get("user_config") or {})
+    shipped = dict(deployment.get("user_config") or {})
+    if args.method:
+        shipped["speculative_method"] = args.method
+    mode_configs = modes(args.ks, shipped)
+    if args.spec_length:
+        mode_configs["adaptive"]["spec_length"] = args.spec_length
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": args.tokens}) + "\n"
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"c={level:>2}: " + "  ".join(f"{n} {m['tok_s']:.0f}" for n, m in row["modes"].items())
               + f"  | adaptive / max(plain, {row['best_fixed']}) {row['adaptive_over_best']:.3f}"
               + f", / plain {row['adaptive_over_plain']:.2f}")
-    path = write("serve", {"host": host_class(machine()), "tokens": args.tokens, "repeats": args.repeats,
+    path = write(f"serve_{args.method}" if args.method else "serve", {"host": host_class(machine()), "tokens": args.tokens, "repeats": args.repeats,
                            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "modes": mode_configs,
                            "forward_plan": stats.get("forward_plan"), "engine_threads": threads,
                            "guidellm_command": shareable(command, url, data), "results": rows, "raw": results})

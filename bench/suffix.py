@@ -59,9 +59,11 @@ def run_once(llm, warm_cache, spec: dict, prompts: list[str], params: list, batc
 
 
 def compare(llm, warm_cache, names: list[str], prompts, params, batch: int, repeats: int, desc: str) -> dict:
-    specs = variants_for(names)
-    runs = interleave({n: (lambda s=s: run_once(llm, warm_cache, s, prompts, params, batch)) for n, s in specs.items()},
-                      repeats, desc)
+    variants = {n: (lambda s=s: run_once(llm, warm_cache, s, prompts, params, batch))
+                for n, s in variants_for(names).items()}
+    for fn in variants.values():
+        fn()  # warm-up: the adaptive policy's calibration at this batch size and K_MAX
+    runs = interleave(variants, repeats, desc)
     row = {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("tok_s", "accepted_per_round")} for n in names}
     row["runs"] = runs
     return row

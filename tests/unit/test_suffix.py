@@ -218,3 +218,10 @@ def test_teeth_suffix_trees_without_the_residual_are_detected(pair, monkeypatch)
     tokens, _ = sample_speculative(tpath, dpath, params, speculative_method="suffix", tree_width=3, tree_tokens=8,
                                    proposer=_warm_suffix(m2, m3))
     assert min(chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)) < 1e-3
+
+
+def test_the_openai_user_is_the_tenant():
+    from serve_app.protocol import CompletionRequest
+
+    assert CompletionRequest(prompt="x", user="alice").sampling_params(16).tenant == "alice"
+    assert CompletionRequest(prompt="x").sampling_params(16).tenant is None
