@@ -225,3 +225,21 @@ def test_the_openai_user_is_the_tenant():
 
     assert CompletionRequest(prompt="x", user="alice").sampling_params(16).tenant == "alice"
     assert CompletionRequest(prompt="x").sampling_params(16).tenant is None
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_constrained_greedy_output_is_the_same_with_suffix_proposals(tiny_model, width):
+    from engine.structured_output import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array",
+              "items": {"type": "integer"}, "maxItems": 4}}, "required": ["a", "b"]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_output=StructuredOutput.json_schema(schema))
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200)
+    suffix = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, use_speculative_decoding=True,
+                 speculative_method="suffix", spec_policy="fixed", spec_length=6, tree_width=width, tree_tokens=10)
+    prompts = PROMPTS[:3]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    first = suffix.generate(prompts, params)
+    again = suffix.generate(prompts, params)  # the answers' shapes are in the cache now
+    assert [o.token_ids for o in first] == expected and [o.token_ids for o in again] == expected
+    assert sum(o.num_accepted_tokens for o in again) > 0
