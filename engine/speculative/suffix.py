@@ -132,16 +132,19 @@ def own_text_draft(context: np.ndarray, depth: int, max_nodes: int, width: int, 
 
 
 class _Texts:
-    """The texts of one sharing scope, oldest first: one array, each text after a SEPARATOR, and a
-    bigram index (keys sorted, each with the absolute position where it ends)."""
+    """The texts of one sharing scope, oldest first, in one array (each after a SEPARATOR), and a
+    bigram index: sorted runs of (key, the absolute position where the bigram ends), each run
+    newer than the one before, merged when a run grows as large as the one before it (adding a
+    text costs O(log N) a token). Forgetting the oldest text moves `live` past it; the array and
+    the runs drop what is dead once it outweighs what lives (O(1) a token)."""
 
     def __init__(self) -> None:
         self.buffer = np.full(1024, SEPARATOR, dtype=np.int32)
-        self.size = 0  # tokens in buffer
+        self.size = 0  # tokens in buffer (dead ones included)
         self.base = 0  # the absolute position of buffer[0]
-        self.keys = np.zeros(0, dtype=np.int64)  # [B] sorted bigram keys
-        self.ends = np.zeros(0, dtype=np.int64)  # [B] absolute position of each key's second token
-        self.spans: deque[tuple[int, int]] = deque()  # each text's [start, end) (absolute, SEPARATOR first)
+        self.live = 0  # the absolute position where the oldest kept text starts
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []  # (keys [R], ends [R]) sorted by key, then end
+        self.spans: deque[tuple[int, int]] = deque()  # each kept text's [start, end) (absolute, SEPARATOR first)
 
     def add(self, tokens: list[int]) -> None:
         start = self.base + self.size
@@ -153,38 +156,52 @@ class _Texts:
         self.buffer[self.size:self.size + len(chunk)] = chunk
         self.size += len(chunk)
         self.spans.append((start, start + len(chunk)))
-        if len(tokens) >= 2:
-            pairs = chunk[1:].astype(np.int64)
-            keys = pairs[:-1] * KEY_SPAN + pairs[1:]
-            ends = start + 2 + np.arange(len(keys), dtype=np.int64)  # chunk[1 + j + 1] ends pair j
-            order = np.argsort(keys, kind="stable")
-            at = np.searchsorted(self.keys, keys[order], side="right")  # after older ends of the same key
-            self.keys = np.insert(self.keys, at, keys[order])
-            self.ends = np.insert(self.ends, at, ends[order])
+        if len(tokens) < 2:
+            return
+        pairs = chunk[1:].astype(np.int64)
+        keys = pairs[:-1] * KEY_SPAN + pairs[1:]
+        ends = start + 2 + np.arange(len(keys), dtype=np.int64)  # chunk[1 + j + 1] ends pair j
+        order = np.argsort(keys, kind="stable")
+        self.runs.append((keys[order], ends[order]))
+        while len(self.runs) > 1 and len(self.runs[-2][0]) <= 2 * len(self.runs[-1][0]):
+            (k_old, e_old), (k_new, e_new) = self.runs[-2], self.runs.pop()
+            keys = np.concatenate((k_old, k_new))
+            order = np.argsort(keys, kind="stable")  # the older run's ends first within a key
+            self.runs[-1] = (keys[order], np.concatenate((e_old, e_new))[order])
 
     def drop_oldest(self) -> int:
         """Forgets the oldest text; its tokens."""
         start, end = self.spans.popleft()
-        keep = self.ends >= end
-        self.keys, self.ends = self.keys[keep], self.ends[keep]
-        cut = end - self.base
-        self.buffer = self.buffer[cut:].copy()
-        self.size -= cut
-        self.base = end
+        self.live = end
+        if self.live - self.base > self.size // 2:  # the dead part outweighs the living: drop it
+            cut = self.live - self.base
+            self.buffer = self.buffer[cut:].copy()
+            self.size -= cut
+            self.base = self.live
+            self.runs = [(k[e >= self.live], e[e >= self.live]) for k, e in self.runs]
+            self.runs = [run for run in self.runs if len(run[0])]
         return end - start - 1
 
     def draft(self, context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int
               ) -> SuffixDraft | None:
         key = int(context[-2]) * KEY_SPAN + int(context[-1])
-        lo, hi = np.searchsorted(self.keys, [key, key + 1])
-        if lo == hi:
+        found = []
+        for keys, ends in self.runs:  # oldest first: positions come out ascending
+            lo, hi = np.searchsorted(keys, (key, key + 1))
+            if lo < hi:
+                found.append(ends[lo:hi])
+        if not found:
             return None
-        return best_draft(self.buffer[:self.size], self.ends[lo:hi] - self.base, context, depth, max_nodes,
-                          width, min_match)
+        ends = np.concatenate(found) if len(found) > 1 else found[0]
+        ends = ends[ends >= self.live + 2] - self.live  # kept texts only, from the oldest's SEPARATOR
+        if not len(ends):
+            return None
+        return best_draft(self.buffer[self.live - self.base:self.size], ends, context, depth, max_nodes, width,
+                          min_match)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes + self.keys.nbytes + self.ends.nbytes
+        return self.buffer.nbytes + sum(k.nbytes + e.nbytes for k, e in self.runs)
 
 
 class SuffixCache:
