@@ -1,9 +1,11 @@
 """Suffix decoding against prompt lookup, EAGLE-3 and plain decoding on the shipped target.
 
     python -m bench suffix [--warm 40] [--measure 16] [--tokens 160] [--repeats 3] [--batches 1 16]
+                           [--temperature 0.3] [--skip-code]
     python -m bench suffix --soak 600 [--cache-tokens 4000]
 
-1. agent (bench/workloads.py: JSON tool calls under a fixed tool set's schema, T = 0.8): the suffix
+1. agent (bench/workloads.py: JSON tool calls under a fixed tool set's schema, T = --temperature,
+   0.3 by default: agents sample tool calls cool; at 0 the shipped model's answers are all alike): the suffix
    cache is warmed with --warm requests answered with suffix decoding; then every variant answers
    the other --measure requests from that same warm cache (restored before each run, so a run
    learns only from its own answers), one at a time (batch 1) and all at once (batch 16): plain,
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", type=int, default=40, help="requests answered into the cache before measuring")
     ap.add_argument("--measure", type=int, default=16, help="requests measured (after the warm ones)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--temperature", type=float, default=0.3, help="the agent workload's sampling temperature")
+    ap.add_argument("--skip-code", action="store_true", help="the agent workload only")
     ap.add_argument("--soak", type=int, default=0, help="seconds of the memory soak instead of the comparison")
     ap.add_argument("--cache-tokens", type=int, default=4000, help="the soak's suffix_cache_tokens")
     args = ap.parse_args(argv)
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {}
     # 1. agent
     prompts, schema = agent_prompts(), StructuredOutput.json_schema(agent_schema())
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, structured_output=schema)
+    params = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens, structured_output=schema)
               for i in range(len(prompts))]
     warm_cache = warm(llm, prompts[:args.warm], params[:args.warm])
     measured, measured_params = prompts[args.warm:args.warm + args.measure], params[args.warm:args.warm + args.measure]
@@ -205,12 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     results["proposal_time"] = proposal_times(llm, warm_cache, measured, measured_params)
     print(f"proposal time (us): {results['proposal_time']}")
     # 2. code prompts, greedy
-    code = load_prompts("code")
+    code = [] if args.skip_code else load_prompts("code")
     greedy = [SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)] * len(code)
-    code_warm = warm(llm, code[:args.warm], greedy[:args.warm])
+    code_warm = warm(llm, code[:args.warm], greedy[:args.warm]) if code else None
     code_measured = code[args.warm:args.warm + args.measure]
     names = ["ngram", "suffix", "eagle", "hybrid eagle+suffix"]
-    for b in args.batches:
+    for b in args.batches if code else []:
         row = compare(llm, code_warm, names, code_measured, greedy[:len(code_measured)], b, args.repeats,
                       f"code, batch {b}")
         runs = row.pop("runs")
@@ -218,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         results[f"code batch {b}"] = row
         print(f"code batch {b}: " + "; ".join(f"{n} {row[n]['tok_s']:.1f} tok/s" for n in names) + "\n  " +
               "; ".join(f"{k} x{v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]" for k, v in row["ratios"].items()))
-    path = write("suffix", {"warm": args.warm, "measure": args.measure, "tokens": args.tokens, "k_max": K_MAX,
+    name = "suffix" if args.temperature == 0.3 and code else f"suffix_agent_t{args.temperature:g}"
+    path = write(name, {"warm": args.warm, "temperature": args.temperature, "measure": args.measure, "tokens": args.tokens, "k_max": K_MAX,
                             "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"),
                             "results": results}, llm)
     print(f"wrote {path}")
