@@ -75,7 +75,7 @@ class SpecConfig:
     hybrid_ngram_min: int = 3  # hybrid: trust a prompt-lookup match this long, else the draft model or head
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
     verification: Verification = "token"  # token: Leviathan et al.'s rule; block: Sun et al.'s (exact, accepts at least as much)
-    tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (n-gram proposals only for now)
+    tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (every proposer drafts trees)
     tree_tokens: int = 16  # most tree nodes verified per round (trees only)
 
     def __post_init__(self) -> None:

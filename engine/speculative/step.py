@@ -190,9 +190,14 @@ class SpeculativeDecoder:
 
     def _chain_round_seconds(self, batch: int, k: int) -> float:
         """The measured costs' price of what a tree round replaces at this batch: the verify pass
-        (with acceptance) of a chain of K = k. Proposing the chain is left out (cheap for a lookup),
-        so a tree is charged a little more than it adds."""
-        return self.costs.verify_times(batch, k)[k]
+        (with acceptance) of a chain of K = k, and a model proposer's drafting of it (its first
+        pass at the narrowest, k - 1 steps). A lookup's proposing is left out (cheap), so a tree
+        is charged a little more than it adds."""
+        seconds = self.costs.verify_times(batch, k)[k]
+        if self.proposer.runs_model:
+            first, steps = self.costs.draft_times(batch, k)
+            seconds += first[0] + steps[k - 1]
+        return seconds
 
     def _trees_pay(self, reqs: list[Request], k: int) -> bool:
         """Under the adaptive policy, a tree round only while what trees add to a round (measured
