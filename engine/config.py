@@ -78,7 +78,7 @@ class SpecConfig:
     hybrid_lookup: Lookup = "ngram"  # hybrid: the lookup tried before the model (prompt lookup or suffix decoding)
     ngram_one_token_match_max: int = 2  # a one-token match proposes at most this many
     verification: Verification = "token"  # token: Leviathan et al.'s rule; block: Sun et al.'s (exact, accepts at least as much)
-    tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (n-gram proposals only for now)
+    tree_width: int = 1  # children a node of a proposed token tree may have; 1: a chain (every proposer drafts trees)
     tree_tokens: int = 16  # most tree nodes verified per round (trees only)
     suffix_cache_tokens: int = 1_000_000  # suffix decoding: most tokens of finished outputs kept (oldest evicted); 0: own text only
     suffix_sharing: SuffixSharing = "all"  # whose finished outputs inform a request: all requests', or its tenant's only

@@ -114,16 +114,19 @@ class ModelRunner:
             first += len(rows)
         return logits
 
-    def verify_trees(self, reqs: list[Request], chunks: list[list[int]], trees: list[TokenTree | None]) -> torch.Tensor:
+    def verify_trees(self, reqs: list[Request], chunks: list[list[int]], trees: list[TokenTree | None]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """verify's one pass where chunks[i] is trees[i]'s root and nodes (None: a chain): logits
-        [B, T, vocab], node j's at j + 1."""
-        return self._pass(reqs, chunks, [self.kv.computed(r) for r in reqs], True, trees)
+        [B, T, vocab], node j's at j + 1; and while a head reads features, the pass's [B, T, F]
+        (a tree's are per path: only the accepted path's are kept, KVManager.keep_paths)."""
+        slots, starts = [self.kv.target_slot(r) for r in reqs], [self.kv.computed(r) for r in reqs]
+        if not self.capture:
+            return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=True, trees=trees), None
+        return forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,
+                                       all_logits=True, trees=trees)
 
-    def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool,
-              trees: list[TokenTree | None] | None = None) -> torch.Tensor:
+    def _pass(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], all_logits: bool) -> torch.Tensor:
         slots = [self.kv.target_slot(r) for r in reqs]
-        if trees is not None:  # a tree round runs without a feature-reading proposer (its features are per path)
-            return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits, trees=trees)
         if not self.capture:
             return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits)
         logits, features = forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from engine import host_sync
 from engine.kv.features import FeatureCache
 from engine.kv.protocol import CachePool, OutOfKVCache
 from engine.request import Request
@@ -87,12 +90,29 @@ class KVManager:
         if self.features is not None:
             self.features.truncate_to(request.request_id, length)
 
-    def keep_paths(self, requests: list[Request], starts: list[int], paths: list[list[int]]) -> None:
+    def keep_paths(self, requests: list[Request], starts: list[int], paths: list[list[int]],
+                   features: torch.Tensor | None = None) -> None:
         """After a pass over token trees, each written from its start (the root there, node i at
         start + 1 + i): the accepted nodes' target K/V moved to follow the root, in path order,
-        for every request in one copy (then `rollback`)."""
+        for every request in one copy (then `rollback`); with the pass's features [B, T, F],
+        those of each root and its accepted nodes go to `self.features` (a request that opted
+        out of speculation never drafts: none)."""
         self.target.move_rows([(self._records[r.request_id].target_slot, start + 1 + node, start + 1 + j)
                                for r, start, path in zip(requests, starts, paths) for j, node in enumerate(path)])
+        if features is None:
+            return
+        keep = [(i, r, start, path) for i, (r, start, path) in enumerate(zip(requests, starts, paths))
+                if r.params.spec_length != 0]
+        if not keep:
+            return
+        T = features.shape[1]
+        at = host_sync.upload([i * T + col for i, _, _, path in keep for col in [0] + [node + 1 for node in path]],
+                              features.device, torch.long)  # [M] each root's and accepted node's row
+        rows = features.reshape(-1, features.shape[-1]).index_select(0, at)  # [M, F]
+        first = 0
+        for _, r, start, path in keep:
+            self.features.append(r.request_id, start, rows[first:first + len(path) + 1])
+            first += len(path) + 1
 
     def register_prefix(self, request: Request) -> None:
         """Offers the request's computed prompt blocks to the prefix cache."""

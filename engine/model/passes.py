@@ -47,10 +47,12 @@ class PassInputs(NamedTuple):
 
 
 def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
-                start_positions: list[int], trees: list[TokenTree | None] | None = None) -> PassInputs:
+                start_positions: list[int], trees: list[TokenTree | None] | None = None,
+                tree_from: list[int] | None = None) -> PassInputs:
     """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its
     length), reaching the device with the view's indices in one upload. trees[i]: chunk i is the
-    root and the nodes of that token tree; None: a chain."""
+    root and the nodes of that token tree, or with tree_from its columns from tree_from[i] on
+    (kv/tree_view.py: a drafting pass over a tree's newest nodes); None: a chain."""
     if any(pool.seq_len(s) != p for s, p in zip(slots, start_positions)):
         raise ValueError(f"chunks must start at their slots' lengths: {start_positions} vs "
                          f"{[pool.seq_len(s) for s in slots]}")
@@ -58,7 +60,7 @@ def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: l
     T = padded_length(longest)
     view = pool.view(slots, [len(c) for c in chunks], width=T, tokens=[c + [0] * (T - len(c)) for c in chunks])
     if trees is not None and any(t is not None for t in trees):
-        view = tree_view(view, start_positions, [len(c) for c in chunks], trees)
+        view = tree_view(view, start_positions, [len(c) for c in chunks], trees, tree_from)
     return PassInputs(view.input_ids, view.position_ids, view, longest, view.last)
 
 
@@ -83,14 +85,14 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                    start_positions: list[int], all_logits: bool = False,
-                   trees: list[TokenTree | None] | None = None) -> torch.Tensor:
+                   trees: list[TokenTree | None] | None = None, tree_from: list[int] | None = None) -> torch.Tensor:
     """Appends chunks[i] at start_positions[i] of slots[i] (which must equal its length); chunks
-    that are token trees as `pass_inputs` says.
+    that are token trees (or their newest nodes) as `pass_inputs` says.
 
     Returns logits of each chunk's last token [B, vocab], or of every position [B, T, vocab]
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
-    x = pass_inputs(model, pool, slots, chunks, start_positions, trees)
+    x = pass_inputs(model, pool, slots, chunks, start_positions, trees, tree_from)
     replay = replayed(model, x)
     if replay is not None:
         return at_last(replay[0], x, all_logits)

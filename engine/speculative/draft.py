@@ -2,7 +2,8 @@
 
 Draft KV fills lazily in the draft pool: each round first catches up on the tokens the draft has
 not seen (a prompt, one or two in steady state) in one pass whose last logits give q_1, then
-k - 1 one-token steps; each part's time goes to the cost model through the observer.
+k - 1 one-token steps; each part's time goes to the cost model through the observer. A token
+tree (tree_drafting.py) grows from the same catch-up, a depth per pass; its K/V is dropped after.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.speculative.tree import TokenTree
+from engine.speculative.tree_drafting import draft_trees
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -41,30 +44,71 @@ class DraftModelProposer:
     name = "draft"
     runs_model = True
     catch_up = "own"
-    long_catch_up = LONG_CATCH_UP
 
     def __init__(self, model: Transformer, kv: KVManager, observer: CostObserver, vocab_size: int):
         self.model = model
         self.kv = kv
         self.observer = observer
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+        self._round_rows = LONG_CATCH_UP  # the most tokens the last round left a row to catch up on
 
-    def _forward(self, rows: list[Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """The draft's last logits for each row's chunk, over the target's vocabulary [N, V]."""
+    @property
+    def long_catch_up(self) -> int:
+        """A row catching up on no more than its last round left it is a steady round: 1 or 2
+        tokens after a chain round, the accepted path and the final token after a tree round."""
+        return max(LONG_CATCH_UP, self._round_rows)
+
+    def _forward(self, rows: list[Request], chunks: list[list[int]], starts: list[int],
+                 trees: list[TokenTree] | None = None, tree_from: list[int] | None = None) -> torch.Tensor:
+        """The draft's last logits for each row's chunk, over the target's vocabulary [N, V]; or
+        with trees (a drafting pass over their newest nodes, passes.pass_inputs) every
+        position's [N, T, V]."""
         if self.model.shape.vocab_size < self.vocab_size:  # an id past the draft's rows (padding) reads row 0
             chunks = [[t if t < self.model.shape.vocab_size else 0 for t in c] for c in chunks]
-        logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in rows], chunks, starts)
+        logits = forward_chunks(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in rows], chunks, starts,
+                                all_logits=trees is not None, trees=trees, tree_from=tree_from)
         extra = self.vocab_size - logits.shape[-1]  # ids the draft has no row for get probability 0
-        return logits[:, :self.vocab_size] if extra <= 0 else F.pad(logits, (0, extra), value=float("-inf"))
+        return logits[..., :self.vocab_size] if extra <= 0 else F.pad(logits, (0, extra), value=float("-inf"))
 
     def lag(self, requests: list[Request]) -> list[int]:
         return [r.num_tokens - self.kv.draft_len(r) for r in requests]
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
-        return propose_rows(requests, ks, self.name, lambda reqs, row_ks: draft_tokens(
+        proposal = propose_rows(requests, ks, self.name, lambda reqs, row_ks: draft_tokens(
             reqs, row_ks, self._catch_up(reqs), with_q, functools.partial(self._step, reqs), self.observer,
             token_step_loop(self.model, self.kv.draft, [self.kv.draft_slot(r) for r in reqs], self.vocab_size,
                             candidates=min(self.vocab_size, self.model.shape.vocab_size))))
+        self._round_rows = LONG_CATCH_UP
+        return proposal
+
+    def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
+                      width: int) -> list[TokenTree | None]:
+        """A tree per request (tree_drafting.py): depth at most depths[i], at most budgets[i] nodes."""
+        rows = [i for i, (d, b) in enumerate(zip(depths, budgets)) if d > 0 and b > 0]
+        out: list[TokenTree | None] = [None] * len(requests)
+        if not rows:
+            return out
+        reqs = [requests[i] for i in rows]
+        logits = self._catch_up(reqs)
+        bases = [self.kv.draft_len(r) for r in reqs]  # each row's first tree node goes here
+        try:
+            trees = draft_trees(reqs, [depths[i] for i in rows], [budgets[i] for i in rows], width, logits,
+                                functools.partial(self._feed_tree, reqs, bases))
+        finally:  # the tree's K/V goes (simpler than moving the accepted path's): the next catch-up feeds it
+            for r, n in zip(reqs, bases):
+                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
+        self._round_rows = max(depths[i] for i in rows) + 1
+        for j, i in enumerate(rows):
+            out[i] = trees[j]
+        return out
+
+    def _feed_tree(self, reqs: list[Request], bases: list[int], rows: list[int], trees: list[TokenTree],
+                   counts: list[int]) -> torch.Tensor:
+        """One drafting pass over the newest counts[j] nodes of trees[j] (reqs[rows[j]]'s) -> their
+        logits [len(rows), W, V]."""
+        done = [len(t) - n for t, n in zip(trees, counts)]  # nodes fed before this pass
+        return self._forward([reqs[i] for i in rows], [list(t.tokens[d:]) for t, d in zip(trees, done)],
+                             [bases[i] + d for i, d in zip(rows, done)], trees, [d + 1 for d in done])
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Feeds each request's unseen tokens (long runs apart from short ones); returns the
@@ -73,7 +117,7 @@ class DraftModelProposer:
         chunks = [r.all_token_ids[n:] for r, n in zip(reqs, starts)]
         logits = torch.empty(len(reqs), self.vocab_size, device=self.model.device)  # [N, V]
         catch_up_rows([len(c) for c in chunks], functools.partial(self._feed, reqs, chunks, starts, logits),
-                      self.observer, self.model.device)
+                      self.observer, self.model.device, self.long_catch_up)
         return logits
 
     def _feed(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], logits: torch.Tensor,

@@ -8,7 +8,9 @@ last output gives the first draft, then steps k - 1 times on its own output (pre
 for a norm_output head). The draft steps' K/V is dropped after the round: the next round feeds
 the target's features there instead.
 q is the head's distribution over the target vocabulary (0 outside the draft vocabulary), so
-exact acceptance is unchanged.
+exact acceptance is unchanged. A token tree (tree_drafting.py) grows from the same first pass, a
+depth per pass, each node fed its parent's output; its K/V goes too, and the target's features of
+the accepted path are what the next round feeds (KVManager.keep_paths).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from engine.request import Request
 from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.speculative.tree import TokenTree
+from engine.speculative.tree_drafting import draft_trees
 
 
 class EagleProposer:
@@ -53,13 +57,61 @@ class EagleProposer:
         return [self.features.pending(r.request_id) for r in requests]
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
-        # a request drafts only when the features reach its last computed position (after capture was
-        # off, its next target pass starts them again)
-        ks = [k if self.features.end(r.request_id) == self.kv.computed(r) and self.features.pending(r.request_id)
-              else 0 for r, k in zip(requests, ks)]
+        ks = [k if self._ready(r) else 0 for r, k in zip(requests, ks)]
         proposal = propose_rows(requests, ks, self.name, functools.partial(self._draft, with_q=with_q))
         self._round_rows = max(ks, default=0) + 1
         return proposal
+
+    def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
+                      width: int) -> list[TokenTree | None]:
+        """A tree per request (tree_drafting.py), as `propose` drafts chains: depth at most
+        depths[i], at most budgets[i] nodes, for the requests whose features are ready."""
+        rows = [i for i, (r, d, b) in enumerate(zip(requests, depths, budgets)) if d > 0 and b > 0 and self._ready(r)]
+        out: list[TokenTree | None] = [None] * len(requests)
+        if not rows:
+            return out
+        reqs = [requests[i] for i in rows]
+        logits, hidden = self._catch_up(reqs, [self.kv.draft_len(r) for r in reqs])
+        bases = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
+        # [N, 1 + nodes, H]: the outputs of each row's root (column 0) and fed nodes, their children's inputs
+        states = hidden.new_zeros(len(reqs), 1 + max(budgets[i] for i in rows), hidden.shape[-1])
+        states[:, 0] = hidden
+        try:
+            trees = draft_trees(reqs, [depths[i] for i in rows], [budgets[i] for i in rows], width, logits,
+                                functools.partial(self._feed_tree, reqs, bases, states))
+        finally:  # the tree's K/V goes: the next round feeds the target's features of the accepted path
+            for r, n in zip(reqs, bases):
+                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
+        self._round_rows = max(depths[i] for i in rows) + 1
+        for j, i in enumerate(rows):
+            out[i] = trees[j]
+        return out
+
+    def _feed_tree(self, reqs: list[Request], bases: list[int], states: torch.Tensor, rows: list[int],
+                   trees: list[TokenTree], counts: list[int]) -> torch.Tensor:
+        """One head pass over the newest counts[j] nodes of trees[j] (reqs[rows[j]]'s), each fed its
+        parent's output -> their logits [len(rows), W, V]; their outputs go to `states`."""
+        done = [len(t) - n for t, n in zip(trees, counts)]  # nodes fed before this pass
+        x = pass_inputs(self.head, self.kv.draft, [self.kv.draft_slot(reqs[i]) for i in rows],
+                        [list(t.tokens[d:]) for t, d in zip(trees, done)], [bases[i] + d for i, d in zip(rows, done)],
+                        trees, [d + 1 for d in done])
+        T, P, M = x.ids.shape[1], len(rows) * x.ids.shape[1], sum(counts)
+        # each query's state (its parent's column; padding reads the root's), then each fed node's column
+        # and its row among the pass's outputs
+        reads = [(i, t.parents[d + k] + 1 if k < n else 0) for i, t, d, n in zip(rows, trees, done, counts)
+                 for k in range(T)]
+        writes = [(i, d + k + 1, j * T + k) for j, (i, d, n) in enumerate(zip(rows, done, counts)) for k in range(n)]
+        at = host_sync.upload([a for a, _ in reads] + [b for _, b in reads] + [w[0] for w in writes]
+                              + [w[1] for w in writes] + [w[2] for w in writes], states.device, torch.long)  # [2P + 3M]
+        hidden = states[at[:P], at[P:2 * P]].view(len(rows), T, -1)  # [R, T, H]
+        logits, out = self.head.step(x.ids, x.positions, x.view, hidden, None)  # [R, T, V], [R, T, H]
+        states[at[2 * P:2 * P + M], at[2 * P + M:2 * P + 2 * M]] = out.reshape(P, -1)[at[2 * P + 2 * M:]].to(states.dtype)
+        return logits[:, :max(counts)]
+
+    def _ready(self, r: Request) -> bool:
+        """The features reach the request's last computed position (after capture was off, its next
+        target pass starts them again)."""
+        return self.features.end(r.request_id) == self.kv.computed(r) and self.features.pending(r.request_id) > 0
 
     def _draft(self, reqs: list[Request], ks: list[int], with_q: bool) -> tuple[list[list[int]], torch.Tensor | None]:
         lengths = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features

@@ -1,10 +1,11 @@
 """Hybrid proposals: prompt lookup where it finds a long enough match (strong evidence, no model
-pass), the model proposer for the rows it left empty."""
+pass), the model proposer for the rows it left empty; chains or token trees alike."""
 
 from __future__ import annotations
 
 from engine.request import Request
 from engine.speculative.proposer import Proposal, Proposer
+from engine.speculative.tree import TokenTree
 
 
 class HybridProposer:
@@ -22,6 +23,20 @@ class HybridProposer:
         if not rest:
             return found
         return found.with_rows(rest, self.model.propose([requests[i] for i in rest], [ks[i] for i in rest], with_q))
+
+    def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
+                      width: int) -> list[TokenTree | None]:
+        """The lookup's tree where it finds one, the model's for the other rows."""
+        found = self.lookup.propose_trees(requests, depths, budgets, width)
+        rest = [i for i, (d, b, t) in enumerate(zip(depths, budgets, found)) if d > 0 and b > 0 and not t]
+        if not rest:
+            return found
+        drafted = self.model.propose_trees([requests[i] for i in rest], [depths[i] for i in rest],
+                                           [budgets[i] for i in rest], width)
+        out = list(found)
+        for i, tree in zip(rest, drafted):
+            out[i] = tree
+        return out
 
     @property
     def long_catch_up(self) -> int:

@@ -139,7 +139,8 @@ class SpeculativeDecoder:
     def _decode_trees(self, reqs: list[Request], plan: RoundPlan) -> DecodeResult:
         """A round over token trees: each request's tree (depth at most its k, at most tree_tokens
         nodes within its KV room) verified in one pass, accepted exactly, the accepted path's K/V
-        moved into place."""
+        (and target features, for a head) moved into place; a model proposer's own state holds
+        only what precedes the round (its next catch-up feeds the accepted tokens)."""
         t0 = time.perf_counter()
         nodes = self._tree_nodes(len(reqs), plan.k)
         budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
@@ -151,14 +152,15 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
-        raw = logits = self.runner.verify_trees(reqs, chunks, trees)
+        logits, features = self.runner.verify_trees(reqs, chunks, trees)  # features [N, T, F] while a head reads them
+        raw = logits
         if masks is not None:
             logits = mask_logits(logits, masks[:, :logits.shape[1]])
         paths, finals = accept_trees(reqs, trees, logits)
         tree_logprobs(reqs, trees, paths, finals, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
         self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
-        self.kv.keep_paths(reqs, starts, paths)
+        self.kv.keep_paths(reqs, starts, paths, features)
         out = []
         for r, start, tree, path, final in zip(reqs, starts, trees, paths, finals):
             self.kv.rollback(r, start + len(path) + 1)
@@ -178,9 +180,14 @@ class SpeculativeDecoder:
 
     def _chain_round_seconds(self, batch: int, k: int) -> float:
         """The measured costs' price of what a tree round replaces at this batch: the verify pass
-        (with acceptance) of a chain of K = k. Proposing the chain is left out (cheap for a lookup),
-        so a tree is charged a little more than it adds."""
-        return self.costs.verify_times(batch, k)[k]
+        (with acceptance) of a chain of K = k, and a model proposer's drafting of it (its first
+        pass at the narrowest, k - 1 steps). A lookup's proposing is left out (cheap), so a tree
+        is charged a little more than it adds."""
+        seconds = self.costs.verify_times(batch, k)[k]
+        if self.proposer.runs_model:
+            first, steps = self.costs.draft_times(batch, k)
+            seconds += first[0] + steps[k - 1]
+        return seconds
 
     def _trees_pay(self, reqs: list[Request], k: int) -> bool:
         """Under the adaptive policy, a tree round only while what trees add to a round (measured

@@ -1,0 +1,162 @@
+"""Token trees drafted by a model proposer, EAGLE-2's way. From the root, each depth's frontier
+(the `width` likeliest nodes of that depth by path probability: the draft's log-probabilities
+summed along the path) is fed in one batched pass under a tree mask (kv/tree_view.py), each of its
+nodes proposing its `width` likeliest children; in the end the `budget` likeliest nodes overall
+make the tree (the rerank: a node's path probability is at most its parent's, so a kept node's
+parent is kept), parents first, siblings by descending probability.
+
+Children are chosen, not drawn: every node is a point mass (q = None in tree.accept_sampled), so
+the tree is exact at any temperature. A request with a grammar expands a node only over what the
+grammar allows after the node's path (the verify pass masks and cuts again: tree_round).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import host_sync
+from engine.grammar import GrammarMatcher, mask_logits, new_bitmask, unpack_bitmask
+from engine.request import Request
+from engine.speculative.tree import TokenTree
+
+# rows (indices into the batch) still growing, each one's tree of the nodes fed so far (this
+# pass's nodes last), how many of them this pass feeds -> their logits [len(rows), W, V] (W: the
+# most nodes a row feeds; a row's columns past its count are padding)
+FeedFn = Callable[[list[int], list[TokenTree], list[int]], torch.Tensor]
+
+
+@dataclass
+class _Growing:
+    """One request's candidates: every child proposed so far, in the order they were proposed."""
+
+    depth: int  # the deepest a node may be
+    budget: int  # nodes the tree may keep (and the most nodes fed: the draft pool's reserved room)
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # a candidate's parent candidate (-1: the root)
+    scores: list[float] = field(default_factory=list)  # log path probability
+    depths: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # candidates fed, in feed order (the draft pool's)
+
+    def add_children(self, parent: int, values: list[float], ids: list[int]) -> None:
+        base = self.scores[parent] if parent >= 0 else 0.0
+        depth = self.depths[parent] + 1 if parent >= 0 else 1
+        for v, t in zip(values, ids):
+            if math.isfinite(v):  # -inf: a token outside the draft's vocabulary or the grammar
+                self.tokens.append(t)
+                self.parents.append(parent)
+                self.scores.append(base + v)
+                self.depths.append(depth)
+
+    def ranked(self) -> list[int]:
+        """Candidates by descending path probability, earlier first on a tie (so parents first)."""
+        return sorted(range(len(self.tokens)), key=lambda c: (-self.scores[c], c))
+
+    def frontier(self, depth: int, width: int) -> list[int]:
+        """The nodes of `depth` to expand: the `width` likeliest whose children could still make
+        the final tree (a child ranks below its parent, which must rank above the budget's last),
+        within the room left to feed."""
+        order = self.ranked()
+        room = self.budget - len(self.fed)
+        worth = [c for rank, c in enumerate(order) if rank <= self.budget - 2 and self.depths[c] == depth]
+        return worth[:min(width, room)]
+
+    def fed_tree(self) -> TokenTree:
+        """The fed nodes as a tree, in feed order."""
+        at = {c: i for i, c in enumerate(self.fed)}
+        return TokenTree(tuple(self.tokens[c] for c in self.fed),
+                         tuple(at[self.parents[c]] if self.parents[c] >= 0 else -1 for c in self.fed))
+
+    def path(self, c: int) -> list[int]:
+        """The tokens from the root's child down to candidate c (empty for the root, -1)."""
+        out = []
+        while c >= 0:
+            out.append(self.tokens[c])
+            c = self.parents[c]
+        return out[::-1]
+
+    def tree(self) -> TokenTree | None:
+        """The `budget` likeliest candidates, parents first, siblings by descending probability."""
+        kept: dict[int, int] = {}  # candidate -> node
+        for c in self.ranked():
+            if len(kept) == self.budget:
+                break
+            if self.parents[c] < 0 or self.parents[c] in kept:
+                kept[c] = len(kept)
+        if not kept:
+            return None
+        return TokenTree(tuple(self.tokens[c] for c in kept),
+                         tuple(kept[self.parents[c]] if self.parents[c] >= 0 else -1 for c in kept))
+
+
+def draft_trees(reqs: list[Request], depths: list[int], budgets: list[int], width: int, root_logits: torch.Tensor,
+                feed: FeedFn) -> list[TokenTree | None]:
+    """A tree per request (None where depths[i] or budgets[i] is 0, or nothing could be proposed):
+    the root's children from root_logits [N, V] (the draft's after each request's last token),
+    then one `feed` pass per depth over the rows whose frontier is not empty."""
+    rows = [_Growing(d, b) for d, b in zip(depths, budgets)]
+    live = [i for i, g in enumerate(rows) if g.depth > 0 and g.budget > 0]
+    if live:
+        index = host_sync.upload(live, root_logits.device, torch.long)  # [n]
+        _expand(reqs, rows, [(i, -1) for i in live], root_logits.index_select(0, index), width)
+    for depth in range(1, max(depths, default=0)):
+        frontiers = {i: rows[i].frontier(depth, width) for i in live if rows[i].depth > depth}
+        growing = [i for i, f in frontiers.items() if f]
+        if not growing:
+            break
+        for i in growing:
+            rows[i].fed += frontiers[i]
+        logits = feed(growing, [rows[i].fed_tree() for i in growing], [len(frontiers[i]) for i in growing])
+        W = logits.shape[1]
+        at = host_sync.upload([j * W + k for j, i in enumerate(growing) for k in range(len(frontiers[i]))],
+                              logits.device, torch.long)  # [M] the fed nodes' rows of logits
+        nodes = [(i, c) for i in growing for c in frontiers[i]]
+        _expand(reqs, rows, nodes, logits.reshape(-1, logits.shape[-1]).index_select(0, at), width)
+    return [g.tree() for g in rows]
+
+
+def _expand(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, int]], logits: torch.Tensor,
+            width: int) -> None:
+    """Each (row, candidate) of `nodes` (-1: the row's root) gets its `width` likeliest children
+    from its logits [M, V] (what its grammar allows after its path), one read for all."""
+    allowed = _grammar_masks(reqs, rows, nodes, logits.shape[-1])
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
+    k = min(width, logits.shape[-1])
+    values, ids = logits.float().log_softmax(dim=-1).topk(k, dim=-1)  # [M, k] each
+    both = host_sync.read(torch.cat([values.double(), ids.double()], dim=-1))  # [M][2k], one read (ids exact)
+    for (i, c), row in zip(nodes, both):
+        rows[i].add_children(c, row[:k], [int(t) for t in row[k:]])
+
+
+def _grammar_masks(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, int]], vocab: int
+                   ) -> torch.Tensor | None:
+    """[M, V] bool: what each node's grammar allows after its path (nothing where the path leaves
+    the grammar or ends it; everything on rows without one), or None where no row has a grammar."""
+    if all(reqs[i].grammar is None for i, _ in nodes):
+        return None
+    bitmask = new_bitmask(len(nodes), vocab)  # [M, W]
+    for m, (i, c) in enumerate(nodes):
+        if reqs[i].grammar is not None and not _fill_after(reqs[i].grammar, rows[i].path(c), bitmask, m):
+            bitmask[m] = 0
+    return unpack_bitmask(bitmask, vocab)
+
+
+def _fill_after(grammar: GrammarMatcher, path: list[int], bitmask: torch.Tensor, row: int) -> bool:
+    """bitmask[row]: what the grammar allows after `path`; False where the path leaves the grammar
+    or ends the request (no children). The grammar is left as it was."""
+    walked = 0
+    try:
+        for token in path:
+            if not grammar.accept(token):
+                return False
+            walked += 1
+        if grammar.terminated:
+            return False
+        grammar.fill(bitmask, row)
+        return True
+    finally:
+        grammar.rollback(walked)

@@ -1,0 +1,127 @@
+"""Token trees drafted by the model proposers (engine/speculative/tree_drafting.py): every node fed
+in a drafting pass (its frontier beside its cousins, under a tree mask) gets the logits its path
+gets when replayed as a chain (the draft model's chunk pass; the EAGLE-3 head's one-token steps on
+its own outputs), and its children are its likeliest tokens; the trees keep the likeliest nodes
+with their parents, and the proposer's pool holds only what precedes the round after it (float32;
+slotted and paged pools)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.speculative.tree import TokenTree
+from engine.speculative.tree_drafting import _Growing
+from tests.helpers import make_eagle3_head
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "x", "for i in range(10):\n    print(i)\n"]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, tiny_model):
+    path = tmp_path_factory.mktemp("tree_eagle3")
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    # random attention (not test_eagle's two_back head, whose attention adds nothing): a node seeing
+    # a sibling would change its logits
+    make_eagle3_head(path, tiny_model[0], seed=3, aux=[0, 1, 1], draft_vocab=[i for i in range(vocab) if i % 3 != 2])
+    return path
+
+
+def _replay(proposer, request, base: int, path: list[int], root_hidden: torch.Tensor | None) -> torch.Tensor:
+    """The proposer's logits [V] after `path` run as a chain from its pool's length `base` (rolled back after)."""
+    slot = proposer.kv.draft_slot(request)
+    try:
+        if root_hidden is None:  # a draft model: one chunk pass
+            return proposer._forward([request], [path], [base])[0]
+        hidden = root_hidden[None, None]  # [1, 1, H] an EAGLE-3 head: one-token steps on its own outputs
+        for token in path:
+            logits, out = proposer._pass_one([request], [token], hidden)
+            hidden = out[:, None]
+        return logits[0]
+    finally:
+        proposer.kv.draft.truncate_to(slot, base, keep_storage=True)
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_every_fed_node_gets_its_paths_chain_logits(tiny_model, tiny_draft, head_dir, backend, method):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0] if method == "draft" else head_dir),
+              use_speculative_decoding=True, speculative_method=method, spec_policy="fixed", spec_length=3,
+              tree_width=3, tree_tokens=10, dtype="float32", kv_cache_backend=backend, block_size=4,
+              max_seq_len=160, max_batch_size=8)
+    proposer = llm.engine.speculation.proposer
+    passes, roots, checked = [], {}, {"nodes": 0, "rounds": 0}
+    feed, catch_up, propose_trees = proposer._feed_tree, proposer._catch_up, proposer.propose_trees
+
+    def recording_feed(reqs, bases, *rest):
+        rows, trees, counts = rest[-3:]
+        logits = feed(reqs, bases, *rest)
+        passes.append([(reqs[i], bases[i], t, n, logits[j, :n].clone()) for j, (i, t, n) in
+                       enumerate(zip(rows, trees, counts))])
+        return logits
+
+    def recording_catch_up(reqs, *rest):
+        out = catch_up(reqs, *rest)
+        if method == "eagle":
+            logits, hidden = out
+            roots.update({r.request_id: (logits[i].clone(), hidden[i].clone()) for i, r in enumerate(reqs)})
+        else:
+            roots.update({r.request_id: (out[i].clone(), None) for i, r in enumerate(reqs)})
+        return out
+
+    def checking(requests, depths, budgets, width):
+        passes.clear()
+        roots.clear()
+        before = [proposer.kv.draft_len(r) for r in requests]
+        trees = propose_trees(requests, depths, budgets, width)
+        for group in passes:
+            for r, base, tree, n, logits in group:
+                assert proposer.kv.draft_len(r) == base  # the tree's K/V is gone after the round
+                for k in range(n):
+                    node = len(tree) - n + k
+                    path = [tree.tokens[j] for j in tree.path(node)]
+                    expected = _replay(proposer, r, base, path, roots[r.request_id][1])
+                    finite = torch.isfinite(expected)
+                    assert torch.equal(finite, torch.isfinite(logits[k]))
+                    torch.testing.assert_close(logits[k][finite], expected[finite], rtol=1e-4, atol=1e-4)
+                    checked["nodes"] += 1
+        for r, tree, budget, b in zip(requests, trees, budgets, before):
+            if tree is None:
+                continue
+            checked["rounds"] += 1
+            assert len(tree) <= budget and tree.depth <= depths[requests.index(r)]
+            top = roots[r.request_id][0].topk(width).indices.tolist()  # the root's children: its likeliest tokens
+            assert [tree.tokens[c] for c in tree.children[0]] == top[:len(tree.children[0])]
+            assert b <= proposer.kv.draft_len(r)  # caught up, nothing of the tree left
+            assert method == "eagle" or proposer.kv.draft_len(r) == r.num_tokens
+        return trees
+
+    proposer._feed_tree, proposer._catch_up, proposer.propose_trees = recording_feed, recording_catch_up, checking
+    llm.engine.speculation.proposer = proposer
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert checked["nodes"] > 20 and checked["rounds"] > 5, checked
+
+
+def _growing(scores: dict[int, tuple[int, float]], budget: int) -> _Growing:
+    """Candidates (token -> (parent candidate, log-probability)) in proposal order."""
+    g = _Growing(depth=4, budget=budget)
+    for token, (parent, lp) in scores.items():
+        g.tokens.append(token)
+        g.parents.append(parent)
+        g.scores.append((g.scores[parent] if parent >= 0 else 0.0) + lp)
+        g.depths.append(g.depths[parent] + 1 if parent >= 0 else 1)
+    return g
+
+
+def test_the_rerank_keeps_the_likeliest_nodes_with_their_parents_siblings_by_probability():
+    #  root: 10 (-0.1), 11 (-1.0), 12 (-2.0); 10: 13 (-0.2), 14 (-0.3); 13: 15 (-2.5); 11: 16 (-0.05)
+    g = _growing({10: (-1, -0.1), 11: (-1, -1.0), 12: (-1, -2.0), 13: (0, -0.2), 14: (0, -0.3), 15: (3, -2.5),
+                  16: (1, -0.05)}, budget=5)
+    # scores: 10 -0.1, 13 -0.3, 14 -0.4, 11 -1.0, 16 -1.05, 12 -2.0, 15 -2.8
+    assert g.tree() == TokenTree((10, 13, 14, 11, 16), (-1, 0, 0, -1, 3))
+    assert g.frontier(1, 3) == [0, 1]  # 12 ranks 5th: its children could not make a tree of 5
+    g.fed = [0, 1]
+    assert g.frontier(2, 3) == [3, 4] and g.frontier(2, 1) == [3]  # 16 ranks 5th
