@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import resource
 import statistics
 import time
 
@@ -138,17 +137,23 @@ def cache_texts(cache) -> list[list[int]]:
     return texts
 
 
+def resident_mb() -> float:
+    """The process's resident memory now (MiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def soak(args) -> None:
     from engine import LLM, SamplingParams
     from engine.structured_output import StructuredOutput
 
-    llm = LLM(speculative_method="suffix", spec_length=K_MAX, suffix_cache_tokens=args.cache_tokens,
+    llm = LLM(speculative_method=args.method, spec_length=K_MAX, suffix_cache_tokens=args.cache_tokens,
               max_batch_size=8, max_seq_len=1024, enable_prefix_caching=False)
     cache = llm.engine.speculation.suffix_cache
     prompts, schema = agent_prompts(), StructuredOutput.json_schema(agent_schema())
-    engine, samples, i = llm.engine, [], 0
-    end = time.monotonic() + args.soak
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine, samples, rss, i = llm.engine, [], [], 0
+    start = time.monotonic()
+    end = start + args.soak
     with tqdm(total=args.soak, desc="soak", unit="s") as bar:
         while time.monotonic() < end:
             while len(engine.scheduler.running) + len(engine.scheduler.waiting) < 8:
@@ -159,15 +164,17 @@ def soak(args) -> None:
                 if out.finished:
                     engine.release(out.request_id)
                     samples.append((cache.num_tokens, cache.nbytes, cache.num_texts))
+            if not rss or time.monotonic() - start >= len(rss) * args.soak / 10:
+                rss.append(resident_mb())
             bar.n = min(args.soak, round(args.soak - (end - time.monotonic())))
             bar.refresh()
     tokens, nbytes, texts = (max(s[k] for s in samples) for k in range(3))
-    result = {"seconds": args.soak, "requests": len(samples), "cache_tokens_bound": args.cache_tokens,
+    result = {"method": args.method, "seconds": args.soak, "requests": len(samples), "cache_tokens_bound": args.cache_tokens,
               "max_tokens_held": tokens, "max_bytes_held": nbytes, "max_texts_held": texts,
               "bound_held": tokens <= args.cache_tokens, "evictions": len(samples) - cache.num_texts,
-              "max_rss_mb_start": rss0 / 1024, "max_rss_mb_end": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+              "rss_mb_every_tenth": rss + [resident_mb()]}
     print(result)
-    path = write("suffix_soak", result, llm)
+    path = write("suffix_soak" if args.method == "suffix" else f"suffix_soak_{args.method}", result, llm)
     print(f"wrote {path}")
 
 
@@ -180,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-code", action="store_true", help="the agent workload only")
     ap.add_argument("--soak", type=int, default=0, help="seconds of the memory soak instead of the comparison")
     ap.add_argument("--cache-tokens", type=int, default=4000, help="the soak's suffix_cache_tokens")
+    ap.add_argument("--method", default="suffix", help="the soak's speculative_method (another: its memory beside)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.soak:
