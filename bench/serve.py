@@ -186,8 +186,8 @@ def table(results: dict) -> dict:
     for level, by_mode in results.items():
         row = {name: medians(runs) for name, runs in by_mode.items()}
         fixed = {n: r for n, r in row.items() if n.startswith("K=")}  # over HTTP
-        best_fixed = max(fixed, key=lambda n: fixed[n]["tok_s"])
-        best = max(row["plain"]["tok_s"], fixed[best_fixed]["tok_s"])
+        best_fixed = max(fixed, key=lambda n: fixed[n]["tok_s"]) if fixed else None
+        best = max([row["plain"]["tok_s"]] + ([fixed[best_fixed]["tok_s"]] if fixed else []))
         out[level] = {"modes": row, "best_fixed": best_fixed,
                       "adaptive_over_best": row["adaptive"]["tok_s"] / best,
                       "adaptive_over_plain": row["adaptive"]["tok_s"] / row["plain"]["tok_s"],

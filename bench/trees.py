@@ -1,6 +1,7 @@
-"""Token trees vs chains: accepted tokens per round and speed, n-gram proposals on the shipped target.
+"""Token trees vs chains: accepted tokens per round and speed, on the shipped target.
 
-    python -m bench trees [--workload code] [--prompts 8] [--tokens 96] [--repeats 3] [--batches 8 16 32 64]
+    python -m bench trees [--method ngram] [--workload code] [--prompts 8] [--tokens 96] [--repeats 3]
+                          [--batches 8 16 32 64]   (--method other than ngram -> bench/results/trees_<method>.json)
 
 Batch 1, greedy and T = 0.8, held-out prompts one at a time, interleaved: a chain and a tree of the
 same depth at fixed K (accepted tokens per round, tree ÷ chain), and adaptive K with and without
@@ -27,18 +28,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4, help="depth of the fixed-K chain and tree")
     ap.add_argument("--width", type=int, default=3, help="tree_width of the tree variants")
     ap.add_argument("--nodes", type=int, default=12, help="tree_tokens of the tree variants")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--batches", type=int, nargs="*", default=[8, 16, 32, 64])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "eagle", "draft", "hybrid"],
+                    help="the proposer (eagle and hybrid: the embedded EAGLE-3 head; draft: the embedded draft)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
     prompts = load_prompts(args.workload)[:args.prompts]
-    llm = LLM(speculative_method="ngram", max_batch_size=max([1, *args.batches]), max_seq_len=1024,
-              enable_prefix_caching=False, tree_tokens=args.nodes)
+    model = {"draft_model": "embedded:draft"} if args.method == "draft" else {}
+    llm = LLM(speculative_method=args.method, max_batch_size=max([1, *args.batches]), max_seq_len=1024,
+              enable_prefix_caching=False, tree_tokens=args.nodes, **model)
+    method = args.method
     chain, tree = {"tree_width": 1}, {"tree_width": args.width}
-    shapes = {"plain": PLAIN, f"chain K={args.k}": {**fixed("ngram", args.k), **chain},
-              f"tree K={args.k}": {**fixed("ngram", args.k), **tree},
-              "adaptive chain": {**adaptive("ngram"), **chain}, "adaptive tree": {**adaptive("ngram"), **tree}}
+    shapes = {"plain": PLAIN, f"chain K={args.k}": {**fixed(method, args.k), **chain},
+              f"tree K={args.k}": {**fixed(method, args.k), **tree},
+              "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree}}
     results: dict = {"batch_1": {}, "batches": {}}
     for temperature in (0.0, 0.8):
         seeds = {"repeat": 0}
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                          "min": min(ratio), "max": max(ratio)}}
         print(f"batch {b}: adaptive tree/chain tok/s x{statistics.median(ratio):.3f} [{min(ratio):.3f}, {max(ratio):.3f}]",
               flush=True)
-    path = write("trees", {"workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
+    path = write("trees" if method == "ngram" else f"trees_{method}", {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
                            "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)
     print(f"wrote {path}")
 
