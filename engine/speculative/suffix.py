@@ -5,7 +5,7 @@ requests evicted first), apart per sharing scope; the request's own prompt and o
 searched beside it. A draft from a text: the recent occurrences of the context's longest suffix
 (at least two tokens) and the tree of the tokens that followed them, each node scored by the share
 of the occurrences that went on through it (an estimate of its acceptance). Nodes are kept best
-first down to MIN_PROB, at most match length x SPEC_FACTOR of them (the paper's rule: a longer
+first down to MIN_PROB, at most match length x a factor of them (the paper's rule: a longer
 match is stronger evidence, so it may propose more). Of the drafts from the request's own text and
 from the cache, the one with the higher score (expected accepted tokens) is proposed.
 
@@ -29,6 +29,8 @@ MIN_MATCH = 2  # a match is at least a bigram (the index's key)
 MAX_MATCH = 24  # the longest suffix matched (the paper's tree depth)
 MIN_PROB = 0.1  # the least score a proposed node may have
 SPEC_FACTOR = 1.0  # a match of m tokens proposes at most m x this many nodes
+ALONE_SPEC_FACTOR = 2.0  # ... in a batch of at most ALONE_BATCH requests, where a wider verify pass is nearly free
+ALONE_BATCH = 4  # (performance-notes#suffix-decoding-2026-11-28)
 MAX_OCCURRENCES = 64  # the most recent occurrences a draft counts
 KEY_SPAN = 1 << 24  # bigram key: first token x KEY_SPAN + second (token ids < 2^24)
 
@@ -57,12 +59,12 @@ def match_sets(text: np.ndarray, ends: np.ndarray, context: np.ndarray) -> list[
     return out[::-1]
 
 
-def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_nodes: int, width: int
-               ) -> SuffixDraft | None:
+def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_nodes: int, width: int,
+               factor: float = SPEC_FACTOR) -> SuffixDraft | None:
     """The tree of what followed the most recent MAX_OCCURRENCES of `ends` in text (at most
     `depth` tokens on), a node's score being the share of occurrences continuing through it: the
     best nodes first, each with its parent, at most `width` children a node, scores >= MIN_PROB."""
-    cap = int(match * SPEC_FACTOR + 1e-6)
+    cap = int(match * factor + 1e-6)
     depth, max_nodes = min(depth, cap), min(max_nodes, cap)
     ends = ends[-MAX_OCCURRENCES:]
     n = len(ends)
@@ -107,28 +109,28 @@ def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_n
 
 
 def best_draft(text: np.ndarray, ends: np.ndarray, context: np.ndarray, depth: int, max_nodes: int, width: int,
-               min_match: int = MIN_MATCH) -> SuffixDraft | None:
+               min_match: int = MIN_MATCH, factor: float = SPEC_FACTOR) -> SuffixDraft | None:
     """The best-scored draft over the context's matches of at least min_match tokens in text
     (ties: the longer match)."""
     best = None
     for m, at in match_sets(text, ends, context):
-        if m < min_match or (best is not None and best.score >= min(max_nodes, int(m * SPEC_FACTOR + 1e-6))):
+        if m < min_match or (best is not None and best.score >= min(max_nodes, int(m * factor + 1e-6))):
             break  # (a shorter match proposes fewer nodes: it cannot score more)
-        draft = grow_draft(text, at, m, depth, max_nodes, width)
+        draft = grow_draft(text, at, m, depth, max_nodes, width, factor)
         if draft is not None and (best is None or draft.score > best.score):
             best = draft
     return best
 
 
-def own_text_draft(context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int = MIN_MATCH
-                   ) -> SuffixDraft | None:
+def own_text_draft(context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int = MIN_MATCH,
+                   factor: float = SPEC_FACTOR) -> SuffixDraft | None:
     """A draft from the request's own text: the context [L] searched in itself."""
     if len(context) < MIN_MATCH + 1:
         return None
     text = np.concatenate(([SEPARATOR], context))  # context[i] at text[i + 1]
     # bigram ends e in 2..L - 1: text[e - 1], text[e] == the context's last two (e = L: the context's own end)
     ends = np.flatnonzero((text[1:-2] == context[-2]) & (text[2:-1] == context[-1])) + 2
-    return best_draft(text, ends, context, depth, max_nodes, width, min_match)
+    return best_draft(text, ends, context, depth, max_nodes, width, min_match, factor)
 
 
 class _Texts:
@@ -182,8 +184,8 @@ class _Texts:
             self.runs = [run for run in self.runs if len(run[0])]
         return end - start - 1
 
-    def draft(self, context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int
-              ) -> SuffixDraft | None:
+    def draft(self, context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int,
+              factor: float) -> SuffixDraft | None:
         key = int(context[-2]) * KEY_SPAN + int(context[-1])
         found = []
         for keys, ends in self.runs:  # oldest first: positions come out ascending
@@ -197,7 +199,7 @@ class _Texts:
         if not len(ends):
             return None
         return best_draft(self.buffer[self.live - self.base:self.size], ends, context, depth, max_nodes, width,
-                          min_match)
+                          min_match, factor)
 
     @property
     def nbytes(self) -> int:
@@ -235,11 +237,11 @@ class SuffixCache:
                 del self._scopes[scope]
 
     def draft(self, scope: str, context: np.ndarray, depth: int, max_nodes: int, width: int,
-              min_match: int = MIN_MATCH) -> SuffixDraft | None:
+              min_match: int = MIN_MATCH, factor: float = SPEC_FACTOR) -> SuffixDraft | None:
         texts = self._scopes.get(scope)
         if texts is None or len(context) < MIN_MATCH:
             return None
-        return texts.draft(context, depth, max_nodes, width, min_match)
+        return texts.draft(context, depth, max_nodes, width, min_match, factor)
 
     @property
     def num_texts(self) -> int:
@@ -271,22 +273,23 @@ class SuffixProposer:
             return ""
         return None if request.params.tenant is None else f"tenant:{request.params.tenant}"
 
-    def draft(self, request: Request, depth: int, max_nodes: int, width: int) -> SuffixDraft | None:
+    def draft(self, request: Request, depth: int, max_nodes: int, width: int, factor: float = SPEC_FACTOR
+              ) -> SuffixDraft | None:
         if depth <= 0 or max_nodes <= 0:
             return None
         context = np.asarray(request.all_token_ids, dtype=np.int64)
-        own = own_text_draft(context, depth, max_nodes, width, self.min_match)
+        own = own_text_draft(context, depth, max_nodes, width, self.min_match, factor)
         scope = self.scope(request)
         shared = None if scope is None else self.cache.draft(scope, context[-(MAX_MATCH + 1):], depth, max_nodes,
-                                                             width, self.min_match)
+                                                             width, self.min_match, factor)
         if own is None or (shared is not None and shared.score > own.score):
             return shared
         return own
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
-        tokens = []
+        tokens, factor = [], self.factor(len(requests))
         for r, k in zip(requests, ks):
-            d = self.draft(r, k, k, 1)
+            d = self.draft(r, k, k, 1, factor)
             tokens.append(list(d.tree.tokens) if d is not None else [])
         q = one_hot_q(tokens, self.vocab_size, self.device) if with_q else None
         return Proposal(tokens, q, [self.name if t else "none" for t in tokens])
@@ -294,11 +297,17 @@ class SuffixProposer:
     def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
                       width: int) -> list[TokenTree | None]:
         """A tree per request: depth at most depths[i], at most budgets[i] nodes (None: no match)."""
-        out = []
+        out, factor = [], self.factor(len(requests))
         for r, d, b in zip(requests, depths, budgets):
-            draft = self.draft(r, d, b, width)
+            draft = self.draft(r, d, b, width, factor)
             out.append(draft.tree if draft is not None else None)
         return out
+
+    @staticmethod
+    def factor(batch: int) -> float:
+        """Nodes a match may propose per matched token: more where the verify pass is nearly free
+        (a small batch); in a larger one every row's pass widens to the longest proposal."""
+        return ALONE_SPEC_FACTOR if batch <= ALONE_BATCH else SPEC_FACTOR
 
     def learn(self, request: Request) -> None:
         """Stores a finished request's output, unless it opted out of speculation."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import engine.speculative.step as step_module
+import engine.speculative.suffix as suffix
 import engine.speculative.tree_round as tree_round
 from engine import LLM, SamplingParams
 from engine.config import SpecConfig
@@ -51,6 +52,7 @@ def _request(tokens: list[int], **params) -> _Request:
 
 
 def test_a_draft_is_the_tree_of_what_followed_scored_by_share():
+    # a match of m tokens proposes at most m nodes (factor 1, SPEC_FACTOR)
     # after (1, 2): 5 6 three times, 5 7 once, 8 once -> 5 (4/5), 6 under it (3/5), 7 (1/5), 8 (1/5)
     cache = _cache_with([[1, 2, 5, 6], [1, 2, 5, 6], [9, 1, 2, 5, 6], [1, 2, 5, 7], [1, 2, 8]])
     draft = cache.draft("", np.array([4, 1, 2]), depth=4, max_nodes=8, width=3)
@@ -65,6 +67,8 @@ def test_a_draft_is_the_tree_of_what_followed_scored_by_share():
     narrow = best_draft(*_text_of([[0, 1, 2, 5, 6], [0, 1, 2, 5, 6], [0, 1, 2, 5, 7], [0, 1, 2, 8]]),
                         np.array([0, 1, 2]), depth=3, max_nodes=8, width=1)
     assert narrow.tree.is_chain and narrow.tree.tokens == (5, 6)
+    assert cache.draft("", np.array([4, 1, 2]), depth=4, max_nodes=8, width=3, factor=2.0).tree.tokens == (5, 6, 8, 7)
+    assert SuffixProposer.factor(1) == suffix.ALONE_SPEC_FACTOR and SuffixProposer.factor(16) == suffix.SPEC_FACTOR
 
 
 def _text_of(texts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
