@@ -22,7 +22,7 @@ from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import draft_trees
+from engine.speculative.tree_drafting import draft_trees_then_drop
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -91,12 +91,8 @@ class DraftModelProposer:
         reqs = [requests[i] for i in rows]
         logits = self._catch_up(reqs)
         bases = [self.kv.draft_len(r) for r in reqs]  # each row's first tree node goes here
-        try:
-            trees = draft_trees(reqs, [depths[i] for i in rows], [budgets[i] for i in rows], width, logits,
-                                functools.partial(self._feed_tree, reqs, bases))
-        finally:  # the tree's K/V goes (simpler than moving the accepted path's): the next catch-up feeds it
-            for r, n in zip(reqs, bases):
-                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
+        trees = draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
+                                      width, logits, functools.partial(self._feed_tree, reqs, bases))
         self._round_rows = max(depths[i] for i in rows) + 1
         for j, i in enumerate(rows):
             out[i] = trees[j]

@@ -28,7 +28,7 @@ from engine.speculative.costs import CostObserver
 from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import draft_trees
+from engine.speculative.tree_drafting import draft_trees_then_drop
 
 
 class EagleProposer:
@@ -76,12 +76,8 @@ class EagleProposer:
         # [N, 1 + nodes, H]: the outputs of each row's root (column 0) and fed nodes, their children's inputs
         states = hidden.new_zeros(len(reqs), 1 + max(budgets[i] for i in rows), hidden.shape[-1])
         states[:, 0] = hidden
-        try:
-            trees = draft_trees(reqs, [depths[i] for i in rows], [budgets[i] for i in rows], width, logits,
-                                functools.partial(self._feed_tree, reqs, bases, states))
-        finally:  # the tree's K/V goes: the next round feeds the target's features of the accepted path
-            for r, n in zip(reqs, bases):
-                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
+        trees = draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
+                                      width, logits, functools.partial(self._feed_tree, reqs, bases, states))
         self._round_rows = max(depths[i] for i in rows) + 1
         for j, i in enumerate(rows):
             out[i] = trees[j]

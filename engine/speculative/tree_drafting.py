@@ -160,3 +160,15 @@ def _fill_after(grammar: GrammarMatcher, path: list[int], bitmask: torch.Tensor,
         return True
     finally:
         grammar.rollback(walked)
+
+
+def draft_trees_then_drop(kv, reqs: list[Request], bases: list[int], depths: list[int], budgets: list[int],
+                          width: int, root_logits: torch.Tensor, feed: FeedFn) -> list[TokenTree | None]:
+    """`draft_trees`, then each request's draft pool back to bases[i], its length before drafting:
+    the tree's K/V goes (simpler than moving the accepted path's into place); the proposer's next
+    catch-up feeds what the target accepted."""
+    try:
+        return draft_trees(reqs, depths, budgets, width, root_logits, feed)
+    finally:
+        for r, n in zip(reqs, bases):
+            kv.draft.truncate_to(kv.draft_slot(r), n, keep_storage=True)

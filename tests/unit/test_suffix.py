@@ -24,7 +24,7 @@ from tests.unit.test_spec_statistical import (
     sample_speculative,
 )
 from tests.unit.test_token_tree import _no_residual
-from tests.unit.test_tree_engine import PROMPTS, branching, greedy  # noqa: F401 (a fixture)
+from tests.unit.test_tree_engine import PROMPTS, branching, greedy, reference  # noqa: F401 (fixtures)
 
 
 def _cache_with(texts: list[list[int]], max_tokens: int = 10_000, scope: str = "") -> SuffixCache:
@@ -127,12 +127,6 @@ def test_suffix_settings_are_validated():
         SpecConfig(hybrid_lookup="eagle")
     with pytest.raises(ValueError, match="tenant"):
         SamplingParams(tenant="")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, max_batch_size=8)
-    return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
