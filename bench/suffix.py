@@ -85,7 +85,7 @@ def warm(llm, prompts, params) -> object:
 def proposal_times(llm, cache, prompts: list[str], params) -> dict:
     """Microseconds per proposal (depth 16, 24 nodes, width 3): ours and arctic-inference's, each
     request's context grown token by token over its own answer."""
-    from engine.speculative.suffix import SuffixProposer
+    from engine.speculative.suffix import DraftLimits, SuffixProposer
 
     tokenizer = llm.engine.tokenizer
     llm.engine.reconfigure_speculation(**adaptive("suffix", K_MAX))
@@ -102,7 +102,7 @@ def proposal_times(llm, cache, prompts: list[str], params) -> dict:
         for j in range(len(answer)):
             r = Req(prompt + answer[:j])
             t0 = time.perf_counter()
-            ours.draft(r, K_MAX, 24, 3)
+            ours.draft(r, DraftLimits(K_MAX, 24, 3))
             t += time.perf_counter() - t0
             n += 1
     out = {"ours_us": t / n * 1e6, "proposals": n}

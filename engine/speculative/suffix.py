@@ -42,6 +42,19 @@ class SuffixDraft:
     match: int  # tokens of the context matched
 
 
+@dataclass(frozen=True)
+class DraftLimits:
+    depth: int  # most tokens a draft reaches past the context
+    max_nodes: int
+    width: int  # most children a node may have (1: a chain)
+    min_match: int = MIN_MATCH  # the shortest match a draft is grown from
+    factor: float = SPEC_FACTOR  # a match of m tokens proposes at most m x factor nodes
+
+    def nodes(self, match: int) -> int:
+        """Most nodes a match of this many tokens may propose."""
+        return min(self.max_nodes, int(match * self.factor + 1e-6))
+
+
 def match_sets(text: np.ndarray, ends: np.ndarray, context: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """text [L] (SEPARATOR first and between texts), ends: the positions in text where the
     context's last MIN_MATCH tokens end -> (m, the positions where its last m tokens end) for the
@@ -59,78 +72,79 @@ def match_sets(text: np.ndarray, ends: np.ndarray, context: np.ndarray) -> list[
     return out[::-1]
 
 
-def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, depth: int, max_nodes: int, width: int,
-               factor: float = SPEC_FACTOR) -> SuffixDraft | None:
-    """The tree of what followed the most recent MAX_OCCURRENCES of `ends` in text (at most
-    `depth` tokens on), a node's score being the share of occurrences continuing through it: the
-    best nodes first, each with its parent, at most `width` children a node, scores >= MIN_PROB."""
-    cap = int(match * factor + 1e-6)
-    depth, max_nodes = min(depth, cap), min(max_nodes, cap)
+def continuation_trie(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """rows [n, D] (what followed each occurrence, SEPARATOR past a text's end) -> the rows sorted,
+    starts [n, D] (sorted row i opens a node at depth d: its first d + 1 tokens differ from the
+    row before's), node [n, D] (each row's node id at each depth) and counts [nodes] (rows through
+    each node): the trie of the rows at once."""
+    n, depth = rows.shape
+    rows = rows[np.lexsort(rows.T[::-1])]
+    starts = np.ones((n, depth), dtype=bool)
+    starts[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
+    per_depth = starts.sum(axis=0)  # [D]
+    node = np.cumsum(starts, axis=0) - 1 + (np.cumsum(per_depth) - per_depth)
+    return rows, starts, node, np.bincount(node.ravel(), minlength=int(per_depth.sum()))
+
+
+def grow_draft(text: np.ndarray, ends: np.ndarray, match: int, limits: DraftLimits) -> SuffixDraft | None:
+    """The tree of what followed the most recent MAX_OCCURRENCES of `ends` in text, a node's score
+    being the share of occurrences continuing through it: the best nodes first, each with its
+    parent, at most `limits.width` children a node, scores >= MIN_PROB."""
+    max_nodes = limits.nodes(match)
+    depth = min(limits.depth, max_nodes)
     ends = ends[-MAX_OCCURRENCES:]
     n = len(ends)
-    if depth <= 0 or max_nodes <= 0 or n == 0:
+    if depth <= 0 or n == 0:
         return None
     at = ends[:, None] + 1 + np.arange(depth)  # [n, D]
     rows = np.where(at < len(text), text[np.minimum(at, len(text) - 1)], SEPARATOR)  # [n, D]
     rows[np.maximum.accumulate(rows < 0, axis=1)] = SEPARATOR  # nothing after a text's end
-    # the trie of the rows at once: sorted, a node at depth d starts where a row's first d + 1
-    # tokens differ from the row before's; its count is its run of rows
-    rows = rows[np.lexsort(rows.T[::-1])]
-    starts = np.ones((n, depth), dtype=bool)  # [n, D] row i opens a node at depth d
-    starts[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
-    per_depth = starts.sum(axis=0)  # [D]
-    node = np.cumsum(starts, axis=0) - 1 + (np.cumsum(per_depth) - per_depth)  # [n, D] each row's node id
-    counts = np.bincount(node.ravel(), minlength=int(per_depth.sum()))  # [nodes] rows through each node
-    least = MIN_PROB * n
-    good = starts & (rows >= 0) & (counts[node] >= least)  # [n, D] the first row of each node worth proposing
-    r, d = np.nonzero(good.T)  # by depth, then row
-    d, r = r, d
+    rows, starts, node, counts = continuation_trie(rows)
+    good = starts & (rows >= 0) & (counts[node] >= MIN_PROB * n)  # [n, D] the first row of each node worth proposing
+    d, r = np.nonzero(good.T)  # by depth, then row
     if not len(r):
         return None
     ids = node[r, d]
     parents = np.where(d > 0, node[r, np.maximum(d - 1, 0)], -1)
-    order = np.lexsort((d, -counts[ids]))  # best first; ties: shallower (a parent before its child)
     kept: dict[int, int] = {}  # node -> its index in the draft
     children: dict[int, int] = {}  # draft index (-1: root) -> children kept
-    out_tokens, out_parents, score = [], [], 0.0
-    for j in order.tolist():
+    tokens, draft_parents, score = [], [], 0.0
+    for j in np.lexsort((d, -counts[ids])).tolist():  # best first; ties: shallower (a parent before its child)
         i, parent = int(ids[j]), int(parents[j])
         at_parent = kept.get(parent, -2) if parent >= 0 else -1
-        if at_parent == -2 or children.get(at_parent, 0) >= width:
+        if at_parent == -2 or children.get(at_parent, 0) >= limits.width:
             continue
-        kept[i] = len(out_tokens)
+        kept[i] = len(tokens)
         children[at_parent] = children.get(at_parent, 0) + 1
-        out_tokens.append(int(rows[r[j], d[j]]))
-        out_parents.append(at_parent)
+        tokens.append(int(rows[r[j], d[j]]))
+        draft_parents.append(at_parent)
         score += counts[i] / n
-        if len(out_tokens) >= max_nodes:
+        if len(tokens) >= max_nodes:
             break
-    return SuffixDraft(TokenTree(tuple(out_tokens), tuple(out_parents)), score, match)
+    return SuffixDraft(TokenTree(tuple(tokens), tuple(draft_parents)), score, match)
 
 
-def best_draft(text: np.ndarray, ends: np.ndarray, context: np.ndarray, depth: int, max_nodes: int, width: int,
-               min_match: int = MIN_MATCH, factor: float = SPEC_FACTOR) -> SuffixDraft | None:
-    """The best-scored draft over the context's matches of at least min_match tokens in text
-    (ties: the longer match)."""
+def best_draft(text: np.ndarray, ends: np.ndarray, context: np.ndarray, limits: DraftLimits) -> SuffixDraft | None:
+    """The best-scored draft over the context's matches of at least limits.min_match tokens in
+    text (ties: the longer match)."""
     best = None
     for m, at in match_sets(text, ends, context):
-        if m < min_match or (best is not None and best.score >= min(max_nodes, int(m * factor + 1e-6))):
+        if m < limits.min_match or (best is not None and best.score >= limits.nodes(m)):
             break  # (a shorter match proposes fewer nodes: it cannot score more)
-        draft = grow_draft(text, at, m, depth, max_nodes, width, factor)
+        draft = grow_draft(text, at, m, limits)
         if draft is not None and (best is None or draft.score > best.score):
             best = draft
     return best
 
 
-def own_text_draft(context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int = MIN_MATCH,
-                   factor: float = SPEC_FACTOR) -> SuffixDraft | None:
+def own_text_draft(context: np.ndarray, limits: DraftLimits) -> SuffixDraft | None:
     """A draft from the request's own text: the context [L] searched in itself."""
     if len(context) < MIN_MATCH + 1:
         return None
     text = np.concatenate(([SEPARATOR], context))  # context[i] at text[i + 1]
     # bigram ends e in 2..L - 1: text[e - 1], text[e] == the context's last two (e = L: the context's own end)
     ends = np.flatnonzero((text[1:-2] == context[-2]) & (text[2:-1] == context[-1])) + 2
-    return best_draft(text, ends, context, depth, max_nodes, width, min_match, factor)
+    return best_draft(text, ends, context, limits)
 
 
 class _Texts:
@@ -184,8 +198,7 @@ class _Texts:
             self.runs = [run for run in self.runs if len(run[0])]
         return end - start - 1
 
-    def draft(self, context: np.ndarray, depth: int, max_nodes: int, width: int, min_match: int,
-              factor: float) -> SuffixDraft | None:
+    def draft(self, context: np.ndarray, limits: DraftLimits) -> SuffixDraft | None:
         key = int(context[-2]) * KEY_SPAN + int(context[-1])
         found = []
         for keys, ends in self.runs:  # oldest first: positions come out ascending
@@ -198,8 +211,7 @@ class _Texts:
         ends = ends[ends >= self.live + 2] - self.live  # kept texts only, from the oldest's SEPARATOR
         if not len(ends):
             return None
-        return best_draft(self.buffer[self.live - self.base:self.size], ends, context, depth, max_nodes, width,
-                          min_match, factor)
+        return best_draft(self.buffer[self.live - self.base:self.size], ends, context, limits)
 
     @property
     def nbytes(self) -> int:
@@ -236,12 +248,11 @@ class SuffixCache:
             if not texts.spans:
                 del self._scopes[scope]
 
-    def draft(self, scope: str, context: np.ndarray, depth: int, max_nodes: int, width: int,
-              min_match: int = MIN_MATCH, factor: float = SPEC_FACTOR) -> SuffixDraft | None:
+    def draft(self, scope: str, context: np.ndarray, limits: DraftLimits) -> SuffixDraft | None:
         texts = self._scopes.get(scope)
         if texts is None or len(context) < MIN_MATCH:
             return None
-        return texts.draft(context, depth, max_nodes, width, min_match, factor)
+        return texts.draft(context, limits)
 
     @property
     def num_texts(self) -> int:
@@ -273,41 +284,35 @@ class SuffixProposer:
             return ""
         return None if request.params.tenant is None else f"tenant:{request.params.tenant}"
 
-    def draft(self, request: Request, depth: int, max_nodes: int, width: int, factor: float = SPEC_FACTOR
-              ) -> SuffixDraft | None:
-        if depth <= 0 or max_nodes <= 0:
+    def limits(self, batch: int, depth: int, max_nodes: int, width: int) -> DraftLimits:
+        """A draft's limits in a batch of this many requests: a match may propose more per matched
+        token where the verify pass is nearly free (a small batch); in a larger one every row's
+        pass widens to the longest proposal."""
+        return DraftLimits(depth, max_nodes, width, self.min_match,
+                           ALONE_SPEC_FACTOR if batch <= ALONE_BATCH else SPEC_FACTOR)
+
+    def draft(self, request: Request, limits: DraftLimits) -> SuffixDraft | None:
+        if limits.depth <= 0 or limits.max_nodes <= 0:
             return None
         context = np.asarray(request.all_token_ids, dtype=np.int64)
-        own = own_text_draft(context, depth, max_nodes, width, self.min_match, factor)
+        own = own_text_draft(context, limits)
         scope = self.scope(request)
-        shared = None if scope is None else self.cache.draft(scope, context[-(MAX_MATCH + 1):], depth, max_nodes,
-                                                             width, self.min_match, factor)
+        shared = None if scope is None else self.cache.draft(scope, context[-(MAX_MATCH + 1):], limits)
         if own is None or (shared is not None and shared.score > own.score):
             return shared
         return own
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
-        tokens, factor = [], self.factor(len(requests))
-        for r, k in zip(requests, ks):
-            d = self.draft(r, k, k, 1, factor)
-            tokens.append(list(d.tree.tokens) if d is not None else [])
+        drafts = [self.draft(r, self.limits(len(requests), k, k, 1)) for r, k in zip(requests, ks)]
+        tokens = [list(d.tree.tokens) if d is not None else [] for d in drafts]
         q = one_hot_q(tokens, self.vocab_size, self.device) if with_q else None
         return Proposal(tokens, q, [self.name if t else "none" for t in tokens])
 
     def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
                       width: int) -> list[TokenTree | None]:
         """A tree per request: depth at most depths[i], at most budgets[i] nodes (None: no match)."""
-        out, factor = [], self.factor(len(requests))
-        for r, d, b in zip(requests, depths, budgets):
-            draft = self.draft(r, d, b, width, factor)
-            out.append(draft.tree if draft is not None else None)
-        return out
-
-    @staticmethod
-    def factor(batch: int) -> float:
-        """Nodes a match may propose per matched token: more where the verify pass is nearly free
-        (a small batch); in a larger one every row's pass widens to the longest proposal."""
-        return ALONE_SPEC_FACTOR if batch <= ALONE_BATCH else SPEC_FACTOR
+        drafts = [self.draft(r, self.limits(len(requests), d, b, width)) for r, d, b in zip(requests, depths, budgets)]
+        return [d.tree if d is not None else None for d in drafts]
 
     def learn(self, request: Request) -> None:
         """Stores a finished request's output, unless it opted out of speculation."""

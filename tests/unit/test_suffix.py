@@ -14,7 +14,7 @@ import engine.speculative.suffix as suffix
 import engine.speculative.tree_round as tree_round
 from engine import LLM, SamplingParams
 from engine.config import SpecConfig
-from engine.speculative.suffix import MIN_PROB, SuffixCache, SuffixProposer, best_draft, own_text_draft
+from engine.speculative.suffix import MIN_PROB, DraftLimits, SuffixCache, SuffixProposer, best_draft, own_text_draft
 from tests.unit.test_spec_statistical import (
     CONFIGS,
     PROMPT,
@@ -55,20 +55,22 @@ def test_a_draft_is_the_tree_of_what_followed_scored_by_share():
     # a match of m tokens proposes at most m nodes (factor 1, SPEC_FACTOR)
     # after (1, 2): 5 6 three times, 5 7 once, 8 once -> 5 (4/5), 6 under it (3/5), 7 (1/5), 8 (1/5)
     cache = _cache_with([[1, 2, 5, 6], [1, 2, 5, 6], [9, 1, 2, 5, 6], [1, 2, 5, 7], [1, 2, 8]])
-    draft = cache.draft("", np.array([4, 1, 2]), depth=4, max_nodes=8, width=3)
+    draft = cache.draft("", np.array([4, 1, 2]), DraftLimits(depth=4, max_nodes=8, width=3))
     assert draft.match == 2
     assert list(zip(draft.tree.tokens, draft.tree.parents)) == [(5, -1), (6, 0)]  # match 2: at most 2 nodes
     assert draft.score == pytest.approx(4 / 5 + 3 / 5)
-    draft = cache.draft("", np.array([9, 1, 2]), depth=4, max_nodes=8, width=3)
+    draft = cache.draft("", np.array([9, 1, 2]), DraftLimits(depth=4, max_nodes=8, width=3))
     assert draft.match == 3 and draft.tree.tokens == (5, 6)  # the longer match: one occurrence, certain
     wide = best_draft(*_text_of([[0, 1, 2, 5, 6], [0, 1, 2, 5, 6], [0, 1, 2, 5, 7], [0, 1, 2, 8]]),
-                      np.array([0, 1, 2]), depth=3, max_nodes=8, width=3)
+                      np.array([0, 1, 2]), DraftLimits(depth=3, max_nodes=8, width=3))
     assert list(zip(wide.tree.tokens, wide.tree.parents)) == [(5, -1), (6, 0), (8, -1)]  # 3 nodes; ties: shallower first
     narrow = best_draft(*_text_of([[0, 1, 2, 5, 6], [0, 1, 2, 5, 6], [0, 1, 2, 5, 7], [0, 1, 2, 8]]),
-                        np.array([0, 1, 2]), depth=3, max_nodes=8, width=1)
+                        np.array([0, 1, 2]), DraftLimits(depth=3, max_nodes=8, width=1))
     assert narrow.tree.is_chain and narrow.tree.tokens == (5, 6)
-    assert cache.draft("", np.array([4, 1, 2]), depth=4, max_nodes=8, width=3, factor=2.0).tree.tokens == (5, 6, 8, 7)
-    assert SuffixProposer.factor(1) == suffix.ALONE_SPEC_FACTOR and SuffixProposer.factor(16) == suffix.SPEC_FACTOR
+    assert cache.draft("", np.array([4, 1, 2]), DraftLimits(depth=4, max_nodes=8, width=3, factor=2.0)).tree.tokens == (5, 6, 8, 7)
+    proposer = SuffixProposer(SuffixCache(10), "all", vocab_size=16, device="cpu")
+    assert proposer.limits(1, 4, 8, 3).factor == suffix.ALONE_SPEC_FACTOR
+    assert proposer.limits(16, 4, 8, 3).factor == suffix.SPEC_FACTOR
 
 
 def _text_of(texts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -79,13 +81,13 @@ def _text_of(texts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def test_nodes_below_the_least_score_are_not_proposed():
     rare = [[1, 2, 3, 4]] + [[1, 2, 5, 6]] * int(1 / MIN_PROB)  # 3 follows in fewer than MIN_PROB of them
-    draft = _cache_with(rare).draft("", np.array([0, 1, 2]), depth=2, max_nodes=8, width=4)
+    draft = _cache_with(rare).draft("", np.array([0, 1, 2]), DraftLimits(depth=2, max_nodes=8, width=4))
     assert 3 not in draft.tree.tokens and draft.tree.tokens == (5, 6)
 
 
 def test_own_text_never_matches_the_context_end_itself():
-    assert own_text_draft(np.array([1, 2, 3, 1, 2]), depth=2, max_nodes=2, width=1).tree.tokens == (3, 1)
-    assert own_text_draft(np.array([7, 1, 2]), depth=2, max_nodes=2, width=1) is None
+    assert own_text_draft(np.array([1, 2, 3, 1, 2]), DraftLimits(depth=2, max_nodes=2, width=1)).tree.tokens == (3, 1)
+    assert own_text_draft(np.array([7, 1, 2]), DraftLimits(depth=2, max_nodes=2, width=1)) is None
 
 
 def test_the_cache_keeps_at_most_its_budget_and_forgets_the_oldest_first():
@@ -95,8 +97,8 @@ def test_the_cache_keeps_at_most_its_budget_and_forgets_the_oldest_first():
         cache.add("", [1000 + i, 1000 + i + 1] + rng.integers(0, 50, 20).tolist())
         assert cache.num_tokens <= 100
     assert cache.nbytes < 100 * (4 + 8 + 8) * 4  # buffers grow by doubling, never past a few times the budget
-    assert cache.draft("", np.array([1000, 1001]), 2, 2, 1) is None  # the first text is gone
-    assert cache.draft("", np.array([1000 + 199, 1000 + 200]), 2, 2, 1) is not None
+    assert cache.draft("", np.array([1000, 1001]), DraftLimits(2, 2, 1)) is None  # the first text is gone
+    assert cache.draft("", np.array([1000 + 199, 1000 + 200]), DraftLimits(2, 2, 1)) is not None
     cache.evict(0)
     assert cache.num_tokens == 0 and cache.num_texts == 0
 
@@ -132,7 +134,7 @@ def test_suffix_settings_are_validated():
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("width", [1, 3])
-def test_suffix_greedy_equals_plain(tiny_model, reference, monkeypatch, backend, policy, width):
+def test_suffix_greedy_equals_plain(tiny_model, reference, monkeypatch, backend, policy, width):  # noqa: F811 (a fixture)
     monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="suffix",
               spec_policy=policy, spec_length=6, tree_width=width, tree_tokens=10, dtype="float32",
@@ -148,7 +150,7 @@ def test_suffix_greedy_equals_plain(tiny_model, reference, monkeypatch, backend,
 
 
 @pytest.mark.parametrize("width", [1, 3])
-def test_hybrid_with_suffix_lookup_greedy_equals_plain(tiny_model, tiny_draft, reference, width):
+def test_hybrid_with_suffix_lookup_greedy_equals_plain(tiny_model, tiny_draft, reference, width):  # noqa: F811 (a fixture)
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
               speculative_method="hybrid", hybrid_lookup="suffix", spec_policy="fixed", spec_length=4,
               tree_width=width, dtype="float32", max_seq_len=200, max_batch_size=8)
@@ -159,7 +161,7 @@ def test_hybrid_with_suffix_lookup_greedy_equals_plain(tiny_model, tiny_draft, r
     assert sum(o.num_accepted_tokens for o in again) > sum(o.num_accepted_tokens for o in first)
 
 
-def test_a_live_switch_to_suffix_and_back_keeps_greedy_output(tiny_model, reference):
+def test_a_live_switch_to_suffix_and_back_keeps_greedy_output(tiny_model, reference):  # noqa: F811 (a fixture)
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy="fixed", spec_length=4, dtype="float32", max_seq_len=200, max_batch_size=8)
     engine = llm.engine
