@@ -44,12 +44,19 @@ WORDS = ("request replica cache token stream model engine prefix router draft ta
          "python function module return value error retry deploy cluster node health proxy").split()
 
 
-def config(topology: str, replicas: int, router: bool = True) -> dict:
-    """serve_config(.ingress).yaml with `replicas` fixed replicas of 1 CPU / 1 thread each."""
+def config(topology: str, replicas: int, router: bool = True, kv_blocks: int | None = None,
+           stream_batching_ms: float | None = None) -> dict:
+    """serve_config(.ingress).yaml with `replicas` fixed replicas of 1 CPU / 1 thread each;
+    `kv_blocks`: each replica's KV pool size in blocks (None: the config's); `stream_batching_ms`
+    (ingress only): the engine's stream batching interval (None: the deployment's default)."""
     name = "serve_config.yaml" if topology == "single" else "serve_config.ingress.yaml"
     cfg = yaml.safe_load((REPO / name).read_text())
     app = cfg["applications"][0]
     app["args"]["engine"]["num_threads"] = 1
+    if kv_blocks is not None:
+        app["args"]["engine"]["num_kv_blocks"] = kv_blocks
+    if stream_batching_ms is not None:
+        app["args"]["stream_batching_interval_ms"] = stream_batching_ms
     engine = next(d for d in app["deployments"] if d["name"] == "LLMServer")
     engine.pop("autoscaling_config", None)
     engine.update(num_replicas=replicas, ray_actor_options={"num_cpus": 1})
@@ -204,6 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hop-requests", type=int, default=16)
     ap.add_argument("--hop-tokens", type=int, default=128)
     ap.add_argument("--skip-hop", action="store_true")
+    ap.add_argument("--name", default="scale_out", help="bench/results/<name>.json")
+    ap.add_argument("--skip-shared", action="store_true", help="only the 1-replica hop comparison")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="each replica's KV pool in blocks of 16 tokens (default: the config's); smaller than "
+                         "all groups' prompts puts the prefix cache under pressure")
+    ap.add_argument("--stream-batching-ms", type=float, nargs="+", default=[0.0, 20.0],
+                    help="the engine deployment's stream batching intervals the hop part compares")
     args = ap.parse_args(argv)
     from serve_app.local_run import local_server
 
@@ -211,11 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     raw: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     # one server per variant, kept for all its repeats would hold 3 clusters at once: instead each
     # repeat starts the variants in turn (rotated), a fresh `serve run` each
-    for rep in range(args.repeats):
+    for rep in range(0 if args.skip_shared else args.repeats):
         names = list(VARIANTS)
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             topology, router = VARIANTS[name]
-            with local_server(config(topology, 2, router), work / f"{name}_{rep}") as server:
+            with local_server(config(topology, 2, router, args.kv_blocks), work / f"{name}_{rep}") as server:
                 replica_stats(server.url, 2)  # both replicas up
                 hop_run(server.url, argparse_warm(args))  # warm-up: first batches on each replica
                 fig = shared_prefix_run(server.url, 2, args, rep)
@@ -223,38 +237,51 @@ def main(argv: list[str] | None = None) -> None:
             print(f"r{rep} {name:15s} hit {fig['hit_rate']:.3f}  ttft p50 {fig['ttft_ms']['p50']:.0f} ms  "
                   f"p95 {fig['ttft_ms']['p95']:.0f} ms  {fig['tok_s']:.1f} tok/s  by replica "
                   f"{sorted(fig['prompt_tokens_by_replica'].values())}", flush=True)
-    table = {name: {"hit_rate": med(runs, lambda r: r["hit_rate"]),
-                    "ttft_ms_p50": med(runs, lambda r: r["ttft_ms"]["p50"]),
-                    "ttft_ms_p95": med(runs, lambda r: r["ttft_ms"]["p95"]),
-                    "tok_s": med(runs, lambda r: r["tok_s"])} for name, runs in raw.items()}
-    prefix, default = table["ingress+prefix"], table["ingress"]
-    ratios = {"hit_rate_prefix_over_default": prefix["hit_rate"] / default["hit_rate"] if default["hit_rate"] else None,
-              "hit_rate_prefix_over_single": prefix["hit_rate"] / table["single"]["hit_rate"]
-              if table["single"]["hit_rate"] else None,
-              "ttft_p50_prefix_over_default": prefix["ttft_ms_p50"] / default["ttft_ms_p50"]}
+    table, ratios = {}, {}
+    if not args.skip_shared:
+        table = {name: {"hit_rate": med(runs, lambda r: r["hit_rate"]),
+                        "ttft_ms_p50": med(runs, lambda r: r["ttft_ms"]["p50"]),
+                        "ttft_ms_p95": med(runs, lambda r: r["ttft_ms"]["p95"]),
+                        "tok_s": med(runs, lambda r: r["tok_s"])} for name, runs in raw.items()}
+        prefix, default = table["ingress+prefix"], table["ingress"]
+        ratios = {"hit_rate_prefix_over_default": prefix["hit_rate"] / default["hit_rate"]
+                  if default["hit_rate"] else None,
+                  "hit_rate_prefix_over_single": prefix["hit_rate"] / table["single"]["hit_rate"]
+                  if table["single"]["hit_rate"] else None,
+                  "ttft_p50_prefix_over_default": prefix["ttft_ms_p50"] / default["ttft_ms_p50"]}
     hop: dict = {}
     if not args.skip_hop:
-        hop_raw: dict[str, list[dict]] = {"single": [], "ingress": []}
+        hop_variants = {"single": ("single", None)} | {f"ingress_{ms:g}ms": ("ingress", ms)
+                                                        for ms in args.stream_batching_ms}
+        hop_raw: dict[str, list[dict]] = {name: [] for name in hop_variants}
         for rep in range(args.repeats):
-            for name in (["single", "ingress"] if rep % 2 == 0 else ["ingress", "single"]):
-                with local_server(config(name, 1), work / f"hop_{name}_{rep}") as server:
+            names = list(hop_variants)
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                topology, ms = hop_variants[name]
+                with local_server(config(topology, 1, stream_batching_ms=ms), work / f"hop_{name}_{rep}") as server:
                     hop_run(server.url, argparse_warm(args))  # warm-up: plan and calibration caches, first batches
                     hop_raw[name].append(hop_run(server.url, args))
                 print(f"hop r{rep} {name}: {hop_raw[name][-1]}", flush=True)
         hop = {name: {k: med(runs, lambda r, k=k: r[k]) for k in ("tok_s", "itl_ms_p50", "ttft_ms_p50")}
                for name, runs in hop_raw.items()}
-        hop["ingress_over_single"] = {"tok_s": hop["ingress"]["tok_s"] / hop["single"]["tok_s"],
-                                      "itl_ms_p50": hop["ingress"]["itl_ms_p50"] / hop["single"]["itl_ms_p50"]}
+        for name in hop_variants:
+            if name != "single":
+                hop[f"{name}_over_single"] = {
+                    "tok_s": hop[name]["tok_s"] / hop["single"]["tok_s"],
+                    "itl_ms_p50": hop[name]["itl_ms_p50"] / hop["single"]["itl_ms_p50"],
+                    "tok_s_paired": [i["tok_s"] / s["tok_s"] for i, s in zip(hop_raw[name], hop_raw["single"])]}
         hop["raw"] = hop_raw
     for name, row in table.items():
         print(f"{name:15s} hit {row['hit_rate']:.3f}  ttft p50 {row['ttft_ms_p50']:.0f} ms  p95 "
               f"{row['ttft_ms_p95']:.0f} ms  {row['tok_s']:.1f} tok/s")
-    print(json.dumps(ratios))
-    if hop:
-        print("1 replica, ingress / single:", json.dumps(hop["ingress_over_single"]))
-    path = write("scale_out", {"host": host_class(machine()), "replica_cpus": 1, "engine_threads": 1,
+    if ratios:
+        print(json.dumps(ratios))
+    for name, row in hop.items():
+        if name.endswith("_over_single"):
+            print(f"1 replica, {name}:", json.dumps(row))
+    path = write(args.name, {"host": host_class(machine()), "replica_cpus": 1, "engine_threads": 1,
                                "workload": {k: getattr(args, k) for k in ("groups", "conversations", "turns", "tokens",
-                                                                           "stagger", "repeats")},
+                                                                           "stagger", "repeats", "kv_blocks")},
                                "hop_workload": {k: getattr(args, k) for k in ("hop_streams", "hop_requests",
                                                                                "hop_tokens")},
                                "shared_prefix_2_replicas": table, "ratios": ratios, "hop_1_replica": hop,

@@ -85,6 +85,11 @@ PANELS = [
     ("KV cache usage", "percentunit",
      [(f"max by (pool)(ray_specserve_kv_usage_fraction{SEL})", "{{pool}}")],
      "Fraction of the target and draft KV pools in use (worst replica)."),
+    ("Prefix cache hit rate", "percentunit",
+     [(f"sum by (replica)(rate(ray_specserve_prefix_cache_hit_tokens_total{SEL}[{RI}])) / "
+       f"sum by (replica)(rate(ray_specserve_prompt_tokens_total{SEL}[{RI}]))", "{{replica}}")],
+     "Share of each replica's prompt tokens read from its prefix cache instead of recomputed. With several "
+     "replicas, a prefix-aware router (serve_config.ingress.yaml) keeps this up as replicas are added."),
     ("Replicas", "short",
      [(f"count(count by (replica)(ray_specserve_running_requests{SEL}))", "replicas")],
      "Engine replicas reporting metrics."),

@@ -53,6 +53,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests preempted because the KV pool was full (their KV is freed and recomputed later).",
                unit="requests"),
     MetricSpec("specserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", unit="tokens"),
+    MetricSpec("specserve_prefix_cache_hit_tokens_total", "counter",
+               "Prompt tokens of finished requests read from the prefix cache at admission (their K/V not "
+               "recomputed); divided by specserve_prompt_tokens_total is the prefix cache's hit rate.", unit="tokens"),
     MetricSpec("specserve_requests_total", "counter", "Finished requests by finish reason and proposer.",
                ("model", "finish_reason", "proposer"), "requests"),
     MetricSpec("specserve_time_to_first_token_seconds", "histogram", "Arrival to first token.", unit="seconds",
@@ -162,6 +165,8 @@ class StepMetrics:
         proposer = "+".join(sorted(req.spec.proposers)) or "none"
         rec.inc("specserve_requests_total", 1, self._labels(finish_reason=reason or "unknown", proposer=proposer))
         rec.inc("specserve_prompt_tokens_total", len(req.prompt_token_ids), base)
+        rec.inc("specserve_prefix_cache_hit_tokens_total", min(req.num_cached_prefix_tokens, len(req.prompt_token_ids)),
+                base)
         rec.observe("specserve_e2e_request_latency_seconds", now - req.arrival_time, base)
         if req.spec.acceptance_rate is not None:
             rec.observe("specserve_request_acceptance_rate", req.spec.acceptance_rate, base)

@@ -47,6 +47,7 @@ from serve_app.kernel_caches import bound_kernel_caches
 from serve_app.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs, join, prompt_completion_logprobs
 from serve_app.metrics import BufferedRecorder, RayMetricsExporter
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.stream_batching import coalesce
 from serve_app.tools import FORMATS, ToolCallReader, render_messages, tool_format
 
 log = logging.getLogger("ray.serve")  # configured by Serve in replicas
@@ -503,6 +504,7 @@ class LLMServer(OpenAIServing):
 
 
 # --- topology `ingress`: OpenAIIngress -> handle -> the engine deployment ---------------------
+STREAM_BATCHING_INTERVAL_MS = 50.0  # Ray Serve LLM's default; measured: docs/deployment/scale-out.md
 @dataclass
 class CompletionCall:
     """A validated completion request for the engine deployment. `prompt` is the prompt as text
@@ -539,7 +541,19 @@ class Reply:
 
 @serve.deployment(name="LLMServer")
 class EngineServer(OpenAIServing):
-    """The engine deployment of the `ingress` topology, called through a handle (no HTTP)."""
+    """The engine deployment of the `ingress` topology, called through a handle (no HTTP).
+    `stream_batching_interval_ms`: after a stream's first event, the events of each interval go
+    back as one item (serve_app/stream_batching.py); 0 sends every event alone."""
+
+    def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
+                 max_waiting_requests: int = 64, max_n: int = 16, tool_call_format: str = "auto",
+                 stream_batching_interval_ms: float = STREAM_BATCHING_INTERVAL_MS):
+        if (isinstance(stream_batching_interval_ms, bool) or not isinstance(stream_batching_interval_ms, (int, float))
+                or not 0 <= stream_batching_interval_ms <= 1000):
+            raise ValueError(f"stream_batching_interval_ms must be a number in [0, 1000], "
+                             f"got {stream_batching_interval_ms!r}")
+        super().__init__(engine, served_model_name, max_waiting_requests, max_n, tool_call_format)
+        self.stream_batching_s = stream_batching_interval_ms / 1000
 
     async def generate(self, call: CompletionCall | ChatCall):
         """A streaming handle method: a Reply, then (streaming) the events. Cancelling the call
@@ -554,8 +568,8 @@ class EngineServer(OpenAIServing):
             yield Reply(200, result)
             return
         yield Reply(200, None)
-        async for event in result:
-            yield event
+        async for chunk in coalesce(result, self.stream_batching_s):
+            yield chunk
 
     async def health(self) -> tuple[dict, int]:
         return self.health_body()
@@ -664,6 +678,9 @@ def build_app(args: dict | None = None):
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
     if topology == "single":
+        if "stream_batching_interval_ms" in args:
+            raise ValueError("stream_batching_interval_ms applies to topology: ingress only (the engine "
+                             "deployment's stream to the ingress)")
         return LLMServer.bind(**args)
     api_key_env = args.pop("api_key_env", "SPECSERVE_API_KEY")
     return OpenAIIngress.bind(EngineServer.bind(**args), api_key_env=api_key_env)

@@ -86,6 +86,7 @@ def test_every_metric_panel_and_alert_has_a_described_entry(gen):
     table = gen.gen_metrics()
     for m in METRICS:
         assert f"| `ray_{m.name}` |" in table and m.help, f"{m.name} is missing from the metrics reference"
+        assert m.help.isascii(), f"{m.name}: Ray refuses a metric whose description is not ASCII"
     for title, desc, _ in gen.panels():
         assert f"**{title}**" in gen.gen_panels() and desc, title
     for rule in gen.alerts():

@@ -115,19 +115,22 @@ def test_prometheus_sees_speculation_and_every_expression_returns_data(server, p
     server.wait_until(lambda: replica_states(serve_status()) == {"RUNNING": 1}, 240, "one running replica")
     replica = server.stats()["replica"]
 
+    counters = ("specserve_draft_tokens_total", "specserve_draft_accepted_tokens_total",
+                "specserve_prefix_cache_hit_tokens_total")
+
     def exported():
         totals = server.stats()["exported_counter_totals"]
-        return totals.get("specserve_draft_tokens_total", 0.0), totals.get("specserve_draft_accepted_tokens_total", 0.0)
+        return tuple(totals.get(name, 0.0) for name in counters)
 
     def prom_totals():
-        return (scalar(prometheus, f'sum(ray_specserve_draft_tokens_total{{replica="{replica}"}})') or 0.0,
-                scalar(prometheus, f'sum(ray_specserve_draft_accepted_tokens_total{{replica="{replica}"}})') or 0.0)
+        return tuple(scalar(prometheus, f'sum(ray_{name}{{replica="{replica}"}})') or 0.0 for name in counters)
 
-    before = exported()
+    before, cached_before = exported(), server.stats()["prefix_cache"]["cached_tokens"]
     server.wait_until(lambda: prom_totals() == before, 120, "prometheus to scrape the current counters")
     drafted = accepted = 0
+    shared = "".join(f"def step_{i}(state):\n    return state + {i}\n\n" for i in range(8))  # several KV blocks
     with server.client() as c:
-        for i, prompt in enumerate(["def parse(text):\n", "class Queue:\n", "import json\n\n\ndef load(path):\n"] * 2):
+        for i, prompt in enumerate(["def parse(text):\n", "class Queue:\n", shared + "def load(path):\n"] * 2):
             body = {"prompt": prompt, "max_tokens": 64, "temperature": 0.0 if i % 2 else 0.7, "seed": i,
                     "stream": True, "stream_options": {"include_usage": True}}
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -136,7 +139,9 @@ def test_prometheus_sees_speculation_and_every_expression_returns_data(server, p
             drafted += last["speculation"]["draft_tokens"]
             accepted += last["speculation"]["accepted_tokens"]
     assert drafted > 0 and accepted > 0
-    expected = (before[0] + drafted, before[1] + accepted)
+    hits = server.stats()["prefix_cache"]["cached_tokens"] - cached_before
+    assert hits > 0  # the shared prompt's second send read its blocks from the prefix cache
+    expected = (before[0] + drafted, before[1] + accepted, before[2] + hits)
     server.wait_until(lambda: prom_totals() == expected, 120, "prometheus to see this test's traffic")
     prom_rate = (prom_totals()[1] - before[1]) / (prom_totals()[0] - before[0])
     assert abs(prom_rate - accepted / drafted) < 1e-9
