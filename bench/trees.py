@@ -1,7 +1,8 @@
 """Token trees vs chains: accepted tokens per round and speed, on the shipped target.
 
     python -m bench trees [--method ngram] [--workload code] [--prompts 8] [--tokens 96] [--repeats 3]
-                          [--batches 8 16 32 64]   (--method other than ngram -> bench/results/trees_<method>.json)
+                          [--batches 8 16 32 64] [--skip-batch-1]
+    (--method other than ngram -> bench/results/trees_<method>.json; --skip-batch-1 -> ..._batches.json)
 
 Batch 1, greedy and T = 0.8, held-out prompts one at a time, interleaved: a chain and a tree of the
 same depth at fixed K (accepted tokens per round, tree ÷ chain), and adaptive K with and without
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--width", type=int, default=3, help="tree_width of the tree variants")
     ap.add_argument("--nodes", type=int, default=12, help="tree_tokens of the tree variants")
     ap.add_argument("--batches", type=int, nargs="*", default=[8, 16, 32, 64])
+    ap.add_argument("--skip-batch-1", action="store_true", help="only the batches (results: ..._batches.json)")
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "eagle", "draft", "hybrid"],
                     help="the proposer (eagle and hybrid: the embedded EAGLE-3 head; draft: the embedded draft)")
     args = ap.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
               f"tree K={args.k}": {**fixed(method, args.k), **tree},
               "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree}}
     results: dict = {"batch_1": {}, "batches": {}}
-    for temperature in (0.0, 0.8):
+    for temperature in () if args.skip_batch_1 else (0.0, 0.8):
         seeds = {"repeat": 0}
 
         def variant(spec: dict, temperature=temperature, seeds=seeds):
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                          "min": min(ratio), "max": max(ratio)}}
         print(f"batch {b}: adaptive tree/chain tok/s x{statistics.median(ratio):.3f} [{min(ratio):.3f}, {max(ratio):.3f}]",
               flush=True)
-    path = write("trees" if method == "ngram" else f"trees_{method}", {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
+    name = ("trees" if method == "ngram" else f"trees_{method}") + ("_batches" if args.skip_batch_1 else "")
+    path = write(name, {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
                            "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)
     print(f"wrote {path}")
 

@@ -110,8 +110,10 @@ class LLMEngine:
         if calibration is not None:
             clock.done("calibration", "adaptive policy's costs %s (%d passes%s)", calibration.source,
                        calibration.passes, f"; batch {calibration.pending} when first needed" if calibration.pending else "")
-        decode_tokens = self.speculation.tokens_per_round if self.speculation is not None else (lambda: 1)
-        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens, decode_tokens)
+        spec = self.speculation
+        self.scheduler = Scheduler(self.kv, config.max_batch_size, config.max_num_batched_tokens,
+                                   spec.tokens_per_round if spec is not None else (lambda: 1),
+                                   spec.expected_tokens_per_round if spec is not None else None)
         self._requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
         self._ids = itertools.count()

@@ -28,13 +28,18 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_batch_size: int, max_num_batched_tokens: int,
-                 decode_tokens: Callable[[], int] = lambda: 1):
+                 decode_tokens: Callable[[], int] = lambda: 1, decode_budget: Callable[[], int] | None = None):
         """decode_tokens(): KV tokens one decode round of a request may write (1 plain, up to
-        K + 1 speculative)."""
+        K + 1 speculative, a tree's nodes + 1): the KV room reserved. decode_budget(): tokens a
+        decode round is expected to compute (what the speculation chose last), charged to the
+        step's token budget; default decode_tokens(). Charging the worst case there would leave
+        prefills no budget once a few dozen requests decode, capping the batch well below
+        max_batch_size."""
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_tokens = decode_tokens
+        self.decode_budget = decode_budget or decode_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
 
@@ -69,7 +74,7 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> int:
         """Running requests that decode this step, preempting from the back when KV runs out;
-        returns their tokens (decodes are never split: the budget may go negative)."""
+        returns the budget they take (decodes are never split: the budget may go negative)."""
         need = self.decode_tokens()
         for req in list(self.running):
             if req not in self.running or self.is_prefilling(req):
@@ -81,7 +86,7 @@ class Scheduler:
                     break
             if req in self.running:
                 batch.decode.append(req)
-        return need * len(batch.decode)
+        return min(need, self.decode_budget()) * len(batch.decode)
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)

@@ -57,6 +57,7 @@ class SpeculativeDecoder:
                                        self.suffix_cache)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self._tree_extra_per_row: dict[bool, float] = {}  # sampled batch? -> seconds a tree round adds per request
+        self._last_round_tokens: int | None = None  # the widest row of the last decode round
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -67,6 +68,7 @@ class SpeculativeDecoder:
                                        self.runner.model.device, self.suffix_cache)
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.settings = settings
+        self._last_round_tokens = None
         self._capture_features()
         return settings
 
@@ -84,6 +86,12 @@ class SpeculativeDecoder:
             return 1
         nodes = self.settings.tree_tokens if self.settings.tree_width > 1 else 0
         return max(self.settings.spec_length, nodes) + 1
+
+    def expected_tokens_per_round(self) -> int:
+        """Tokens a request's next decode round is expected to compute: the last round's widest
+        row (1 after a plain round), at most tokens_per_round(), which it is until a round ran."""
+        worst = self.tokens_per_round()
+        return worst if self._last_round_tokens is None else min(worst, self._last_round_tokens)
 
     def forget(self, request: Request) -> None:
         """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
@@ -123,6 +131,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + t for r, t in zip(reqs, proposal.tokens)]
+        self._last_round_tokens = max(len(c) for c in chunks)
         groups = self._verify_groups([len(c) for c in chunks])
         raw = logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
         if masks is not None:
@@ -152,6 +161,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         starts = [self.kv.computed(r) for r in reqs]
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
+        self._last_round_tokens = max(len(c) for c in chunks)
         logits, features = self.runner.verify_trees(reqs, chunks, trees)  # features [N, T, F] while a head reads them
         raw = logits
         if masks is not None:
@@ -284,6 +294,7 @@ class SpeculativeDecoder:
         return [k if i == pick else 0 for i, k in enumerate(ks)]
 
     def _plain(self, reqs: list[Request], reason: str, draft_seconds: float = 0.0) -> DecodeResult:
+        self._last_round_tokens = 1
         result = self.runner.decode(reqs, reason)
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
         result.draft_seconds = draft_seconds

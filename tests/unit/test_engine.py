@@ -117,6 +117,28 @@ def test_a_preempted_request_waits_until_it_fits_with_room_to_decode(tiny_model,
     assert eng.num_preemptions_total <= 2 * len(ids)
 
 
+def test_decodes_take_the_budget_of_the_round_they_run_not_the_widest_one_allowed(tiny_model):
+    """Trees of 12 nodes may write 13 tokens a round, and that KV is reserved; but the step's
+    token budget is charged what the speculation last ran: requests that decode plainly (here,
+    opted out) all decode together. Charged 13 each, 8 of them would exceed the budget of 48 and
+    leave the rest unprefilled until the first ones finish."""
+    llm = make_llm(tiny_model[0], max_num_batched_tokens=48, use_speculative_decoding=True,
+                   speculative_method="ngram", spec_policy="fixed", spec_length=4, tree_width=3, tree_tokens=12)
+    eng = llm.engine
+    assert eng.speculation.tokens_per_round() == 13
+    ids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, spec_length=0))
+           for p in PROMPTS]
+    widest, outs = 0, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o.token_id)
+        if eng.last_step.decode is not None:
+            widest = max(widest, eng.last_step.decode.batch_size)
+    assert widest == len(PROMPTS)
+    plain = make_llm(tiny_model[0]).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [[t for t in outs[i] if t >= 0] for i in ids] == [o.token_ids for o in plain]
+
+
 def test_prefix_cache_prefills_only_the_uncached_tail(tiny_model):
     llm = make_llm(tiny_model[0], kv_cache_backend="paged", block_size=4)
     prompt = PROMPTS[6]
