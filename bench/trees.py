@@ -12,6 +12,7 @@ trees (tok/s, trees ÷ chain-only; plain decoding beside them). Then batches of 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -80,10 +81,15 @@ def main(argv: list[str] | None = None) -> None:
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
         row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed)}
+        row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
+                              for name in (f"chain K={args.k}", f"tree K={args.k}")}
         print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
               f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
               f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
               f"[{min(speed):.3f}, {max(speed):.3f}]; plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
+        print("  measured / theoretical speedup: " + "; ".join(
+            f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
+            for n, t in row["theoretical"].items()), flush=True)
         results["batch_1"][f"T={temperature}"] = row
     for b in args.batches:
         batch = (prompts * (b // len(prompts) + 1))[:b]
@@ -110,6 +116,25 @@ def main(argv: list[str] | None = None) -> None:
     path = write(name, {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
                            "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)
     print(f"wrote {path}")
+
+
+def theoretical_speedup(llm, shape: dict, plain: dict, k: int) -> dict:
+    """Leviathan et al.'s speedup with the engine's measured costs at batch 1: (accepted per round
+    + 1) x a plain pass's time ÷ (the verify pass of the round's mean width + a model proposer's
+    drafting of a K = k chain; a tree's drafting, dearer, is priced as that chain's), beside the
+    measured speedup (tok/s ÷ plain's) and their ratio (what the engine's own work costs)."""
+    costs = llm.engine.speculation.costs
+    nodes = shape["verified_per_round"]
+    times = costs.verify_times(1, max(1, math.ceil(nodes)))
+    low = int(nodes)
+    verify = times[low] + (nodes - low) * (times[min(low + 1, len(times) - 1)] - times[low])
+    draft = 0.0
+    if llm.engine.speculation.proposer.runs_model:
+        first, steps = costs.draft_times(1, k)
+        draft = first[0] + steps[k - 1]
+    theory = (shape["accepted_per_round"] + 1) * times[0] / (verify + draft)
+    measured = shape["tok_s"] / plain["tok_s"]
+    return {"theoretical": theory, "measured": measured, "measured_over_theoretical": measured / theory}
 
 
 if __name__ == "__main__":
