@@ -23,11 +23,11 @@ from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.proposers import build_proposer, lookup_of
 from engine.speculative.rejection import accept
+from engine.speculative.shape_choice import ShapeChoice
 from engine.speculative.suffix import SuffixCache
 from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
-TREE_COST_SLACK = 0.05  # adaptive: a tree round may cost this much more than the chain's
-TREE_EXTRA_EMA = 0.2  # weight of the newest tree round in the measured extra cost per request
+TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
 
 
 def _sampled(reqs: list[Request]) -> bool:
@@ -56,7 +56,7 @@ class SpeculativeDecoder:
         self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device,
                                        self.suffix_cache)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
-        self._tree_extra_per_row: dict[bool, float] = {}  # sampled batch? -> seconds a tree round adds per request
+        self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
         self._last_round_tokens: int | None = None  # the widest row of the last decode round
         self._capture_features()
 
@@ -115,8 +115,8 @@ class SpeculativeDecoder:
         plan = self._plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
-        if self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs) \
-                and self._trees_pay(reqs, plan.k):
+        trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs)
+        if trees and self._take_trees(reqs):
             return self._decode_trees(reqs, plan)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
@@ -142,6 +142,8 @@ class SpeculativeDecoder:
         if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
             self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
         tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
+        if trees:
+            self._observe_shape(reqs, False, tokens, time.perf_counter() - t0)
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
@@ -185,36 +187,17 @@ class SpeculativeDecoder:
                 r.spec.proposed_per_round[-1] = len(tree)
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
         stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
-        self._observe_tree_round(reqs, plan.k, time.perf_counter() - t0)
+        self._observe_shape(reqs, True, out, time.perf_counter() - t0)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
-    def _chain_round_seconds(self, batch: int, k: int) -> float:
-        """The measured costs' price of what a tree round replaces at this batch: the verify pass
-        (with acceptance) of a chain of K = k, and a model proposer's drafting of it (its first
-        pass at the narrowest, k - 1 steps). A lookup's proposing is left out (cheap), so a tree
-        is charged a little more than it adds."""
-        seconds = self.costs.verify_times(batch, k)[k]
-        if self.proposer.runs_model:
-            first, steps = self.costs.draft_times(batch, k)
-            seconds += first[0] + steps[k - 1]
-        return seconds
+    def _take_trees(self, reqs: list[Request]) -> bool:
+        """Under the adaptive policy, the shape whose rounds measured faster at this batch
+        (shape_choice.py); the fixed policy always takes trees."""
+        return self.settings.spec_policy != "adaptive" or self.shapes.take_trees(_sampled(reqs), len(reqs))
 
-    def _trees_pay(self, reqs: list[Request], k: int) -> bool:
-        """Under the adaptive policy, a tree round only while what trees add to a round (measured
-        per request, apart for greedy and sampled batches: drafting the trees, their pass beyond a
-        chain's, acceptance on the host) stays within TREE_COST_SLACK of the chain round; the
-        fixed policy always takes trees."""
-        if self.settings.spec_policy != "adaptive":
-            return True
-        extra = self._tree_extra_per_row.get(_sampled(reqs))
-        return extra is None or extra * len(reqs) <= TREE_COST_SLACK * self._chain_round_seconds(len(reqs), k)
-
-    def _observe_tree_round(self, reqs: list[Request], k: int, seconds: float) -> None:
-        if self.settings.spec_policy != "adaptive":
-            return
-        extra = max(0.0, seconds - self._chain_round_seconds(len(reqs), k)) / len(reqs)
-        old = self._tree_extra_per_row.get(_sampled(reqs))
-        self._tree_extra_per_row[_sampled(reqs)] = extra if old is None else old + TREE_EXTRA_EMA * (extra - old)
+    def _observe_shape(self, reqs: list[Request], tree: bool, out: list, seconds: float) -> None:
+        if self.settings.spec_policy == "adaptive":
+            self.shapes.observe(_sampled(reqs), len(reqs), tree, sum(len(tokens) for _, tokens in out), seconds)
 
     def _tree_nodes(self, batch: int, k: int) -> int:
         """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the

@@ -135,7 +135,8 @@ def test_suffix_settings_are_validated():
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("width", [1, 3])
 def test_suffix_greedy_equals_plain(tiny_model, reference, monkeypatch, backend, policy, width):  # noqa: F811 (a fixture)
-    monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows
+    monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows,
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_take_trees", lambda self, reqs: True)  # whatever they cost
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="suffix",
               spec_policy=policy, spec_length=6, tree_width=width, tree_tokens=10, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)

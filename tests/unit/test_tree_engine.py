@@ -54,7 +54,8 @@ def branching(monkeypatch):
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_ngram_trees_greedy_equals_plain(tiny_model, reference, branching, monkeypatch, backend, policy):
-    monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows
+    monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows,
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_take_trees", lambda self, reqs: True)  # whatever they cost
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy=policy, spec_length=4, tree_width=3, tree_tokens=10, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)
@@ -205,27 +206,48 @@ def test_constrained_greedy_output_is_the_same_with_trees(tiny_model, branching)
     assert branching["trees"] > 0
 
 
-def test_the_adaptive_policy_drops_trees_that_cost_more_than_they_may(tiny_model, monkeypatch):
-    """With no room for extra cost (a negative slack: no measured cost fits), the first tree
-    round's measurement ends trees: the rest of the run decodes chains, with the same greedy output."""
-    monkeypatch.setattr(step_module, "TREE_COST_SLACK", -1.0)
-    rounds = {"tree": 0, "chain": 0}
-    real_trees, real_accept = step_module.SpeculativeDecoder._decode_trees, step_module.accept
+def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slower(tiny_model, monkeypatch):
+    """Tree rounds measured 100x slower than they ran: after one round of each shape, trees come
+    back only as shape_choice's probes (one decision in PROBE_EVERY), with the same greedy output."""
+    from collections import Counter
 
-    def tree_round(self, *args):
-        rounds["tree"] += 1
-        return real_trees(self, *args)
+    from engine.speculative import shape_choice
+    from engine.speculative.costs import batch_bucket
 
-    def chain_accept(*args, **kw):
-        rounds["chain"] += 1
-        return real_accept(*args, **kw)
+    rounds: Counter = Counter()  # (batch bucket, tree?) -> rounds
+    real_observe = shape_choice.ShapeChoice.observe
 
-    monkeypatch.setattr(step_module.SpeculativeDecoder, "_decode_trees", tree_round)
-    monkeypatch.setattr(step_module, "accept", chain_accept)
+    def observe(self, sampled, batch, tree, tokens, seconds):
+        rounds[batch_bucket(batch), tree] += 1
+        real_observe(self, sampled, batch, tree, tokens, seconds * (100 if tree else 1))
+
+    monkeypatch.setattr(shape_choice.ShapeChoice, "observe", observe)
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
-              spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=200, max_batch_size=8)
-    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=200, max_batch_size=8)
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(40))] == \
-        [o.token_ids for o in plain.generate(PROMPTS, greedy(40))]
-    assert rounds["tree"] == 1 and rounds["chain"] > 1, rounds
+              spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=256, max_batch_size=8)
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=256, max_batch_size=8)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(120))] == \
+        [o.token_ids for o in plain.generate(PROMPTS, greedy(120))]
+    for bucket in {b for b, _ in rounds}:  # the first round, then one probe per PROBE_EVERY decisions
+        trees, chains = rounds[bucket, True], rounds[bucket, False]
+        assert trees <= 1 + (trees + chains) // shape_choice.PROBE_EVERY, rounds
+    assert any(rounds[b, True] >= 2 for b, _ in rounds), rounds  # a probe came
 
+
+
+def test_shape_choice_takes_the_faster_shape_and_probes_the_other_ever_less_often():
+    from engine.speculative.shape_choice import PROBE_EVERY, ShapeChoice
+
+    choice = ShapeChoice()
+    assert choice.take_trees(False, 4)  # nothing measured: a tree first
+    choice.observe(False, 4, True, tokens=12, seconds=0.010)  # 1,200 tokens/s
+    assert not choice.take_trees(False, 4)  # then a chain
+    choice.observe(False, 4, False, tokens=8, seconds=0.010)  # 800 tokens/s
+    picks = [choice.take_trees(False, 4) for _ in range(7 * PROBE_EVERY)]
+    probes = [i for i, tree in enumerate(picks) if not tree]
+    assert probes == [PROBE_EVERY - 1, 3 * PROBE_EVERY - 1, 7 * PROBE_EVERY - 1]  # gaps 16, 32, 64: confirmed
+    assert choice.take_trees(True, 4) and choice.take_trees(False, 16)  # sampled batches, other buckets apart
+    for _ in range(30):  # trees turn slow: the decayed sums follow, chains win
+        choice.observe(False, 4, True, tokens=4, seconds=0.010)
+    assert choice.rate(False, 4, True) < choice.rate(False, 4, False)
+    picks = [choice.take_trees(False, 4) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 1 and picks[PROBE_EVERY - 1]  # overturned: probes from every PROBE_EVERY again
