@@ -19,7 +19,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop, trees_for_rows
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 from engine.speculative.tree import TokenTree
 from engine.speculative.tree_drafting import draft_trees_then_drop
@@ -84,19 +84,16 @@ class DraftModelProposer:
     def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
                       width: int) -> list[TokenTree | None]:
         """A tree per request (tree_drafting.py): depth at most depths[i], at most budgets[i] nodes."""
-        rows = [i for i, (d, b) in enumerate(zip(depths, budgets)) if d > 0 and b > 0]
-        out: list[TokenTree | None] = [None] * len(requests)
-        if not rows:
-            return out
-        reqs = [requests[i] for i in rows]
-        logits = self._catch_up(reqs)
-        bases = [self.kv.draft_len(r) for r in reqs]  # each row's first tree node goes here
-        trees = draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
-                                      width, logits, functools.partial(self._feed_tree, reqs, bases))
-        self._round_rows = max(depths[i] for i in rows) + 1
-        for j, i in enumerate(rows):
-            out[i] = trees[j]
-        return out
+        def draft(rows: list[int]) -> list[TokenTree]:
+            reqs = [requests[i] for i in rows]
+            logits = self._catch_up(reqs)
+            bases = [self.kv.draft_len(r) for r in reqs]  # each row's first tree node goes here
+            self._round_rows = max(depths[i] for i in rows) + 1
+            return draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
+                                         width, logits, functools.partial(self._feed_tree, reqs, bases))
+
+        return trees_for_rows(len(requests), [i for i, (d, b) in enumerate(zip(depths, budgets)) if d > 0 and b > 0],
+                              draft)
 
     def _feed_tree(self, reqs: list[Request], bases: list[int], rows: list[int], trees: list[TokenTree],
                    counts: list[int]) -> torch.Tensor:

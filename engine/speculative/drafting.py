@@ -45,6 +45,16 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
     return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
 
 
+def trees_for_rows(n: int, rows: list[int], draft: Callable[[list[int]], list]) -> list:
+    """A list of n entries: `draft(rows)`'s i-th result at rows[i], None at the other rows (none
+    drafted when rows is empty)."""
+    out: list = [None] * n
+    if rows:
+        for i, tree in zip(rows, draft(rows)):
+            out[i] = tree
+    return out
+
+
 def token_step_loop(model: Transformer, pool: CachePool, slots: list[int], vocab: int, hidden: torch.Tensor | None = None,
                     draft_to_target: torch.Tensor | None = None, candidates: int | None = None) -> LoopFn | None:
     """Drafting in one C call a round on `model`'s token step, each slot stepping from its current

@@ -25,7 +25,7 @@ from engine.model.eagle3 import Eagle3Head
 from engine.model.passes import at_last, pass_inputs, put_rows, replayed
 from engine.request import Request
 from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop
+from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop, trees_for_rows
 from engine.speculative.proposer import LONG_CATCH_UP, Proposal
 from engine.speculative.tree import TokenTree
 from engine.speculative.tree_drafting import draft_trees_then_drop
@@ -66,22 +66,19 @@ class EagleProposer:
                       width: int) -> list[TokenTree | None]:
         """A tree per request (tree_drafting.py), as `propose` drafts chains: depth at most
         depths[i], at most budgets[i] nodes, for the requests whose features are ready."""
-        rows = [i for i, (r, d, b) in enumerate(zip(requests, depths, budgets)) if d > 0 and b > 0 and self._ready(r)]
-        out: list[TokenTree | None] = [None] * len(requests)
-        if not rows:
-            return out
-        reqs = [requests[i] for i in rows]
-        logits, hidden = self._catch_up(reqs, [self.kv.draft_len(r) for r in reqs])
-        bases = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
-        # [N, 1 + nodes, H]: the outputs of each row's root (column 0) and fed nodes, their children's inputs
-        states = hidden.new_zeros(len(reqs), 1 + max(budgets[i] for i in rows), hidden.shape[-1])
-        states[:, 0] = hidden
-        trees = draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
-                                      width, logits, functools.partial(self._feed_tree, reqs, bases, states))
-        self._round_rows = max(depths[i] for i in rows) + 1
-        for j, i in enumerate(rows):
-            out[i] = trees[j]
-        return out
+        def draft(rows: list[int]) -> list[TokenTree]:
+            reqs = [requests[i] for i in rows]
+            logits, hidden = self._catch_up(reqs, [self.kv.draft_len(r) for r in reqs])
+            bases = [self.kv.draft_len(r) for r in reqs]  # head positions holding target features
+            # [N, 1 + nodes, H]: the outputs of each row's root (column 0) and fed nodes, their children's inputs
+            states = hidden.new_zeros(len(reqs), 1 + max(budgets[i] for i in rows), hidden.shape[-1])
+            states[:, 0] = hidden
+            self._round_rows = max(depths[i] for i in rows) + 1
+            return draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
+                                         width, logits, functools.partial(self._feed_tree, reqs, bases, states))
+
+        return trees_for_rows(len(requests), [i for i, (r, d, b) in enumerate(zip(requests, depths, budgets))
+                                              if d > 0 and b > 0 and self._ready(r)], draft)
 
     def _feed_tree(self, reqs: list[Request], bases: list[int], states: torch.Tensor, rows: list[int],
                    trees: list[TokenTree], counts: list[int]) -> torch.Tensor:

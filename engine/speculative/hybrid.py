@@ -4,6 +4,7 @@ pass), the model proposer for the rows it left empty; chains or token trees alik
 from __future__ import annotations
 
 from engine.request import Request
+from engine.speculative.drafting import trees_for_rows
 from engine.speculative.proposer import Proposal, Proposer
 from engine.speculative.tree import TokenTree
 
@@ -29,14 +30,10 @@ class HybridProposer:
         """The lookup's tree where it finds one, the model's for the other rows."""
         found = self.lookup.propose_trees(requests, depths, budgets, width)
         rest = [i for i, (d, b, t) in enumerate(zip(depths, budgets, found)) if d > 0 and b > 0 and not t]
-        if not rest:
-            return found
-        drafted = self.model.propose_trees([requests[i] for i in rest], [depths[i] for i in rest],
-                                           [budgets[i] for i in rest], width)
-        out = list(found)
-        for i, tree in zip(rest, drafted):
-            out[i] = tree
-        return out
+        drafted = trees_for_rows(len(requests), rest, lambda rows: self.model.propose_trees(
+            [requests[i] for i in rows], [depths[i] for i in rows], [budgets[i] for i in rows], width))
+        redrafted = set(rest)
+        return [t if i in redrafted else f for i, (f, t) in enumerate(zip(found, drafted))]
 
     @property
     def long_catch_up(self) -> int:

@@ -11,10 +11,10 @@ from engine.speculative.suffix import MIN_MATCH, SuffixCache, SuffixProposer
 
 
 def build_proposer(settings: SpecConfig, draft: Proposer | None, vocab_size: int, device,
-                   suffix_cache: SuffixCache | None = None) -> Proposer:
+                   suffix_cache: SuffixCache) -> Proposer:
     """The proposer `settings.speculative_method` names; `draft` is the engine's model proposer
     (a draft model's or an EAGLE-3 head's), which "draft", "eagle" and "hybrid" need; suffix
-    decoding reads and fills `suffix_cache` (a fresh one of settings' size when None)."""
+    decoding reads and fills `suffix_cache` (the replica's, kept across reconfigurations)."""
     method = settings.speculative_method
     if settings.needs_draft_model and draft is None:
         raise ValueError(f"speculative_method={method!r} needs a draft model (draft_model); this engine has none")
@@ -26,8 +26,7 @@ def build_proposer(settings: SpecConfig, draft: Proposer | None, vocab_size: int
         return draft
     hybrid = method == "hybrid"
     if method == "suffix" or (hybrid and settings.hybrid_lookup == "suffix"):
-        cache = suffix_cache if suffix_cache is not None else SuffixCache(settings.suffix_cache_tokens)
-        lookup = SuffixProposer(cache, settings.suffix_sharing, vocab_size, device,
+        lookup = SuffixProposer(suffix_cache, settings.suffix_sharing, vocab_size, device,
                                 settings.hybrid_ngram_min if hybrid else MIN_MATCH)
     else:
         lookup = NgramProposer(vocab_size, device, settings.ngram_max,
