@@ -31,8 +31,8 @@ class Scheduler:
                  decode_tokens: Callable[[], int] = lambda: 1, decode_budget: Callable[[], int] | None = None):
         """decode_tokens(): KV tokens one decode round of a request may write (1 plain, up to
         K + 1 speculative, a tree's nodes + 1): the KV room reserved. decode_budget(): tokens a
-        decode round is expected to compute (what the speculation chose last), charged to the
-        step's token budget; default decode_tokens(). Charging the worst case there would leave
+        decode round is expected to compute (what the speculation chose last; at most
+        decode_tokens()), charged to the step's token budget; default decode_tokens(). Charging the worst case there would leave
         prefills no budget once a few dozen requests decode, capping the batch well below
         max_batch_size."""
         self.kv = kv
@@ -86,7 +86,7 @@ class Scheduler:
                     break
             if req in self.running:
                 batch.decode.append(req)
-        return min(need, self.decode_budget()) * len(batch.decode)
+        return self.decode_budget() * len(batch.decode)
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)

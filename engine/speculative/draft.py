@@ -92,8 +92,8 @@ class DraftModelProposer:
             return draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
                                          width, logits, functools.partial(self._feed_tree, reqs, bases))
 
-        return trees_for_rows(len(requests), [i for i, (d, b) in enumerate(zip(depths, budgets)) if d > 0 and b > 0],
-                              draft)
+        return trees_for_rows([None] * len(requests), [i for i, (d, b) in enumerate(zip(depths, budgets))
+                                                       if d > 0 and b > 0], draft)
 
     def _feed_tree(self, reqs: list[Request], bases: list[int], rows: list[int], trees: list[TokenTree],
                    counts: list[int]) -> torch.Tensor:

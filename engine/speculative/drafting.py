@@ -45,10 +45,10 @@ def propose_rows(requests: list[Request], ks: list[int], name: str,
     return Proposal([[] for _ in requests], empty, ["none"] * len(requests)).with_rows(rows, part)
 
 
-def trees_for_rows(n: int, rows: list[int], draft: Callable[[list[int]], list]) -> list:
-    """A list of n entries: `draft(rows)`'s i-th result at rows[i], None at the other rows (none
-    drafted when rows is empty)."""
-    out: list = [None] * n
+def trees_for_rows(base: list, rows: list[int], draft: Callable[[list[int]], list]) -> list:
+    """A copy of `base` with `draft(rows)`'s i-th result at rows[i] (nothing drafted when rows is
+    empty)."""
+    out = list(base)
     if rows:
         for i, tree in zip(rows, draft(rows)):
             out[i] = tree

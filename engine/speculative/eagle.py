@@ -77,8 +77,8 @@ class EagleProposer:
             return draft_trees_then_drop(self.kv, reqs, bases, [depths[i] for i in rows], [budgets[i] for i in rows],
                                          width, logits, functools.partial(self._feed_tree, reqs, bases, states))
 
-        return trees_for_rows(len(requests), [i for i, (r, d, b) in enumerate(zip(requests, depths, budgets))
-                                              if d > 0 and b > 0 and self._ready(r)], draft)
+        return trees_for_rows([None] * len(requests), [i for i, (r, d, b) in enumerate(zip(requests, depths, budgets))
+                                                       if d > 0 and b > 0 and self._ready(r)], draft)
 
     def _feed_tree(self, reqs: list[Request], bases: list[int], states: torch.Tensor, rows: list[int],
                    trees: list[TokenTree], counts: list[int]) -> torch.Tensor:

@@ -30,10 +30,8 @@ class HybridProposer:
         """The lookup's tree where it finds one, the model's for the other rows."""
         found = self.lookup.propose_trees(requests, depths, budgets, width)
         rest = [i for i, (d, b, t) in enumerate(zip(depths, budgets, found)) if d > 0 and b > 0 and not t]
-        drafted = trees_for_rows(len(requests), rest, lambda rows: self.model.propose_trees(
+        return trees_for_rows(found, rest, lambda rows: self.model.propose_trees(
             [requests[i] for i in rows], [depths[i] for i in rows], [budgets[i] for i in rows], width))
-        redrafted = set(rest)
-        return [t if i in redrafted else f for i, (f, t) in enumerate(zip(found, drafted))]
 
     @property
     def long_catch_up(self) -> int:

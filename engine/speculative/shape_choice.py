@@ -33,13 +33,12 @@ class ShapeChoice:
         if tree is None or chain is None:
             return tree is None
         faster = tree > chain
-        gap = self._gap.get(key, PROBE_EVERY)
-        if key in self._winner and self._winner[key] != faster:  # the last probe (or a drift) overturned it
-            gap = PROBE_EVERY
+        if self._winner.get(key, faster) != faster:  # the last probe (or a drift) overturned it
+            self._gap[key] = PROBE_EVERY
         self._winner[key] = faster
         n = self._since_probe[key] = self._since_probe.get(key, 0) + 1
+        gap = self._gap.get(key, PROBE_EVERY)
         if n < gap:
-            self._gap[key] = gap
             return faster
         self._since_probe[key] = 0
         self._gap[key] = min(2 * gap, PROBE_MAX)
