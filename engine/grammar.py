@@ -184,11 +184,14 @@ def cut_proposals(matchers: list[GrammarMatcher | None], tokens: list[list[int]]
 def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
     """A token tree (engine/speculative/tree.py) without the nodes its grammar forbids after their
     path (nor their subtrees, nor anything after a stop token), and the masks [n + 1, V] (bool) of
-    its root and each kept node: what the grammar allows next there. The matcher is left as it was."""
+    its root and each kept node: what the grammar allows next there. A drawn tree's siblings after
+    a cut one go too (its siblings' proposals assume the ones before them were tried). The matcher
+    is left as it was."""
     from engine.speculative.tree import TokenTree
 
     tokens: list[int] = []
     parents: list[int] = []
+    kept: list[int] = []  # the old node of each kept one
     bitmask = new_bitmask(len(tree) + 1, vocab_size)  # [n + 1, W], row j + 1: after kept node j
 
     def visit(old: int, new: int) -> None:  # the matcher stands after `new`'s path
@@ -199,12 +202,16 @@ def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
         for child in tree.children[old + 1]:
             token = tree.tokens[child]
             if not int(bitmask[row, token >> 5]) >> (token & 31) & 1 or not matcher.accept(token):
+                if tree.q is not None:
+                    return
                 continue
             tokens.append(token)
             parents.append(new)
+            kept.append(child)
             visit(child, len(tokens) - 1)
             matcher.rollback(1)
 
     visit(-1, -1)
-    return TokenTree(tuple(tokens), tuple(parents)), unpack_bitmask(bitmask[:len(tokens) + 1], vocab_size)
+    q = None if tree.q is None else tree.q[[0] + [c + 1 for c in kept]]
+    return TokenTree(tuple(tokens), tuple(parents), q), unpack_bitmask(bitmask[:len(tokens) + 1], vocab_size)
 

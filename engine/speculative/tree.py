@@ -8,22 +8,24 @@ Terms, for one request in one round:
 - depth(i): 1 for the root's children. A verify pass feeds the root and the n nodes, node i at
   position (the root's) + depth(i), attending to the context, the root and its own ancestors.
 - p[0]: the target's distribution after the root; p[i + 1]: after node i.
-- q[i]: the distribution node i's token was drawn from, each child an independent draw given its
-  parent (siblings may repeat a token); a node that was chosen rather than drawn (top-k, n-gram
-  branches) is a point mass on its token, which is also what `q = None` means for every node.
+- q (a drawn tree's): q[0] the distribution the root's children were drawn from, q[i + 1] node
+  i's children's. A node's children are draws without replacement in sibling order, so child c's
+  proposal q_c is that q with the earlier siblings' tokens taken out, renormalised. A tree without
+  q has chosen children (top-k, n-gram branches): each child's q_c is a point mass on its token.
 - accepting: from the root down, the children of the current node are tried in order against r,
-  the node's p with every rejected sibling's q taken out: child c is accepted with probability
+  the node's p with every rejected sibling's q_c taken out: child c is accepted with probability
   min(1, r(x_c) / q_c(x_c)), else r <- norm(max(0, r - q_c)). The first accepted child becomes the
   current node. The walk ends at a leaf (the bonus token, drawn from its p) or when every child is
-  rejected (the recovered token, drawn from r). Each step is speculative sampling of one token
-  with a proposal per sibling, so every emitted token follows the target exactly.
+  rejected (the recovered token, drawn from r). Each step is recursive rejection sampling of one
+  token with a proposal per sibling (exact for draws without replacement: a sibling is drawn from
+  q_c given the ones before it), so every emitted token follows the target exactly.
 - greedy: follow the child whose token is the target's argmax; the final token is the argmax
   where no child matches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -33,11 +35,17 @@ import torch
 class TokenTree:
     tokens: tuple[int, ...]  # node i's token
     parents: tuple[int, ...]  # node i's parent (-1: the root); parents[i] < i
+    # [n + 1, V] on the host: what the root's (row 0) and each node's (row i + 1) children were drawn
+    # from; None: chosen children
+    q: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a token tree needs a parent per token: {len(self.tokens)} tokens, "
                              f"{len(self.parents)} parents")
+        if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != len(self.tokens) + 1):
+            raise ValueError(f"a drawn tree's q needs a row per node and one for the root: {len(self.tokens)} "
+                             f"nodes, q of shape {tuple(self.q.shape)}")
         for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
                 raise ValueError(f"node {i}'s parent must be -1 (the root) or an earlier node, got {parent}")
@@ -105,11 +113,10 @@ def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int],
         node = nxt
 
 
-def accept_sampled(tree: TokenTree, p: torch.Tensor, q: torch.Tensor | None, uniforms: list[float]
-                   ) -> tuple[list[int], torch.Tensor]:
-    """p [n + 1, V] (root, then each node), q [n, V] or None (every node a point mass), uniforms:
-    n + 1 draws in [0, 1) (one per child tried, in order; the rest unused) -> (the accepted nodes,
-    root to last; the distribution [V] the final token is drawn from)."""
+def accept_sampled(tree: TokenTree, p: torch.Tensor, uniforms: list[float]) -> tuple[list[int], torch.Tensor]:
+    """p [n + 1, V] (root, then each node), uniforms: n + 1 draws in [0, 1) (one per child tried,
+    in order; the rest unused) -> (the accepted nodes, root to last; the distribution [V] the final
+    token is drawn from). The children's proposals come from tree.q (None: point masses)."""
     node, path, used = -1, [], 0
     residual = p[0]
     while True:
@@ -117,9 +124,10 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, q: torch.Tensor | None, uni
         if not kids:
             return path, residual  # a leaf: the bonus token from its p (no sibling tried)
         accepted = None
+        proposal = tree.q[node + 1].to(residual.dtype) if tree.q is not None else None  # [V], siblings taken out
         for c in kids:
             x = tree.tokens[c]
-            q_c = q[c] if q is not None else None
+            q_c = None if proposal is None else proposal / proposal.sum()
             q_x = float(q_c[x]) if q_c is not None else 1.0
             ratio = min(1.0, float(residual[x]) / q_x) if q_x > 0 else 0.0
             hit = uniforms[used] < ratio
@@ -132,6 +140,8 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, q: torch.Tensor | None, uni
                 left[x] = 0.0
             else:
                 left = (residual - q_c).clamp_min(0)
+                proposal = proposal.clone()
+                proposal[x] = 0.0
             mass = float(left.sum())
             # no mass left only through rounding, when r equalled q: r itself is then exact
             residual = left / mass if mass > 0 else residual

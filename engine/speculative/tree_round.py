@@ -97,7 +97,7 @@ def accept_trees(reqs: list[Request], trees: list[TokenTree | None], logits: tor
     u_host = host_sync.read(uniforms)  # [N][T]
     paths, finals, first = [], [], 0
     for t, u_row in zip(trees, u_host):
-        path, final = accept_sampled(t, p_host[first:first + len(t) + 1].double(), None, u_row)
+        path, final = accept_sampled(t, p_host[first:first + len(t) + 1].double(), u_row)
         first += len(t) + 1
         paths.append(path)
         finals.append(final)

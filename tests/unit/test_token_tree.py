@@ -52,27 +52,32 @@ def _round(tree_of, target: dict, proposer: dict, n: int, seed: int, rule=accept
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        tree, q = tree_of(proposer, gen)
+        tree = tree_of(proposer, gen)
         prefixes = [()] + [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree))]
         p = torch.stack([target[x] for x in prefixes])  # [n + 1, V]
-        path, final = rule(tree, p, q, torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist())
+        path, final = rule(tree, p, torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist())
         emitted = tuple(tree.tokens[i] for i in path) + (int(torch.multinomial(final, 1, generator=gen)),)
         out.append(continue_with(target, emitted, LENGTH, gen))
     return out
 
 
-def drawn_tree(proposer: dict, gen: torch.Generator) -> tuple[TokenTree, torch.Tensor]:
-    """SHAPE with every child an independent draw from the proposer given its parent (siblings may
-    repeat a token); q: each node's proposal distribution."""
-    tokens, dists = [], []
+def drawn_tree(proposer: dict, gen: torch.Generator) -> TokenTree:
+    """SHAPE with each node's children drawn without replacement from the proposer given the
+    node's path (as tree_drafting draws them); q: each node's proposer distribution."""
+    tokens: list[int] = []
+    taken: dict[int, list[int]] = {}  # parent -> its children's tokens so far
     for parent in SHAPE:
         prefix = () if parent < 0 else tuple(tokens[j] for j in TokenTree(tuple(tokens), SHAPE[:len(tokens)]).path(parent))
-        tokens.append(int(torch.multinomial(proposer[prefix], 1, generator=gen)))
-        dists.append(proposer[prefix])
-    return TokenTree(tuple(tokens), SHAPE), torch.stack(dists)
+        left = proposer[prefix].clone()
+        left[taken.get(parent, [])] = 0.0
+        tokens.append(int(torch.multinomial(left, 1, generator=gen)))
+        taken.setdefault(parent, []).append(tokens[-1])
+    tree = TokenTree(tuple(tokens), SHAPE)
+    q = torch.stack([proposer[tuple(tokens[j] for j in tree.path(i))] for i in range(-1, len(tokens))])
+    return TokenTree(tree.tokens, SHAPE, q)
 
 
-def chosen_tree(proposer: dict, gen: torch.Generator) -> tuple[TokenTree, None]:
+def chosen_tree(proposer: dict, gen: torch.Generator) -> TokenTree:
     """The proposer's top two tokens after the root, its top one after each (a chosen tree, as
     EAGLE-2's top-k expansion or several n-gram matches give): point masses, q None."""
     first = proposer[()].argsort(descending=True)[:2].tolist()
@@ -84,7 +89,7 @@ def chosen_tree(proposer: dict, gen: torch.Generator) -> tuple[TokenTree, None]:
             parents.append(i if len(prefix) == 1 else len(tokens) - 1)
             tokens.append(nxt)
             prefix += (nxt,)
-    return TokenTree(tuple(tokens), tuple(parents)), None
+    return TokenTree(tuple(tokens), tuple(parents))
 
 
 @pytest.mark.parametrize("tree_of", [drawn_tree, chosen_tree])
@@ -93,7 +98,7 @@ def test_sampled_acceptance_on_trees_is_exact(tree_of):
     assert chi2_sequences(_round(tree_of, target, proposer, 12000, seed=3), target, V, LENGTH) > 1e-3
 
 
-def _no_residual(tree, p, q, uniforms):
+def _no_residual(tree, p, uniforms):
     """A wrong tree rule: every sibling tried against the node's p, rejected siblings not taken out."""
     node, path, used = -1, [], 0
     while True:
@@ -101,7 +106,7 @@ def _no_residual(tree, p, q, uniforms):
         accepted = None
         for c in kids:
             x = tree.tokens[c]
-            q_x = float(q[c][x]) if q is not None else 1.0
+            q_x = float(tree.q[node + 1][x]) if tree.q is not None else 1.0
             hit = uniforms[used] < min(1.0, float(p[node + 1][x]) / q_x)
             used += 1
             if hit:
@@ -113,6 +118,31 @@ def _no_residual(tree, p, q, uniforms):
         node = accepted
 
 
+def _siblings_left_in(tree, p, uniforms):
+    """A wrong rule for drawn trees: the residual as accept_sampled takes it, but every sibling's
+    proposal the node's whole q, as if siblings were independent draws (earlier ones not taken out)."""
+    node, path, used = -1, [], 0
+    residual = p[0]
+    while tree.children[node + 1]:
+        q = tree.q[node + 1] / tree.q[node + 1].sum()
+        accepted = None
+        for c in tree.children[node + 1]:
+            x = tree.tokens[c]
+            hit = uniforms[used] < min(1.0, float(residual[x] / q[x]))
+            used += 1
+            if hit:
+                accepted = c
+                break
+            left = (residual - q).clamp_min(0)
+            residual = left / left.sum() if left.sum() > 0 else residual
+        if accepted is None:
+            return path, residual
+        path.append(accepted)
+        node = accepted
+        residual = p[node + 1]
+    return path, residual
+
+
 @pytest.mark.parametrize("tree_of", [drawn_tree, chosen_tree])
 def test_teeth_siblings_tried_without_the_residual_are_rejected(tree_of):
     target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
@@ -120,19 +150,31 @@ def test_teeth_siblings_tried_without_the_residual_are_rejected(tree_of):
     assert chi2_sequences(sequences, target, V, LENGTH) < 1e-3
 
 
+def test_teeth_drawn_siblings_need_the_earlier_ones_taken_out_of_q():
+    target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
+    sequences = _round(drawn_tree, target, proposer, 12000, seed=4, rule=_siblings_left_in)
+    assert chi2_sequences(sequences, target, V, LENGTH) < 1e-3
+
+
 def test_a_tree_accepts_more_than_its_first_chain():
-    """The same drawn trees, accepted whole and cut to their first chain (node 0, 2, 5): the tree's
-    other branches add accepted tokens on average."""
+    """The same drawn trees, accepted whole and cut to their first chain (node 0, 2, 5: each the
+    first draw of its parent): the tree's other branches add accepted tokens on average."""
     target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
     gen = torch.Generator().manual_seed(5)
     whole = chain = 0
+    first = [0, 2, 5]
     for _ in range(3000):
-        tree, q = drawn_tree(proposer, gen)
+        tree = drawn_tree(proposer, gen)
         prefixes = [()] + [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree))]
         p = torch.stack([target[x] for x in prefixes])
         u = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist()
-        whole += len(accept_sampled(tree, p, q, u)[0])
-        first = [0, 2, 5]
-        sub = TokenTree.chain([tree.tokens[i] for i in first])
-        chain += len(accept_sampled(sub, p[[0] + [i + 1 for i in first]], q[first], u)[0])
+        whole += len(accept_sampled(tree, p, u)[0])
+        rows = [0] + [i + 1 for i in first]
+        sub = TokenTree([tree.tokens[i] for i in first], (-1, 0, 1), tree.q[rows])
+        chain += len(accept_sampled(sub, p[rows], u)[0])
     assert whole > 1.1 * chain
+
+
+def test_a_drawn_tree_needs_a_q_row_per_node_and_the_root():
+    with pytest.raises(ValueError, match="q"):
+        TokenTree((1, 2), (-1, 0), torch.ones(2, V))

@@ -8,13 +8,16 @@ slotted and paged pools)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import _Growing
+from engine.speculative.tree_drafting import _Growing, draft_trees
+from engine.uniforms import RandomStream
 from tests.helpers import make_eagle3_head
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "x", "for i in range(10):\n    print(i)\n"]
@@ -125,3 +128,62 @@ def test_the_rerank_keeps_the_likeliest_nodes_with_their_parents_siblings_by_pro
     assert g.frontier(1, 3) == [0, 1]  # 12 ranks 5th: its children could not make a tree of 5
     g.fed = [0, 1]
     assert g.frontier(2, 3) == [3, 4] and g.frontier(2, 1) == [3]  # 16 ranks 5th
+
+
+def _drawn_tree(seed: int, root: torch.Tensor, after: torch.Tensor, width: int = 3, budget: int = 7,
+                temperature: float = 0.7) -> tuple[TokenTree, RandomStream]:
+    """draft_trees for one sampled request whose draft gives `root` [V] after the root and `after`
+    [V] after every node."""
+    stream = RandomStream(seed)
+    req = SimpleNamespace(params=SamplingParams(temperature=temperature), random_stream=stream, grammar=None)
+
+    def feed(rows, trees, counts):
+        return after.expand(len(rows), max(counts), after.shape[0])
+
+    return draft_trees([req], [3], [budget], width, root[None], feed)[0], stream
+
+
+def test_a_sampled_requests_tree_is_drawn_without_replacement_and_keeps_every_draw():
+    root, after = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -9.0]), torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 3.0])
+    q_root, q_after = (root / 0.7).softmax(-1), (after / 0.7).softmax(-1)
+    tree, stream = _drawn_tree(11, root, after)
+    # the root's 3 children; the likeliest of them 3 children, the next 3 >> 1 = 1 (the budget of 7 spent)
+    assert len(tree) == 7 and [len(c) for c in tree.children[:1]] == [3]
+    expanded = sorted((len(tree.children[c + 1]) for c in tree.children[0]), reverse=True)
+    assert expanded == [3, 1, 0]
+    likeliest = max(tree.children[0], key=lambda c: float(q_root[tree.tokens[c]]))
+    assert len(tree.children[likeliest + 1]) == 3
+    for kids in tree.children:
+        assert len({tree.tokens[c] for c in kids}) == len(kids)  # siblings never repeat
+    assert stream.counter == 3 * 3  # width uniforms for the root and each of the 2 expanded nodes
+    torch.testing.assert_close(tree.q[0], q_root)
+    for node in range(len(tree)):
+        want = q_after if tree.children[node + 1] else torch.zeros(6)
+        torch.testing.assert_close(tree.q[node + 1], want)
+
+
+def test_drawn_siblings_follow_sampling_without_replacement():
+    """The root's first two children over many seeds: P(a, b) = q(a) q(b) / (1 - q(a)). The same
+    counts reject independent draws (q(a) q(b)), so the test can tell the two apart."""
+    from scipy.stats import chisquare
+
+    root, after = torch.tensor([1.0, 0.6, 0.2, 0.0]), torch.zeros(4)
+    q = (root / 0.7).softmax(-1).double()
+    seen = Counter()
+    n = 3000
+    for seed in range(n):
+        tree, _ = _drawn_tree(seed, root, after, width=2, budget=2)
+        seen[tuple(tree.tokens[c] for c in tree.children[0])] += 1
+    cells = [(a, b) for a in range(4) for b in range(4)]
+    without = [float(q[a] * q[b] / (1 - q[a])) if a != b else 0.0 for a, b in cells]
+    independent = [float(q[a] * q[b]) for a, b in cells]
+    kept = [i for i, w in enumerate(without) if w > 0]
+    observed = [seen[cells[i]] for i in kept]
+    assert sum(observed) == n
+
+    def expected(law):
+        total = sum(law[i] for i in kept)
+        return [n * law[i] / total for i in kept]
+
+    assert chisquare(observed, expected(without)).pvalue > 1e-3
+    assert chisquare(observed, expected(independent)).pvalue < 1e-3
