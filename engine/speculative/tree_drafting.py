@@ -10,7 +10,8 @@ drawn without replacement from the draft's sampling distribution (temperature an
 target's; the tree keeps each node's q), so the first child is the chain's draft and the siblings
 add to it (tree.accept_sampled). A drawn child is never dropped for its own draw, which would bias
 it: the tree keeps every drawn node, the node budget being spent before the draws: the likeliest
-node of a depth gets `width` children, the next half as many, and so on, while they fit.
+node of a depth gets `width` children, the next half as many, and so on, while they fit beside a
+chain down to the tree's depth.
 A request with a grammar expands a node only over what the grammar allows after the node's path
 (the verify pass masks and cuts again: tree_round).
 """
@@ -75,11 +76,11 @@ class _Growing:
         """The nodes of `depth` to expand: the `width` likeliest whose children could still make
         the final tree (a child ranks below its parent, which must rank above the budget's last),
         within the room left to feed. A drawn row's: the likeliest of `depth` by rank, the r-th
-        planned max(1, width >> r) children while the room lasts."""
+        planned max(1, width >> r) children while the room lasts, a node kept for each depth below."""
         if self.drawn:
-            self.planned, room = {}, self.room
+            self.planned, room = {}, max(min(1, self.room), self.room - max(0, self.depth - depth - 1))
             for rank, c in enumerate([c for c in self.ranked() if self.depths[c] == depth][:width]):
-                if room == 0:
+                if room <= 0:
                     break
                 self.planned[c] = min(max(1, width >> rank), room)
                 room -= self.planned[c]
@@ -194,7 +195,8 @@ def _choose(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, in
 
 def _draw(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, int]], logits: torch.Tensor,
           width: int) -> None:
-    """Each node's planned children (`width` at the root), drawn without replacement from q, the
+    """Each node's planned children (at the root `width`, less what a chain below needs), drawn
+    without replacement from q, the
     request's sampling distribution over logits [M, V]; each node takes `width` uniforms from its
     request's stream whatever it keeps, one read for all."""
     M = logits.shape[0]
@@ -223,7 +225,8 @@ def _draw(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, int]
     both = host_sync.read(torch.cat([picks.double(), chances.double(), support.double()], dim=-1))  # [M][2w + 1]
     for m, ((i, c), row) in enumerate(zip(nodes, both)):
         g = rows[i]
-        n = min(g.planned.get(c, width) if c >= 0 else width, int(row[2 * width]), g.room)
+        planned = g.planned.get(c, 0) if c >= 0 else max(1, min(width, g.budget - g.depth + 1))
+        n = min(planned, int(row[2 * width]), g.room)
         n = next((j for j in range(n) if not row[width + j] > 0), n)  # a rounding pick past the support ends it
         if n > 0:
             g.q_rows[c] = q[m]

@@ -147,19 +147,30 @@ def test_a_sampled_requests_tree_is_drawn_without_replacement_and_keeps_every_dr
     root, after = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -9.0]), torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 3.0])
     q_root, q_after = (root / 0.7).softmax(-1), (after / 0.7).softmax(-1)
     tree, stream = _drawn_tree(11, root, after)
-    # the root's 3 children; the likeliest of them 3 children, the next 3 >> 1 = 1 (the budget of 7 spent)
-    assert len(tree) == 7 and [len(c) for c in tree.children[:1]] == [3]
-    expanded = sorted((len(tree.children[c + 1]) for c in tree.children[0]), reverse=True)
-    assert expanded == [3, 1, 0]
+    # the root's 3 children; the likeliest of them 3 children (the next would take the node kept for
+    # depth 3); one child of the likeliest of those (the budget of 7 spent)
+    assert len(tree) == 7 and tree.depth == 3 and len(tree.children[0]) == 3
+    assert sorted(len(tree.children[c + 1]) for c in tree.children[0]) == [0, 0, 3]
     likeliest = max(tree.children[0], key=lambda c: float(q_root[tree.tokens[c]]))
     assert len(tree.children[likeliest + 1]) == 3
+    second = max(tree.children[likeliest + 1], key=lambda c: float(q_after[tree.tokens[c]]))
+    assert [len(tree.children[c + 1]) for c in tree.children[likeliest + 1]].count(1) == 1
+    assert len(tree.children[second + 1]) == 1
     for kids in tree.children:
         assert len({tree.tokens[c] for c in kids}) == len(kids)  # siblings never repeat
     assert stream.counter == 3 * 3  # width uniforms for the root and each of the 2 expanded nodes
+
     torch.testing.assert_close(tree.q[0], q_root)
     for node in range(len(tree)):
         want = q_after if tree.children[node + 1] else torch.zeros(6)
         torch.testing.assert_close(tree.q[node + 1], want)
+
+
+def test_a_small_drawn_tree_still_reaches_its_depth():
+    tree, _ = _drawn_tree(5, torch.tensor([2.0, 1.5, 1.0, 0.5]), torch.tensor([0.0, 1.0, 2.0, 0.0]), width=4,
+                          budget=5)
+    # a chain of 3 (the depth) and the root's two other children
+    assert len(tree) == 5 and tree.depth == 3 and len(tree.children[0]) == 3
 
 
 def test_drawn_siblings_follow_sampling_without_replacement():
