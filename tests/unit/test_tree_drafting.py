@@ -131,7 +131,7 @@ def test_the_rerank_keeps_the_likeliest_nodes_with_their_parents_siblings_by_pro
 
 
 def _drawn_tree(seed: int, root: torch.Tensor, after: torch.Tensor, width: int = 3, budget: int = 7,
-                temperature: float = 0.7) -> tuple[TokenTree, RandomStream]:
+                depth: int = 3, temperature: float = 0.7) -> tuple[TokenTree, RandomStream]:
     """draft_trees for one sampled request whose draft gives `root` [V] after the root and `after`
     [V] after every node."""
     stream = RandomStream(seed)
@@ -140,7 +140,7 @@ def _drawn_tree(seed: int, root: torch.Tensor, after: torch.Tensor, width: int =
     def feed(rows, trees, counts):
         return after.expand(len(rows), max(counts), after.shape[0])
 
-    return draft_trees([req], [3], [budget], width, root[None], feed)[0], stream
+    return draft_trees([req], [depth], [budget], width, root[None], feed)[0], stream
 
 
 def test_a_sampled_requests_tree_is_drawn_without_replacement_and_keeps_every_draw():
@@ -183,7 +183,7 @@ def test_drawn_siblings_follow_sampling_without_replacement():
     seen = Counter()
     n = 3000
     for seed in range(n):
-        tree, _ = _drawn_tree(seed, root, after, width=2, budget=2)
+        tree, _ = _drawn_tree(seed, root, after, width=2, budget=2, depth=1)
         seen[tuple(tree.tokens[c] for c in tree.children[0])] += 1
     cells = [(a, b) for a in range(4) for b in range(4)]
     without = [float(q[a] * q[b] / (1 - q[a])) if a != b else 0.0 for a, b in cells]
