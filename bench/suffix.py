@@ -144,6 +144,9 @@ def resident_mb() -> float:
 
 
 def soak(args) -> None:
+    from serve_app.kernel_caches import bound_kernel_caches
+
+    kernel_caches = bound_kernel_caches()  # as a replica runs (before any model): RSS then measures the engine
     from engine import LLM, SamplingParams
     from engine.structured_output import StructuredOutput
 
@@ -172,7 +175,7 @@ def soak(args) -> None:
     result = {"method": args.method, "seconds": args.soak, "requests": len(samples), "cache_tokens_bound": args.cache_tokens,
               "max_tokens_held": tokens, "max_bytes_held": nbytes, "max_texts_held": texts,
               "bound_held": tokens <= args.cache_tokens, "evictions": len(samples) - cache.num_texts,
-              "rss_mb_every_tenth": rss + [resident_mb()]}
+              "rss_mb_every_tenth": rss + [resident_mb()], "kernel_caches": kernel_caches}
     print(result)
     path = write("suffix_soak" if args.method == "suffix" else f"suffix_soak_{args.method}", result, llm)
     print(f"wrote {path}")

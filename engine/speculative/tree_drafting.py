@@ -106,7 +106,7 @@ class _Growing:
 
     def tree(self) -> TokenTree | None:
         """The `budget` likeliest candidates, parents first, siblings by descending probability; a
-        drawn row's every candidate, siblings in draw order (q set by `with_q`)."""
+        drawn row's every candidate, siblings in draw order (q added by `_with_q`)."""
         if self.drawn:
             return TokenTree(tuple(self.tokens), tuple(self.parents)) if self.tokens else None
         kept: dict[int, int] = {}  # candidate -> node
@@ -196,9 +196,8 @@ def _choose(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, in
 def _draw(reqs: list[Request], rows: list[_Growing], nodes: list[tuple[int, int]], logits: torch.Tensor,
           width: int) -> None:
     """Each node's planned children (at the root `width`, less what a chain below needs), drawn
-    without replacement from q, the
-    request's sampling distribution over logits [M, V]; each node takes `width` uniforms from its
-    request's stream whatever it keeps, one read for all."""
+    without replacement from q, the request's sampling distribution over logits [M, V]; each node
+    takes `width` uniforms from its request's stream whatever it keeps, one read for all."""
     M = logits.shape[0]
     some = logits.isfinite().any(dim=-1, keepdim=True)  # [M, 1] False: the grammar or draft vocabulary left nothing
     q = adjusted_probs(logits.float().masked_fill(~some, 0.0), SamplingRows.build(
