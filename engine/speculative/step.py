@@ -26,6 +26,7 @@ from engine.speculative.rejection import accept
 from engine.speculative.shape_choice import ShapeChoice
 from engine.speculative.suffix import SuffixCache
 from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
+from engine.speculative.tree_width import RankAcceptance
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
 
@@ -57,6 +58,7 @@ class SpeculativeDecoder:
                                        self.suffix_cache)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
+        self.ranks = RankAcceptance()  # adaptive: a tree's width by its sibling ranks' measured acceptance
         self._last_round_tokens: int | None = None  # the widest row of the last decode round
         self._capture_features()
 
@@ -117,7 +119,10 @@ class SpeculativeDecoder:
             return self._plain(reqs, plan.reason)
         trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs)
         if trees and self._take_trees(reqs):
-            return self._decode_trees(reqs, plan)
+            nodes = self._tree_nodes(len(reqs), plan.k)
+            width = self._tree_width(reqs, nodes)
+            if width > 1:  # else no sibling rank pays: the round is a chain
+                return self._decode_trees(reqs, plan, nodes, width)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
         proposal = self.proposer.propose(reqs, plan.ks, any(r.params.needs_probs for r in reqs))
         masks = None
@@ -147,15 +152,15 @@ class SpeculativeDecoder:
         stats = self._record(reqs, plan, proposal, num_accepted)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
-    def _decode_trees(self, reqs: list[Request], plan: RoundPlan) -> DecodeResult:
-        """A round over token trees: each request's tree (depth at most its k, at most tree_tokens
-        nodes within its KV room) verified in one pass, accepted exactly, the accepted path's K/V
-        (and target features, for a head) moved into place; a model proposer's own state holds
-        only what precedes the round (its next catch-up feeds the accepted tokens)."""
+    def _decode_trees(self, reqs: list[Request], plan: RoundPlan, nodes: int, width: int) -> DecodeResult:
+        """A round over token trees: each request's tree (depth at most its k, at most `nodes`
+        nodes within its KV room, `width` children a node) verified in one pass, accepted exactly,
+        the accepted path's K/V (and target features, for a head) moved into place; a model
+        proposer's own state holds only what precedes the round (its next catch-up feeds the
+        accepted tokens)."""
         t0 = time.perf_counter()
-        nodes = self._tree_nodes(len(reqs), plan.k)
         budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
-        trees = self.proposer.propose_trees(reqs, plan.ks, budgets, self.settings.tree_width)
+        trees = self.proposer.propose_trees(reqs, plan.ks, budgets, width)
         trees, masks = grammar_masks(reqs, trees, self.runner.model.shape.vocab_size)  # [N, T, V] or None
         draft_seconds = time.perf_counter() - t0
         if all(t is None or not len(t) for t in trees):
@@ -188,6 +193,8 @@ class SpeculativeDecoder:
         stats.num_proposed += sum(len(t) - t.depth for t in trees if t is not None)
         stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
         self._observe_shape(reqs, True, out, time.perf_counter() - t0)
+        if self.settings.spec_policy == "adaptive":
+            self.ranks.observe(_sampled(reqs), trees, paths)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _take_trees(self, reqs: list[Request]) -> bool:
@@ -198,6 +205,18 @@ class SpeculativeDecoder:
     def _observe_shape(self, reqs: list[Request], tree: bool, out: list, seconds: float) -> None:
         if self.settings.spec_policy == "adaptive":
             self.shapes.observe(_sampled(reqs), len(reqs), tree, sum(len(tokens) for _, tokens in out), seconds)
+
+    def _tree_width(self, reqs: list[Request], nodes: int) -> int:
+        """Children a tree node may have this round: tree_width under the fixed policy; under the
+        adaptive one, the sibling ranks whose measured acceptance pays for a node's verify cost
+        at this batch (tree_width.py)."""
+        if self.settings.spec_policy != "adaptive":
+            return self.settings.tree_width
+        batch, sampled = len(reqs), _sampled(reqs)
+        times = self.costs.verify_times(batch, nodes)  # K = 0..nodes
+        node_seconds = max(0.0, times[nodes] - times[nodes - 1]) / batch if nodes > 1 else 0.0  # one row's node
+        rate = self.shapes.rate(sampled, batch, True)  # tokens per second of tree rounds (all rows)
+        return self.ranks.width(sampled, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
 
     def _tree_nodes(self, batch: int, k: int) -> int:
         """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the

@@ -251,3 +251,37 @@ def test_shape_choice_takes_the_faster_shape_and_probes_the_other_ever_less_ofte
     assert choice.rate(False, 4, True) < choice.rate(False, 4, False)
     picks = [choice.take_trees(False, 4) for _ in range(2 * PROBE_EVERY)]
     assert picks.count(True) == 1 and picks[PROBE_EVERY - 1]  # overturned: probes from every PROBE_EVERY again
+
+
+def test_tree_width_keeps_the_sibling_ranks_whose_acceptance_pays_for_their_node():
+    from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
+
+    ranks = RankAcceptance()
+    assert ranks.width(False, 3, node_seconds=0.001, token_seconds=0.01) == 3  # nothing measured: every rank
+    #      root: a (rank 0), b (rank 1), c (rank 2); a: d
+    tree = TokenTree((1, 2, 3, 4), (-1, -1, -1, 0))
+    for i in range(40):  # rank 0 accepted 3 rounds in 4, rank 2 the 4th; rank 1 never
+        ranks.observe(False, [tree, None], [[0, 3] if i % 4 else [2], []])
+    hit = ranks.hit_rates(False)
+    assert hit[0] > 0.5 and hit[1] == 0.0 and 0.2 < hit[2] < 0.3 and hit[3] is None
+    # a node costing a tenth of a token: rank 2 (hit about 1 in 4) pays, so the width stays 3
+    widths = [ranks.width(False, 3, node_seconds=0.001, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
+    assert set(widths) == {3}
+    # costing half a token: rank 2 does not pay, rank 1 never hits: chains, but for the exploring rounds
+    widths = [ranks.width(False, 3, node_seconds=0.005, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
+    assert widths.count(3) == 2 and widths.count(1) == 2 * EXPLORE_EVERY - 2
+    assert ranks.width(True, 3, node_seconds=0.005, token_seconds=0.01) == 3  # sampled rounds apart
+    assert ranks.width(False, 3, node_seconds=0.005, token_seconds=None) == 3  # no tree rate yet
+
+
+def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy_output(tiny_model, reference,
+                                                                                      branching, monkeypatch):
+    from engine.speculative.tree_width import RankAcceptance
+
+    monkeypatch.setattr(RankAcceptance, "width", lambda self, *args: 1)
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_take_trees", lambda self, reqs: True)
+    llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+              spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=200, max_batch_size=8)
+    outs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outs] == reference
+    assert branching["trees"] == 0 and sum(o.num_accepted_tokens for o in outs) > 0  # chains that accepted
