@@ -148,6 +148,12 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
 
 
+def _forbid(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Clears `token`'s bit in bitmask[row] (int32 words: the bit pattern kept as a signed value)."""
+    word = int(bitmask[row, token >> 5]) & ~(1 << (token & 31)) & 0xFFFFFFFF
+    bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed masks int32 [..., ceil(V / 32)] -> bool [..., V] (one C call: masks are per token)."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")  # [..., 32 W]
@@ -184,9 +190,9 @@ def cut_proposals(matchers: list[GrammarMatcher | None], tokens: list[list[int]]
 def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
     """A token tree (engine/speculative/tree.py) without the nodes its grammar forbids after their
     path (nor their subtrees, nor anything after a stop token), and the masks [n + 1, V] (bool) of
-    its root and each kept node: what the grammar allows next there. A drawn tree's siblings after
-    a cut one go too (its siblings' proposals assume the ones before them were tried). The matcher
-    is left as it was."""
+    its root and each kept node: what the grammar allows next there. A drawn tree's forbidden
+    child stays, as a leaf its parent's mask rejects (its later siblings were drawn with it taken
+    out of q: acceptance must try it, and reject it, before them). The matcher is left as it was."""
     from engine.speculative.tree import TokenTree
 
     tokens: list[int] = []
@@ -202,8 +208,11 @@ def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
         for child in tree.children[old + 1]:
             token = tree.tokens[child]
             if not int(bitmask[row, token >> 5]) >> (token & 31) & 1 or not matcher.accept(token):
-                if tree.q is not None:
-                    return
+                if tree.q is not None:  # a leaf (its row keeps every token: never reached)
+                    _forbid(bitmask, row, token)  # never accepted, nor drawn as the correction
+                    tokens.append(token)
+                    parents.append(new)
+                    kept.append(child)
                 continue
             tokens.append(token)
             parents.append(new)

@@ -124,7 +124,7 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, uniforms: list[float]) -> t
         if not kids:
             return path, residual  # a leaf: the bonus token from its p (no sibling tried)
         accepted = None
-        proposal = tree.q[node + 1].to(residual.dtype) if tree.q is not None else None  # [V], siblings taken out
+        proposal = tree.q[node + 1].to(residual.dtype) if tree.q is not None else None  # [V], tried siblings go below
         for c in kids:
             x = tree.tokens[c]
             q_c = None if proposal is None else proposal / proposal.sum()

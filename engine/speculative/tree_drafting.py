@@ -7,11 +7,11 @@ parent is kept), parents first, siblings by descending probability.
 
 A greedy request's children are chosen (point masses: a tree without q). A sampled request's are
 drawn without replacement from the draft's sampling distribution (temperature and filters as the
-target's; the tree keeps each node's q), so the first child is the chain's draft and the siblings
-add to it (tree.accept_sampled). A drawn child is never dropped for its own draw, which would bias
-it: the tree keeps every drawn node, the node budget being spent before the draws: the likeliest
-node of a depth gets `width` children, the next half as many, and so on, while they fit beside a
-chain down to the tree's depth.
+target's; the tree keeps each node's q), so the first child is distributed as a chain's draft
+and the siblings add to it (tree.accept_sampled). A drawn child is never dropped for its own
+draw, which would bias it: the tree keeps every drawn node, the node budget being spent before
+the draws: the likeliest node of a depth gets `width` children, the next half as many, and so
+on, while they fit beside a chain down to the tree's depth.
 A request with a grammar expands a node only over what the grammar allows after the node's path
 (the verify pass masks and cuts again: tree_round).
 """

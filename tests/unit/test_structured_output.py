@@ -326,3 +326,26 @@ def test_special_tokens_are_never_text_inside_a_string(tok_dir):
     allowed = matcher.allowed()
     assert allowed.sum() > len(tokenizer.hf) // 2
     assert not any(allowed[tokenizer.hf.convert_tokens_to_ids(t)] for t in tokenizer.hf.all_special_tokens)
+
+
+def test_a_forbidden_drawn_child_stays_as_a_leaf_its_parent_rejects(tok_dir):
+    """cut_tree on a drawn tree (root: "1", "a", "0"; "1": "0"): "a" stays, a leaf, out of the
+    root's mask (its later sibling "0" was drawn with it taken out of q), the q rows follow their
+    nodes; on a chosen tree "a" is cut."""
+    from engine.grammar import cut_tree
+    from engine.speculative.tree import TokenTree
+
+    tokenizer = Tokenizer(tok_dir)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.hf))
+    one, zero, a = (tokenizer.hf.convert_tokens_to_ids(c) for c in "10a")
+    V = len(tokenizer.hf)
+    q = torch.rand(5, V)
+    drawn = TokenTree((one, a, zero, zero), (-1, -1, -1, 0), q)
+    matcher = compiler.matcher(StructuredOutput.choice(CHOICES))
+    kept, masks = cut_tree(matcher, drawn, V)  # depth first: "1", its "0", "a", "0"
+    assert kept.tokens == (one, zero, a, zero) and kept.parents == (-1, 0, -1, -1)
+    assert torch.equal(kept.q, q[[0, 1, 4, 2, 3]])
+    assert masks[0, one] and masks[0, zero] and not masks[0, a]
+    assert masks[3].all()  # the leaf "a": never reached
+    chosen, _ = cut_tree(compiler.matcher(StructuredOutput.choice(CHOICES)), TokenTree(drawn.tokens, drawn.parents), V)
+    assert chosen.tokens == (one, zero, zero) and chosen.parents == (-1, 0, -1) and chosen.q is None

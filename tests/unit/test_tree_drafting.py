@@ -198,3 +198,88 @@ def test_drawn_siblings_follow_sampling_without_replacement():
 
     assert chisquare(observed, expected(without)).pvalue > 1e-3
     assert chisquare(observed, expected(independent)).pvalue < 1e-3
+
+
+def _fed_tokens(trees, counts) -> list[list[int]]:
+    return [list(t.tokens[len(t) - n:]) for t, n in zip(trees, counts)]
+
+
+def test_several_drawn_nodes_of_a_depth_each_get_their_own_q_and_uniforms():
+    """Width 4, 12 nodes, depth 2: the root's 4 children are all expanded (4, 2, 1 and 1 children).
+    Each expanded node's q row is its own logits' (the feed's logits depend on the node's token),
+    and each draws from its own uniforms (with the same logits everywhere, their first children
+    differ)."""
+    V, T = 40, 0.7
+    base = torch.linspace(0.0, 1.0, V)
+
+    def bumped(token: int) -> torch.Tensor:
+        return base + 3.0 * torch.nn.functional.one_hot(torch.tensor(token), V)
+
+    stream = RandomStream(3)
+    req = SimpleNamespace(params=SamplingParams(temperature=T), random_stream=stream, grammar=None)
+
+    def feed(rows, trees, counts):
+        return torch.stack([torch.stack([bumped(t) for t in fed] + [base] * (max(counts) - len(fed)))
+                            for fed in _fed_tokens(trees, counts)])
+
+    tree = draft_trees([req], [2], [12], 4, base[None], feed)[0]
+    assert len(tree) == 12 and sorted(len(tree.children[c + 1]) for c in tree.children[0]) == [1, 1, 2, 4]
+    for c in tree.children[0]:
+        torch.testing.assert_close(tree.q[c + 1], (bumped(tree.tokens[c]) / T).softmax(-1))
+    for seed in range(5):
+        req.random_stream = RandomStream(seed)
+        flat = draft_trees([req], [2], [12], 4, base[None], lambda rows, trees, counts: base.expand(1, max(counts), V))[0]
+        firsts = {flat.tokens[flat.children[c + 1][0]] for c in flat.children[0]}
+        assert len(firsts) > 1, seed  # the same logits: only the uniforms tell the nodes apart
+
+
+def _drawn_rounds(n: int, seed: int, keep=None) -> list[tuple]:
+    """n rounds of a toy proposer's trees drawn by draft_trees (width 2, 5 nodes, depth 2: both of
+    the root's children expanded, 2 and 1 children) and accepted against a toy target, each
+    output continued by sampling the target to 4 tokens. keep: a wrong rule choosing the tree's
+    nodes (the teeth)."""
+    from engine.speculative.tree import accept_sampled
+    from tests.helpers import continue_with, toy_lm
+
+    target, proposer = toy_lm(1, 3, 4, 0.5), toy_lm(2, 3, 4, 0.5)
+    gen = torch.Generator().manual_seed(seed)
+    req = SimpleNamespace(params=SamplingParams(temperature=1.0), random_stream=RandomStream(seed), grammar=None)
+
+    def feed(rows, trees, counts):
+        tree, fed = trees[0], counts[0]
+        return torch.stack([proposer[tuple(tree.tokens[j] for j in tree.path(node))].log()
+                            for node in range(len(tree) - fed, len(tree))])[None]
+
+    out = []
+    for _ in range(n):
+        tree = draft_trees([req], [2], [5], 2, proposer[()].log()[None], feed)[0]
+        if keep is not None:
+            tree = keep(tree, proposer)
+        prefixes = [()] + [tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree))]
+        p = torch.stack([target[x] for x in prefixes])
+        path, final = accept_sampled(tree, p, torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64).tolist())
+        emitted = tuple(tree.tokens[i] for i in path) + (int(torch.multinomial(final, 1, generator=gen)),)
+        out.append(continue_with(target, emitted, 4, gen))
+    return out, target
+
+
+def _keep_likeliest_first_child(tree, proposer):
+    """A wrong tree: kept only when the root's first drawn child is the proposer's likeliest token
+    (a choice by the child's own draw), else no tree at all."""
+    if tree.tokens[tree.children[0][0]] == int(proposer[()].argmax()):
+        return tree
+    return TokenTree((), (), tree.q[:1])
+
+
+def test_drawn_trees_accepted_follow_the_target_exactly():
+    from tests.helpers import chi2_sequences
+
+    sequences, target = _drawn_rounds(12000, seed=7)
+    assert chi2_sequences(sequences, target, 3, 4) > 1e-3
+
+
+def test_teeth_drawn_children_kept_by_their_own_draw_are_detected():
+    from tests.helpers import chi2_sequences
+
+    sequences, target = _drawn_rounds(12000, seed=8, keep=_keep_likeliest_first_child)
+    assert chi2_sequences(sequences, target, 3, 4) < 1e-3
