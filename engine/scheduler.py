@@ -32,9 +32,9 @@ class Scheduler:
         """decode_tokens(): KV tokens one decode round of a request may write (1 plain, up to
         K + 1 speculative, a tree's nodes + 1): the KV room reserved. decode_budget(): tokens a
         decode round is expected to compute (what the speculation chose last; at most
-        decode_tokens()), charged to the step's token budget; default decode_tokens(). Charging the worst case there would leave
-        prefills no budget once a few dozen requests decode, capping the batch well below
-        max_batch_size."""
+        decode_tokens()), charged to the step's token budget; default decode_tokens(). Charging
+        the worst case there would leave prefills no budget once a few dozen requests decode,
+        capping the batch well below max_batch_size."""
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -119,8 +119,7 @@ class SpeculativeDecoder:
             return self._plain(reqs, plan.reason)
         trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs)
         if trees and self._take_trees(reqs):
-            nodes = self._tree_nodes(len(reqs), plan.k)
-            width = self._tree_width(reqs, nodes)
+            nodes, width = self._tree_shape(reqs, plan.k)
             if width > 1:  # else no sibling rank pays: the round is a chain
                 return self._decode_trees(reqs, plan, nodes, width)
         t0, passes = time.perf_counter(), self.costs.draft_pass_seconds
@@ -206,27 +205,21 @@ class SpeculativeDecoder:
         if self.settings.spec_policy == "adaptive":
             self.shapes.observe(_sampled(reqs), len(reqs), tree, sum(len(tokens) for _, tokens in out), seconds)
 
-    def _tree_width(self, reqs: list[Request], nodes: int) -> int:
-        """Children a tree node may have this round: tree_width under the fixed policy; under the
-        adaptive one, the sibling ranks whose measured acceptance pays for a node's verify cost
-        at this batch (tree_width.py)."""
+    def _tree_shape(self, reqs: list[Request], k: int) -> tuple[int, int]:
+        """(nodes, width) of this round's trees: tree_tokens and tree_width under the fixed policy.
+        Under the adaptive one, by the measured costs at this batch: as many nodes as keep the
+        verify pass within TREE_COST_SLACK of the chain's of the chosen K (a tree never prices the
+        chain out), and the sibling ranks whose measured acceptance pays for a node (tree_width.py)."""
         if self.settings.spec_policy != "adaptive":
-            return self.settings.tree_width
+            return self.settings.tree_tokens, self.settings.tree_width
         batch, sampled = len(reqs), _sampled(reqs)
-        times = self.costs.verify_times(batch, nodes)  # K = 0..nodes
-        node_seconds = max(0.0, times[nodes] - times[nodes - 1]) / batch if nodes > 1 else 0.0  # one row's node
-        rate = self.shapes.rate(sampled, batch, True)  # tokens per second of tree rounds (all rows)
-        return self.ranks.width(sampled, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
-
-    def _tree_nodes(self, batch: int, k: int) -> int:
-        """Nodes a tree may verify this round: tree_tokens under the fixed policy; under the
-        adaptive one, as many as keep the verify pass within TREE_COST_SLACK of the chain's of
-        the chosen K (by the measured costs), so a tree never prices the chain out."""
-        if self.settings.spec_policy != "adaptive":
-            return self.settings.tree_tokens
         times = self.costs.verify_times(batch, self.settings.tree_tokens)  # K = 0..tree_tokens
         limit = times[min(k, len(times) - 1)] * (1 + TREE_COST_SLACK)
-        return max([k] + [n for n in range(k, self.settings.tree_tokens + 1) if times[n] <= limit])
+        nodes = max([k] + [n for n in range(k, self.settings.tree_tokens + 1) if times[n] <= limit])
+        last = min(nodes, len(times) - 1)
+        node_seconds = max(0.0, times[last] - times[last - 1]) / batch if last > 1 else 0.0  # one row's node
+        rate = self.shapes.rate(sampled, batch, True)  # tokens per second of tree rounds (all rows)
+        return nodes, self.ranks.width(sampled, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
 
     def _verify_groups(self, widths: list[int]) -> list[list[int]]:
         """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a
