@@ -149,6 +149,43 @@ def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int
                speculative_method=speculative_method)
 
 
+def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Callable[[int], list], repeats: int,
+                       desc: str, switch: Callable[[str, int], None] | None = None) -> dict[str, list[dict]]:
+    """Like `interleave`, but finer: within a repeat every prompt is decoded by each variant back to
+    back (batch 1; `specs`: reconfigure_speculation() settings by name), the order rotating from
+    prompt to prompt, so a shared host's drift falls on the variants alike. params(r): repeat r's
+    SamplingParams, one per prompt; switch(name, r), if given, before each variant's decode. Per
+    variant and repeat: tok/s over its prompts (and their tokens and seconds), decode rounds,
+    accepted and verified tokens per round."""
+    names = list(specs)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    with tqdm(total=repeats * len(prompts) * len(names), desc=desc, unit="decode") as bar:
+        for r in range(repeats):
+            sums = {name: dict.fromkeys(("tokens", "seconds", "rounds", "accepted", "verified"), 0.0) for name in names}
+            for i, (prompt, p) in enumerate(zip(prompts, params(r), strict=True)):
+                turn = (i + r) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    llm.engine.reconfigure_speculation(**specs[name])
+                    if switch is not None:
+                        switch(name, r)
+                    t0 = time.perf_counter()
+                    (out,), _ = generate_each(llm, [prompt], [p])
+                    s = sums[name]
+                    s["seconds"] += time.perf_counter() - t0
+                    s["tokens"] += len(out.token_ids)
+                    s["rounds"] += out.num_spec_rounds
+                    s["accepted"] += out.num_accepted_tokens
+                    s["verified"] += out.num_draft_tokens
+                    bar.update(1)
+            for name, s in sums.items():
+                rounds = s["rounds"]
+                runs[name].append({"tok_s": s["tokens"] / s["seconds"], "tokens": s["tokens"], "seconds": s["seconds"],
+                                   "rounds": rounds,
+                                   "accepted_per_round": s["accepted"] / rounds if rounds else 0.0,
+                                   "verified_per_round": s["verified"] / rounds if rounds else 0.0})
+    return runs
+
+
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:
     """Generates each prompt alone (batch 1), stepping the engine here to sum where its steps'
     wall time went (engine.request.PhaseSeconds). `params`: one SamplingParams for every prompt,

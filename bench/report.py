@@ -262,6 +262,66 @@ def structured(r: dict) -> list[str]:
     return lines + [""]
 
 
+TREE_RESULTS = ("trees", "trees_eagle", "trees_eagle_8nodes", "trees_draft")  # bench trees runs, by method and size
+
+
+def _spread(d: dict, pooled: bool = True) -> str:
+    """A ratio's median [min, max] over repeats, and its pooled value where recorded."""
+    out = f"{d['median']:.3f} [{d['min']:.3f}, {d['max']:.3f}]"
+    return out + (f" (pooled {d['pooled']:.3f})" if pooled and "pooled" in d else "")
+
+
+def trees(runs: list[dict]) -> list[str]:
+    """Token trees vs chains at batch 1, one row per run and temperature; then the batch runs."""
+    first = runs[0]
+    lines = [f"**Token trees vs chains** — the shipped target, {first['workload']} prompts one at a time (batch 1), "
+             f"K = {first['k']}, medians over repeats (each its own seeds) with their range; {_host(first['machine'])} "
+             "(`python -m bench trees --method M --width W --nodes N`). *Accepted/round*: tokens accepted per "
+             "verify round at fixed K, chain and tree of the same depth. *Adaptive*: tok/s with trees allowed ÷ "
+             "chains only, both under the adaptive policy (goal: at least 1.0). *÷ theory*: measured speedup over "
+             "plain ÷ Leviathan et al.'s with the measured costs.", "",
+             "| method | nodes, width | prompts x tokens | T | accepted/round chain → tree | tree ÷ chain | "
+             "adaptive trees ÷ chains, tok/s | ÷ theory chain / tree |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        for temp, row in r["results"].get("batch_1", {}).items():
+            k = r["k"]
+            chain, tree = row[f"chain K={k}"], row[f"tree K={k}"]
+            theory = row["theoretical"]
+            lines.append(f"| {r['method']} | {r['nodes']}, {r['width']} | {r['prompts']} x {r['tokens']} | "
+                         f"{temp.removeprefix('T=')} | {chain['accepted_per_round']:.2f} → {tree['accepted_per_round']:.2f} | "
+                         f"{_spread(row['tree_over_chain_accepted_per_round'])} | "
+                         f"{_spread(row['adaptive_tree_over_chain_tok_s'])} | "
+                         f"{theory[f'chain K={k}']['measured_over_theoretical']:.2f} / "
+                         f"{theory[f'tree K={k}']['measured_over_theoretical']:.2f} |")
+    batches = [r for r in runs if r["results"].get("batches")]
+    for r in batches:
+        lines += ["", f"Batches of the same prompts (repeated to fill), greedy, {r['method']} trees of up to {r['nodes']} "
+                  f"nodes, width {r['width']}; adaptive with trees ÷ adaptive chains only, tok/s (goal: at least 0.97), "
+                  f"{_host(r['machine'])}: " + ", ".join(
+                      f"batch {b} {_spread(row['adaptive_tree_over_chain_tok_s'])}" for b, row in r["results"]["batches"].items())]
+    return lines + [""]
+
+
+def verification(r: dict) -> list[str]:
+    lines = [f"**Block vs token verification** — the shipped pair at T = {r['temperature']}, {r['prompts']} code "
+             f"prompts x {r['tokens']} tokens one at a time (batch 1), {r['repeats']} repeats with their own seeds, "
+             f"each prompt decoded by both rules back to back; {_host(r['machine'])} (`python -m bench verification`). "
+             "*Expected on the same rounds*: both rules' expected accepted tokens computed from each verified round's "
+             "p, q and proposal, free of the draws' noise (goals: block ÷ token at least 1.0).", "",
+             "| proposer | K | accepted/round token → block | block ÷ token, accepted | expected on the same rounds | "
+             "block ÷ token, tok/s |", "| --- | --- | --- | --- | --- | --- |"]
+    for method, row in r["results"].items():
+        for shape in (n for n in row if n != "variants"):
+            e = row[shape]
+            accepted = dict(e["block_over_token_accepted"])
+            if "block_over_token_accepted_pooled" in e:
+                accepted["pooled"] = e["block_over_token_accepted_pooled"]
+            lines.append(f"| {method} | {shape.removeprefix('K=')} | {e['accepted_per_round']['token']:.2f} → "
+                         f"{e['accepted_per_round']['block']:.2f} | {_spread(accepted)} | "
+                         f"{_spread(e['expected_block_over_token_same_rounds'])} | {_spread(e['block_over_token_tok_s'])} |")
+    return lines + [""]
+
+
 def _best(results: dict, prefix: str) -> tuple[str, float]:
     """The fastest variant whose name starts with prefix: (name, speedup over plain)."""
     name = max((n for n in results if n.startswith(prefix)), key=lambda n: results[n]["speedup"])
@@ -366,6 +426,35 @@ def summary() -> str:
         worst = min(ratios, key=ratios.get)
         row("forward plan: auto within 5% of the best other plan (plain, draft K=5, hybrid adaptive; batch 1 and 16)",
             f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
+    tree_runs = {name: r for name in TREE_RESULTS if (r := _load(name)) is not None}
+    if tree_runs:
+        def label(r: dict) -> str:
+            return f"{r['method']} {r['nodes']} nodes"
+        gains = {label(r): row_["tree_over_chain_accepted_per_round"]["median"] for r in tree_runs.values()
+                 if (row_ := r["results"].get("batch_1", {}).get("T=0.0"))}
+        if gains:
+            worst = min(gains, key=gains.get)
+            row("token trees: accepted tokens per round >= 1.15x the chain's of the same depth (batch 1, greedy, code)",
+                f"{min(gains.values()):.3f} ({worst}) to {max(gains.values()):.3f}", max(gains.values()) >= 1.15)
+        speed = {f"{label(r)} {t}": row_["adaptive_tree_over_chain_tok_s"]["median"] for r in tree_runs.values()
+                 for t, row_ in r["results"].get("batch_1", {}).items()}
+        if speed:
+            worst = min(speed, key=speed.get)
+            row("token trees: adaptive with trees >= 1.0x adaptive chains only, tok/s (batch 1)",
+                f"{min(speed.values()):.3f} ({worst}) to {max(speed.values()):.3f}", min(speed.values()) >= 1.0)
+        batches = {f"{label(r)} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for r in tree_runs.values()
+                   for b, row_ in r["results"].get("batches", {}).items()}
+        if batches:
+            worst = min(batches, key=batches.get)
+            row("token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
+                f"{min(batches.values()):.3f} ({worst}) to {max(batches.values()):.3f}", min(batches.values()) >= 0.97)
+    if (r := _load("verification")) is not None:
+        for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
+            ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()
+                      for shape, e in row_.items() if shape != "variants"}
+            worst = min(ratios, key=ratios.get)
+            row(f"block ÷ token verification >= 1.0, {what} (batch 1, T = {r['temperature']})",
+                f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 1.0)
     if not rows:
         return ""
     return "\n".join(["**Targets** (the project's goals, from the results below):", "", "| target | measured | met |",
@@ -436,6 +525,10 @@ def build() -> str:
                      ("structured", structured), ("startup", startup)):
         if (r := _load(name)) is not None:
             out += fn(r)
+    if (runs := [r for name in TREE_RESULTS if (r := _load(name)) is not None]):
+        out += trees(runs)
+    if (r := _load("verification")) is not None:
+        out += verification(r)
     return "\n".join(out)
 
 

@@ -4,7 +4,8 @@
                           [--batches 8 16 32 64] [--skip-batch-1]
     (--method other than ngram -> bench/results/trees_<method>.json; --skip-batch-1 -> ..._batches.json)
 
-Batch 1, greedy and T = 0.8, held-out prompts one at a time, interleaved: a chain and a tree of the
+Batch 1, greedy and T = 0.8, held-out prompts one at a time, each decoded by every variant back to
+back (bench.common.interleave_prompts; the seeds differ from repeat to repeat): a chain and a tree of the
 same depth at fixed K (accepted tokens per round, tree ÷ chain), and adaptive K with and without
 trees (tok/s, trees ÷ chain-only; plain decoding beside them). Then batches of the same prompts
 (repeated to fill): adaptive with trees ÷ adaptive chain-only (trees must never cost).
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import torch
 
-from bench.common import PLAIN, adaptive, fixed, generate_each, interleave, parser, write
+from bench.common import PLAIN, adaptive, fixed, interleave, interleave_prompts, parser, write
 from bench.sweep import run_batch
 from bench.workloads import load_prompts
 
@@ -49,30 +49,13 @@ def main(argv: list[str] | None = None) -> None:
               "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree}}
     results: dict = {"batch_1": {}, "batches": {}}
     for temperature in () if args.skip_batch_1 else (0.0, 0.8):
-        seeds = {"repeat": 0}
+        def params(r: int, temperature=temperature) -> list:  # repeat r's seeds, the same for every variant
+            return [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=1000 * r + i)
+                    for i in range(len(prompts))]
 
-        def variant(spec: dict, temperature=temperature, seeds=seeds):
-            def go() -> dict:
-                llm.engine.reconfigure_speculation(**spec)
-                params = [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True,
-                                         seed=1000 * seeds["repeat"] + i) for i in range(len(prompts))]
-                t0 = time.perf_counter()
-                outs, _ = generate_each(llm, prompts, params)
-                seconds = time.perf_counter() - t0
-                rounds = sum(o.num_spec_rounds for o in outs)
-                return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "rounds": rounds,
-                        "accepted_per_round": sum(o.num_accepted_tokens for o in outs) / rounds if rounds else 0.0,
-                        "verified_per_round": sum(o.num_draft_tokens for o in outs) / rounds if rounds else 0.0}
-            return go
-
-        def next_seeds(seeds=seeds):
-            seeds["repeat"] += 1
-            return {}
-
-        variants = {name: variant(spec) for name, spec in shapes.items()}
-        for fn in variants.values():
-            fn()  # warm-up (the adaptive policy's calibration included)
-        runs = interleave({**variants, "_seeds": next_seeds}, args.repeats, f"batch 1, T={temperature}")
+        interleave_prompts(llm, shapes, prompts, params, 1, f"warm-up, T={temperature}")  # the adaptive calibration too
+        runs = interleave_prompts(llm, shapes, prompts, lambda r, params=params: params(r + 1), args.repeats,
+                                  f"batch 1, T={temperature}")
         row = {name: {key: statistics.median(r[key] for r in runs[name])
                       for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
         same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
@@ -80,13 +63,17 @@ def main(argv: list[str] | None = None) -> None:
         speed = [t["tok_s"] / c["tok_s"] for t, c in zip(runs["adaptive tree"], runs["adaptive chain"])]
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
-        row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed)}
+        pooled = {name: sum(r["tokens"] for r in runs[name]) / sum(r["seconds"] for r in runs[name])
+                  for name in ("adaptive tree", "adaptive chain")}  # every repeat's decodes together
+        row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
+                                                 "pooled": pooled["adaptive tree"] / pooled["adaptive chain"]}
         row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
                               for name in (f"chain K={args.k}", f"tree K={args.k}")}
         print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
               f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
               f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
-              f"[{min(speed):.3f}, {max(speed):.3f}]; plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
+              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{pooled['adaptive tree'] / pooled['adaptive chain']:.3f}); "
+              f"plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
         print("  measured / theoretical speedup: " + "; ".join(
             f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
             for n, t in row["theoretical"].items()), flush=True)

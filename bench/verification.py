@@ -3,11 +3,12 @@
     python -m bench verification [--temperature 0.8] [--k 4] [--prompts 8] [--tokens 96] [--repeats 5]
 
 The shipped pair, EAGLE-3 head and draft model, each at fixed K and adaptive, held-out code prompts
-one at a time; token and block verification run interleaved on the same seeds (each repeat its own
-seeds, so the spread over repeats is the spread over seeds). Figures: accepted tokens per round and
-tok/s, block ÷ token (goals >= 1.0). Beside the accepted tokens each rule drew, both rules'
-expected accepted tokens are computed for every sampled round from its p, q and proposal: a
-comparison on the same rounds, free of acceptance noise.
+one at a time, each decoded by every variant back to back on the same seed (bench.common.
+interleave_prompts; each repeat its own seeds, so the spread over repeats is the spread over
+seeds). Figures: accepted tokens per round and tok/s, block ÷ token (goals >= 1.0), per repeat and
+pooled over every repeat. Beside the accepted tokens each rule drew, both rules' expected accepted
+tokens are computed for every sampled round from its p, q and proposal: a comparison on the same
+rounds, free of acceptance noise (its time is taken out of the decode's).
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ import time
 
 import torch
 
-from bench.common import adaptive, fixed, generate_each, interleave, parser, write
+from bench.common import adaptive, fixed, interleave_prompts, parser, write
 from bench.workloads import load_prompts
 
 
 class ExpectedAcceptance:
     """Both rules' expected accepted tokens, summed over every round the engine verifies by sampling
-    (rejection.verify / verify_block wrapped): token rule Σ_i Π_{j<=i} min(1, p/q); block rule
-    Σ_i i h_i Π_{j>i} (1 - h_j)."""
+    (rejection.verify / verify_block wrapped), by (variant, repeat) as `switch` last set: token
+    rule Σ_i Π_{j<=i} min(1, p/q); block rule Σ_i i h_i Π_{j>i} (1 - h_j). The seconds this
+    bookkeeping took are kept too, to take out of the variant's decode time."""
 
     def __init__(self):
-        self.token = self.block = 0.0
-        self.rounds = 0
+        self.sums: dict[tuple[str, int], dict[str, float]] = {}
+        self.key = ("", 0)
+
+    def switch(self, name: str, repeat: int) -> None:
+        self.key = (name, repeat)
 
     def install(self) -> None:
         import engine.speculative.rejection as rejection
@@ -44,24 +49,25 @@ class ExpectedAcceptance:
     def observe(self, p, q, draft, num_proposed) -> None:
         from engine.speculative.rejection import acceptance_ratios, block_acceptance
 
+        t0 = time.perf_counter()
+        s = self.sums.setdefault(self.key, dict.fromkeys(("token", "block", "rounds", "seconds"), 0.0))
         K = p.shape[1] - 1
-        if K == 0:
-            return
-        p, q = p.double(), q.double()
-        ratio = acceptance_ratios(p, q, draft).clamp(max=1)  # [N, K]
-        in_range = torch.arange(K)[None, :] < num_proposed[:, None]  # [N, K]
-        self.token += float((ratio * in_range).cumprod(-1).sum())
-        _, h = block_acceptance(p, q, draft, num_proposed)  # [N, K + 1]
-        for i in range(1, K + 1):
-            self.block += float((i * h[:, i] * (1 - h[:, i + 1:]).prod(-1)).sum())
-        self.rounds += int((num_proposed > 0).sum())
+        if K > 0:
+            p, q = p.double(), q.double()
+            ratio = acceptance_ratios(p, q, draft).clamp(max=1)  # [N, K]
+            in_range = torch.arange(K)[None, :] < num_proposed[:, None]  # [N, K]
+            s["token"] += float((ratio * in_range).cumprod(-1).sum())
+            _, h = block_acceptance(p, q, draft, num_proposed)  # [N, K + 1]
+            for i in range(1, K + 1):
+                s["block"] += float((i * h[:, i] * (1 - h[:, i + 1:]).prod(-1)).sum())
+            s["rounds"] += int((num_proposed > 0).sum())
+        s["seconds"] += time.perf_counter() - t0
 
-    def take(self) -> dict:
-        out = {"expected_token": self.token / self.rounds if self.rounds else 0.0,
-               "expected_block": self.block / self.rounds if self.rounds else 0.0}
-        self.token = self.block = 0.0
-        self.rounds = 0
-        return out
+    def of(self, name: str, repeat: int) -> dict:
+        s = self.sums.get((name, repeat), {"token": 0.0, "block": 0.0, "rounds": 0, "seconds": 0.0})
+        rounds = s["rounds"] or 1
+        return {"expected_token": s["token"] / rounds, "expected_block": s["block"] / rounds,
+                "bookkeeping_seconds": s["seconds"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,59 +85,55 @@ def main(argv: list[str] | None = None) -> None:
     expected = ExpectedAcceptance()
     expected.install()
     results = {}
+
+    def params(r: int) -> list:  # repeat r's seeds, the same for every variant
+        return [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
+                               seed=1000 * r + i) for i in range(len(prompts))]
+
     for method in args.methods:
         llm = LLM(speculative_method=method, max_batch_size=1, max_seq_len=1024)
-        draws = {"repeat": 0}
-
-        def variant(spec: dict, verification: str, llm=llm, draws=draws):
-            def go() -> dict:
-                llm.engine.reconfigure_speculation(**spec, verification=verification)
-                expected.take()
-                params = [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
-                                         seed=1000 * draws["repeat"] + i) for i in range(len(prompts))]
-                t0 = time.perf_counter()
-                outs, _ = generate_each(llm, prompts, params)
-                seconds = time.perf_counter() - t0
-                rounds = sum(o.num_spec_rounds for o in outs)
-                return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-                        "accepted_per_round": sum(o.num_accepted_tokens for o in outs) / rounds if rounds else 0.0,
-                        "rounds": rounds, **expected.take()}
-            return go
-
         shapes = {f"K={args.k}": fixed(method, args.k), "adaptive": adaptive(method)}
-        variants = {f"{shape} {rule}": variant(spec, rule) for shape, spec in shapes.items()
-                    for rule in ("token", "block")}
-        names = list(variants)
-
-        def next_repeat(draws=draws):  # every variant of a repeat decodes with the same seeds
-            draws["repeat"] += 1
-            return {}
-
-        for fn in variants.values():
-            fn()  # warm-up
-        runs = interleave({**variants, "_seeds": next_repeat}, args.repeats, method)
+        specs = {f"{shape} {rule}": {**spec, "verification": rule} for shape, spec in shapes.items()
+                 for rule in ("token", "block")}
+        interleave_prompts(llm, specs, prompts, params, 1, f"{method} warm-up")
+        expected.sums.clear()
+        runs = interleave_prompts(llm, specs, prompts, lambda r: params(r + 1), args.repeats, method,
+                                  switch=expected.switch)
+        for name, per_repeat in runs.items():
+            for r, run in enumerate(per_repeat):
+                run.update(expected.of(name, r))
+                run["accepted"] = run["accepted_per_round"] * run["rounds"]
+                run["seconds"] -= run["bookkeeping_seconds"]  # the decode's own time
+                run["tok_s"] = run["tokens"] / run["seconds"]
         row = {}
         for shape in shapes:
             token, block = runs[f"{shape} token"], runs[f"{shape} block"]
             accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
             speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
+            pooled_speed = {rule: sum(r["tokens"] for r in runs[f"{shape} {rule}"]) / sum(r["seconds"] for r in runs[f"{shape} {rule}"])
+                            for rule in ("token", "block")}
             same_rounds = [r["expected_block"] / r["expected_token"] for r in token + block if r["expected_token"]]
+            pooled = {rule: sum(r["accepted"] for r in runs[f"{shape} {rule}"]) / sum(r["rounds"] for r in runs[f"{shape} {rule}"])
+                      for rule in ("token", "block")}  # every seed's rounds together
             row[shape] = {
                 "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
                                        for rule in ("token", "block")},
                 "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
                                               "max": max(accepted), "per_seed": accepted},
-                "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed)},
+                "block_over_token_accepted_pooled": pooled["block"] / pooled["token"],
+                "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
+                                           "pooled": pooled_speed["block"] / pooled_speed["token"]},
                 "expected_block_over_token_same_rounds": {"median": statistics.median(same_rounds),
                                                           "min": min(same_rounds), "max": max(same_rounds)},
                 "tok_s": {rule: statistics.median(r["tok_s"] for r in runs[f"{shape} {rule}"]) for rule in ("token", "block")},
             }
             print(f"{method} {shape}: accepted/round token {row[shape]['accepted_per_round']['token']:.3f} "
                   f"block {row[shape]['accepted_per_round']['block']:.3f} -> x{statistics.median(accepted):.3f} "
-                  f"[{min(accepted):.3f}, {max(accepted):.3f}]; tok/s x{statistics.median(speed):.3f} "
-                  f"[{min(speed):.3f}, {max(speed):.3f}]; expected on the same rounds x"
+                  f"[{min(accepted):.3f}, {max(accepted):.3f}] (pooled x{pooled['block'] / pooled['token']:.3f}); tok/s x{statistics.median(speed):.3f} "
+                  f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{pooled_speed['block'] / pooled_speed['token']:.3f}); "
+                  f"expected on the same rounds x"
                   f"{statistics.median(same_rounds):.3f} [{min(same_rounds):.3f}, {max(same_rounds):.3f}]", flush=True)
-        results[method] = {"variants": names, **row}
+        results[method] = {"variants": list(specs), **row}
     path = write("verification", {"temperature": args.temperature, "k": args.k, "prompts": args.prompts,
                                   "tokens": args.tokens, "repeats": args.repeats, "results": results})
     print(f"wrote {path}")

@@ -221,6 +221,7 @@ def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
             matcher.rollback(1)
 
     visit(-1, -1)
-    q = None if tree.q is None else tree.q[[0] + [c + 1 for c in kept]]
-    return TokenTree(tuple(tokens), tuple(parents), q), unpack_bitmask(bitmask[:len(tokens) + 1], vocab_size)
+    q_rows = None if tree.q is None else tuple(tree.q_row_of(row) for row in [0] + [c + 1 for c in kept])
+    return (TokenTree(tuple(tokens), tuple(parents), tree.q, q_rows),
+            unpack_bitmask(bitmask[:len(tokens) + 1], vocab_size))
 

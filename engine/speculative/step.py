@@ -193,7 +193,7 @@ class SpeculativeDecoder:
         stats.verified_per_round = [len(t) for t in trees if t is not None and len(t)]
         self._observe_shape(reqs, True, out, time.perf_counter() - t0)
         if self.settings.spec_policy == "adaptive":
-            self.ranks.observe(_sampled(reqs), trees, paths)
+            self.ranks.observe([not r.params.greedy for r in reqs], trees, paths)
         return DecodeResult(out, stats, draft_seconds, target_seconds, 0.0)
 
     def _take_trees(self, reqs: list[Request]) -> bool:
@@ -219,7 +219,8 @@ class SpeculativeDecoder:
         last = min(nodes, len(times) - 1)
         node_seconds = max(0.0, times[last] - times[last - 1]) / batch if last > 1 else 0.0  # one row's node
         rate = self.shapes.rate(sampled, batch, True)  # tokens per second of tree rounds (all rows)
-        return nodes, self.ranks.width(sampled, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
+        rows = [not r.params.greedy for r in reqs]  # which rows sample
+        return nodes, self.ranks.width(rows, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
 
     def _verify_groups(self, widths: list[int]) -> list[list[int]]:
         """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a

@@ -36,16 +36,25 @@ class TokenTree:
     tokens: tuple[int, ...]  # node i's token
     parents: tuple[int, ...]  # node i's parent (-1: the root); parents[i] < i
     # [n + 1, V] on the host: what the root's (row 0) and each node's (row i + 1) children were drawn
-    # from; None: chosen children
+    # from; None: chosen children. With q_rows, only the rows of nodes with children: [m, V]
     q: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # where row i of that [n + 1, V] table is in q (-1: a leaf's, never read); None: q holds every row
+    q_rows: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a token tree needs a parent per token: {len(self.tokens)} tokens, "
                              f"{len(self.parents)} parents")
-        if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != len(self.tokens) + 1):
+        rows = len(self.tokens) + 1
+        if self.q is not None and self.q.dim() != 2:
+            raise ValueError(f"a drawn tree's q must be [rows, V], got shape {tuple(self.q.shape)}")
+        if self.q is not None and self.q_rows is None and self.q.shape[0] != rows:
             raise ValueError(f"a drawn tree's q needs a row per node and one for the root: {len(self.tokens)} "
                              f"nodes, q of shape {tuple(self.q.shape)}")
+        if self.q_rows is not None and (self.q is None or len(self.q_rows) != rows
+                                        or not all(-1 <= r < self.q.shape[0] for r in self.q_rows)):
+            raise ValueError(f"q_rows needs q and an entry in [-1, {0 if self.q is None else self.q.shape[0]}) for "
+                             f"the root and each of the {len(self.tokens)} nodes, got {self.q_rows}")
         for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
                 raise ValueError(f"node {i}'s parent must be -1 (the root) or an earlier node, got {parent}")
@@ -76,6 +85,17 @@ class TokenTree:
         for i, parent in enumerate(self.parents):
             out[parent + 1].append(i)
         return tuple(tuple(c) for c in out)
+
+    def children_q(self, row: int) -> torch.Tensor | None:
+        """[V] what the root's (row 0) or node row - 1's children were drawn from; None: chosen."""
+        if self.q is None:
+            return None
+        at = row if self.q_rows is None else self.q_rows[row]
+        return self.q[at] if at >= 0 else None
+
+    def q_row_of(self, row: int) -> int:
+        """Where row `row` of the [n + 1, V] table is in q (-1: nowhere)."""
+        return row if self.q_rows is None else self.q_rows[row]
 
     @property
     def is_chain(self) -> bool:
@@ -124,7 +144,8 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, uniforms: list[float]) -> t
         if not kids:
             return path, residual  # a leaf: the bonus token from its p (no sibling tried)
         accepted = None
-        proposal = tree.q[node + 1].to(residual.dtype) if tree.q is not None else None  # [V], tried siblings go below
+        proposal = tree.children_q(node + 1)  # [V] or None; tried siblings go below
+        proposal = None if proposal is None else proposal.to(residual.dtype)
         for c in kids:
             x = tree.tokens[c]
             q_c = None if proposal is None else proposal / proposal.sum()

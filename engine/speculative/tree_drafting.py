@@ -120,11 +120,12 @@ class _Growing:
         return TokenTree(tuple(self.tokens[c] for c in kept),
                          tuple(kept[self.parents[c]] if self.parents[c] >= 0 else -1 for c in kept))
 
-    def q_table(self) -> torch.Tensor:
-        """[n + 1, V] a drawn row's children's q for the root and each candidate (zeros at leaves)."""
-        some = next(iter(self.q_rows.values()))
-        zero = some.new_zeros(some.shape)
-        return torch.stack([self.q_rows.get(c, zero) for c in range(-1, len(self.tokens))])
+    def q_table(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """A drawn row's children's q for the root and each expanded candidate [m, V], and where
+        each of the tree's n + 1 rows is in it (-1: a leaf's)."""
+        expanded = sorted(self.q_rows)  # -1 (the root) first
+        at = {c: j for j, c in enumerate(expanded)}
+        return torch.stack([self.q_rows[c] for c in expanded]), tuple(at.get(c, -1) for c in range(-1, len(self.tokens)))
 
 
 def draft_trees(reqs: list[Request], depths: list[int], budgets: list[int], width: int, root_logits: torch.Tensor,
@@ -154,16 +155,17 @@ def draft_trees(reqs: list[Request], depths: list[int], budgets: list[int], widt
 
 
 def _with_q(rows: list[_Growing], trees: list[TokenTree | None]) -> list[TokenTree | None]:
-    """The drawn trees with their q on the host, in one read."""
+    """The drawn trees with their q on the host (the expanded nodes' rows only), in one read."""
     drawn = [i for i, (g, t) in enumerate(zip(rows, trees)) if g.drawn and t is not None]
     if not drawn:
         return trees
-    tables = host_sync.fetch(torch.cat([rows[i].q_table() for i in drawn]))  # [sum(n_i + 1), V]
+    parts = [rows[i].q_table() for i in drawn]
+    tables = host_sync.fetch(torch.cat([table for table, _ in parts]))  # [sum(m_i), V]
     out, first = list(trees), 0
-    for i in drawn:
-        n = len(trees[i]) + 1
-        out[i] = dataclasses.replace(trees[i], q=tables[first:first + n])
-        first += n
+    for i, (table, at) in zip(drawn, parts):
+        m = table.shape[0]
+        out[i] = dataclasses.replace(trees[i], q=tables[first:first + m], q_rows=at)
+        first += m
     return out
 
 

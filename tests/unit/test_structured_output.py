@@ -344,7 +344,7 @@ def test_a_forbidden_drawn_child_stays_as_a_leaf_its_parent_rejects(tok_dir):
     matcher = compiler.matcher(StructuredOutput.choice(CHOICES))
     kept, masks = cut_tree(matcher, drawn, V)  # depth first: "1", its "0", "a", "0"
     assert kept.tokens == (one, zero, a, zero) and kept.parents == (-1, 0, -1, -1)
-    assert torch.equal(kept.q, q[[0, 1, 4, 2, 3]])
+    assert torch.equal(torch.stack([kept.children_q(row) for row in range(5)]), q[[0, 1, 4, 2, 3]])
     assert masks[0, one] and masks[0, zero] and not masks[0, a]
     assert masks[3].all()  # the leaf "a": never reached
     chosen, _ = cut_tree(compiler.matcher(StructuredOutput.choice(CHOICES)), TokenTree(drawn.tokens, drawn.parents), V)

@@ -106,7 +106,7 @@ def _no_residual(tree, p, uniforms):
         accepted = None
         for c in kids:
             x = tree.tokens[c]
-            q_x = float(tree.q[node + 1][x]) if tree.q is not None else 1.0
+            q_x = float(tree.children_q(node + 1)[x]) if tree.q is not None else 1.0
             hit = uniforms[used] < min(1.0, float(p[node + 1][x]) / q_x)
             used += 1
             if hit:
@@ -124,7 +124,7 @@ def _siblings_left_in(tree, p, uniforms):
     node, path, used = -1, [], 0
     residual = p[0]
     while tree.children[node + 1]:
-        q = tree.q[node + 1] / tree.q[node + 1].sum()
+        q = tree.children_q(node + 1) / tree.children_q(node + 1).sum()
         accepted = None
         for c in tree.children[node + 1]:
             x = tree.tokens[c]
@@ -178,3 +178,10 @@ def test_a_tree_accepts_more_than_its_first_chain():
 def test_a_drawn_tree_needs_a_q_row_per_node_and_the_root():
     with pytest.raises(ValueError, match="q"):
         TokenTree((1, 2), (-1, 0), torch.ones(2, V))
+    with pytest.raises(ValueError, match="q_rows"):  # a row of q for the root and each node, or -1
+        TokenTree((1, 2), (-1, 0), torch.ones(2, V), q_rows=(0, 1))
+    with pytest.raises(ValueError, match="q_rows"):
+        TokenTree((1, 2), (-1, 0), torch.ones(2, V), q_rows=(0, 2, -1))
+    # the expanded rows only: the root's and node 0's; node 1, a leaf, has none
+    tree = TokenTree((1, 2), (-1, 0), torch.stack([torch.full((V,), 1.0 / V), torch.eye(V)[2]]), q_rows=(0, 1, -1))
+    assert tree.children_q(1)[2] == 1.0 and tree.children_q(2) is None

@@ -160,10 +160,13 @@ def test_a_sampled_requests_tree_is_drawn_without_replacement_and_keeps_every_dr
         assert len({tree.tokens[c] for c in kids}) == len(kids)  # siblings never repeat
     assert stream.counter == 3 * 3  # width uniforms for the root and each of the 2 expanded nodes
 
-    torch.testing.assert_close(tree.q[0], q_root)
+    torch.testing.assert_close(tree.children_q(0), q_root)
     for node in range(len(tree)):
-        want = q_after if tree.children[node + 1] else torch.zeros(6)
-        torch.testing.assert_close(tree.q[node + 1], want)
+        if tree.children[node + 1]:
+            torch.testing.assert_close(tree.children_q(node + 1), q_after)
+        else:
+            assert tree.children_q(node + 1) is None
+    assert tree.q.shape[0] == 3  # read to the host: the root's row and the 2 expanded nodes' only
 
 
 def test_a_small_drawn_tree_still_reaches_its_depth():
@@ -225,7 +228,7 @@ def test_several_drawn_nodes_of_a_depth_each_get_their_own_q_and_uniforms():
     tree = draft_trees([req], [2], [12], 4, base[None], feed)[0]
     assert len(tree) == 12 and sorted(len(tree.children[c + 1]) for c in tree.children[0]) == [1, 1, 2, 4]
     for c in tree.children[0]:
-        torch.testing.assert_close(tree.q[c + 1], (bumped(tree.tokens[c]) / T).softmax(-1))
+        torch.testing.assert_close(tree.children_q(c + 1), (bumped(tree.tokens[c]) / T).softmax(-1))
     for seed in range(5):
         req.random_stream = RandomStream(seed)
         flat = draft_trees([req], [2], [12], 4, base[None], lambda rows, trees, counts: base.expand(1, max(counts), V))[0]
@@ -268,7 +271,7 @@ def _keep_likeliest_first_child(tree, proposer):
     (a choice by the child's own draw), else no tree at all."""
     if tree.tokens[tree.children[0][0]] == int(proposer[()].argmax()):
         return tree
-    return TokenTree((), (), tree.q[:1])
+    return TokenTree((), (), tree.children_q(0)[None])
 
 
 def test_drawn_trees_accepted_follow_the_target_exactly():

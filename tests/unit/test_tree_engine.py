@@ -257,21 +257,39 @@ def test_tree_width_keeps_the_sibling_ranks_whose_acceptance_pays_for_their_node
     from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
 
     ranks = RankAcceptance()
-    assert ranks.width(False, 3, node_seconds=0.001, token_seconds=0.01) == 3  # nothing measured: every rank
+    greedy, sampled = [False], [True]
+    assert ranks.width(greedy, 3, node_seconds=0.001, token_seconds=0.01) == 3  # nothing measured: every rank
     #      root: a (rank 0), b (rank 1), c (rank 2); a: d
     tree = TokenTree((1, 2, 3, 4), (-1, -1, -1, 0))
     for i in range(40):  # rank 0 accepted 3 rounds in 4, rank 2 the 4th; rank 1 never
-        ranks.observe(False, [tree, None], [[0, 3] if i % 4 else [2], []])
+        ranks.observe([False, False], [tree, None], [[0, 3] if i % 4 else [2], []])
     hit = ranks.hit_rates(False)
     assert hit[0] > 0.5 and hit[1] == 0.0 and 0.2 < hit[2] < 0.3 and hit[3] is None
     # a node costing a tenth of a token: rank 2 (hit about 1 in 4) pays, so the width stays 3
-    widths = [ranks.width(False, 3, node_seconds=0.001, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
+    widths = [ranks.width(greedy, 3, node_seconds=0.001, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
     assert set(widths) == {3}
     # costing half a token: rank 2 does not pay, rank 1 never hits: chains, but for the exploring rounds
-    widths = [ranks.width(False, 3, node_seconds=0.005, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
+    widths = [ranks.width(greedy, 3, node_seconds=0.005, token_seconds=0.01) for _ in range(2 * EXPLORE_EVERY)]
     assert widths.count(3) == 2 and widths.count(1) == 2 * EXPLORE_EVERY - 2
-    assert ranks.width(True, 3, node_seconds=0.005, token_seconds=0.01) == 3  # sampled rounds apart
-    assert ranks.width(False, 3, node_seconds=0.005, token_seconds=None) == 3  # no tree rate yet
+    assert ranks.hit_rates(True) == []  # sampled rows apart: unmeasured, so every rank
+    assert ranks.width(sampled, 3, node_seconds=0.005, token_seconds=0.01) == 3
+    assert ranks.width(greedy, 3, node_seconds=0.005, token_seconds=None) == 3  # no tree rate yet
+
+
+def test_tree_width_counts_each_row_by_its_own_kind_and_a_mixed_batch_takes_the_wider():
+    from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
+
+    ranks = RankAcceptance()
+    tree = TokenTree((1, 2, 3), (-1, -1, -1))  # root: three children, ranks 0-2
+    for _ in range(40):  # greedy rows: rank 0 always; sampled rows: rank 1 always
+        ranks.observe([False, True], [tree, tree], [[0], [1]])
+    greedy, sampled = ranks.hit_rates(False), ranks.hit_rates(True)
+    assert greedy[:3] == [1.0, 0.0, 0.0] and sampled[:3] == [0.0, 1.0, 0.0]
+
+    def widths(rows):  # the non-exploring rounds' widths
+        out = [ranks.width(rows, 3, node_seconds=0.005, token_seconds=0.01) for _ in range(EXPLORE_EVERY)]
+        return set(out) - {3} if out.count(3) == 1 else set(out)
+    assert widths([False]) == {1} and widths([True]) == {2} and widths([False, True]) == {2}
 
 
 def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy_output(tiny_model, reference,
