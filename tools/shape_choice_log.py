@@ -4,8 +4,9 @@
 
 Held-out code prompts one at a time, adaptive K with tree_width 1 (chains only) and then with
 trees, `--repeats` times in turn; per run: tok/s, and from the shape choice's own observations the
-tree and chain rounds it took and their tokens per second, and the trees' acceptance by sibling
-rank (tree_width.py: how often a node's r-th child was the one accepted).
+tree and chain rounds it took and their tokens per second, its probes' estimate of tree ÷ chain
+(shape_choice.py), and the trees' acceptance by sibling rank (tree_width.py: how often a node's
+r-th child was the one accepted).
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def main() -> None:
                 trees = [r for r in rounds if r[0]]
                 chains = [r for r in rounds if not r[0]]
                 hits = llm.engine.speculation.ranks.hit_rates(args.temperature > 0)[:args.width]
+                probed = llm.engine.speculation.shapes.tree_over_chain(args.temperature > 0, 1)
                 print(f"repeat {repeat}: chains only {speeds[1]:.1f} tok/s, with trees {speeds[width]:.1f} "
                       f"(x{speeds[width] / speeds[1]:.3f}); tree rounds {len(trees)} at {_rate(trees):.0f} tok/s, "
-                      f"chain rounds {len(chains)} at {_rate(chains):.0f} tok/s; hits by sibling rank "
+                      f"chain rounds {len(chains)} at {_rate(chains):.0f} tok/s; probes' tree ÷ chain "
+                      f"{'-' if probed is None else f'{probed:.2f}'}; hits by sibling rank "
                       + ", ".join("-" if h is None else f"{h:.2f}" for h in hits), flush=True)
 
 

@@ -3,36 +3,49 @@
 A tree accepts at least what its first chain would, but its drafting, its wider verify pass and
 its acceptance on the host cost more; which wins depends on the proposer, the temperature, the
 batch and the device. So the adaptive policy keeps, per (greedy or sampled batch, batch-size
-bucket), each shape's rate: the tokens its rounds gave ÷ their seconds (drafting through
-acceptance), both summed with a decay per round (a ratio of sums: one round's luck moves it
-little), and takes the faster.
-The other shape is still taken now and then, so a change (a workload, a batch mix) is seen: after
-PROBE_EVERY decisions, then twice as many while the probes confirm the choice (up to PROBE_MAX),
-back to PROBE_EVERY when one overturns it. An unmeasured shape is tried first, trees first.
+bucket), each shape's recent rate: the tokens its rounds gave ÷ their seconds (drafting through
+acceptance), both summed with a decay per round. The shape that runs (the incumbent) is taken
+while it measures faster; the other is probed now and then: after PROBE_EVERY decisions, then
+twice as many while the probes confirm the choice (up to PROBE_MAX), back to PROBE_EVERY when one
+overturns it. An unmeasured shape is tried first, trees first.
+
+Text gets easier and harder as it goes, and every round's rate with it, so a probe is judged
+against the incumbent's rate of the rounds just before it, not against the probed shape's own
+rounds of long ago: each probe gives a ratio (tree ÷ chain: the probe's rate over the incumbent's
+recent one, or its inverse), and once a probe has been taken the faster shape is the one these
+ratios favour (their decayed mean in log), not whichever recent rate is higher. Otherwise a hard
+stretch of text, lowering the incumbent's recent rate below the other's stale one, would switch
+shapes for no gain.
 """
 
 from __future__ import annotations
+
+import math
 
 from engine.speculative.costs import batch_bucket
 
 PROBE_EVERY = 16  # decisions before the first probe of the losing shape
 PROBE_MAX = 256  # the longest gap between probes while they keep confirming the choice
 DECAY = 0.9  # per round of a shape: the weight its earlier rounds keep in its rate
+RATIO_DECAY = 0.8  # per probe: the weight earlier probes keep in the tree ÷ chain estimate
 
 
 class ShapeChoice:
     def __init__(self):
         self._sums: dict[tuple[bool, int, bool], tuple[float, float]] = {}  # key -> (tokens, seconds), decayed
+        self._log_ratio: dict[tuple[bool, int], tuple[float, float]] = {}  # -> decayed (sum of log(tree ÷ chain), weight)
+        self._probing: dict[tuple[bool, int], bool | None] = {}  # the shape (tree?) of the probe just decided
         self._since_probe: dict[tuple[bool, int], int] = {}
         self._gap: dict[tuple[bool, int], int] = {}  # decisions between probes, now
         self._winner: dict[tuple[bool, int], bool] = {}  # the faster shape at the last decision (tree?)
 
     def take_trees(self, sampled: bool, batch: int) -> bool:
         key = (sampled, batch_bucket(batch))
+        self._probing[key] = None
         tree, chain = self.rate(sampled, batch, True), self.rate(sampled, batch, False)
         if tree is None or chain is None:
             return tree is None
-        faster = tree > chain
+        faster = self.trees_faster(sampled, batch)  # both measured here
         if self._winner.get(key, faster) != faster:  # the last probe (or a drift) overturned it
             self._gap[key] = PROBE_EVERY
         self._winner[key] = faster
@@ -42,17 +55,39 @@ class ShapeChoice:
             return faster
         self._since_probe[key] = 0
         self._gap[key] = min(2 * gap, PROBE_MAX)
+        self._probing[key] = not faster
         return not faster
 
     def observe(self, sampled: bool, batch: int, tree: bool, tokens: int, seconds: float) -> None:
         """A decode round of this shape gave `tokens` (accepted + bonus, all rows) in `seconds`."""
         if seconds <= 0:
             return
-        key = (sampled, batch_bucket(batch), tree)
-        t, s = self._sums.get(key, (0.0, 0.0))
-        self._sums[key] = (DECAY * t + tokens, DECAY * s + seconds)
+        key = (sampled, batch_bucket(batch))
+        other = self.rate(sampled, batch, not tree)
+        if self._probing.pop(key, None) is tree and other and tokens > 0:  # a probe: against the incumbent's now
+            rate = tokens / seconds
+            log_ratio = math.log(rate / other) if tree else math.log(other / rate)
+            s, w = self._log_ratio.get(key, (0.0, 0.0))
+            self._log_ratio[key] = (RATIO_DECAY * s + log_ratio, RATIO_DECAY * w + 1.0)
+        t, s = self._sums.get((*key, tree), (0.0, 0.0))
+        self._sums[(*key, tree)] = (DECAY * t + tokens, DECAY * s + seconds)
 
     def rate(self, sampled: bool, batch: int, tree: bool) -> float | None:
-        """Tokens per second of this shape's rounds at this batch's bucket; None until measured."""
+        """Tokens per second of this shape's recent rounds at this batch's bucket; None until measured."""
         sums = self._sums.get((sampled, batch_bucket(batch), tree))
         return sums[0] / sums[1] if sums else None
+
+    def tree_over_chain(self, sampled: bool, batch: int) -> float | None:
+        """The probes' estimate of a tree round's rate ÷ a chain round's at the same point of the
+        text (their decayed geometric mean); None before the first probe."""
+        ratio = self._log_ratio.get((sampled, batch_bucket(batch)))
+        return math.exp(ratio[0] / ratio[1]) if ratio else None
+
+    def trees_faster(self, sampled: bool, batch: int) -> bool:
+        """By the probes' ratio once there is one, else by the two recent rates (False while
+        either is unmeasured)."""
+        ratio = self.tree_over_chain(sampled, batch)
+        if ratio is not None:
+            return ratio > 1.0
+        tree, chain = self.rate(sampled, batch, True), self.rate(sampled, batch, False)
+        return tree is not None and chain is not None and tree > chain

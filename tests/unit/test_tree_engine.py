@@ -253,6 +253,46 @@ def test_shape_choice_takes_the_faster_shape_and_probes_the_other_ever_less_ofte
     assert picks.count(True) == 1 and picks[PROBE_EVERY - 1]  # overturned: probes from every PROBE_EVERY again
 
 
+def _shapes_taken(choice, difficulty: list[float], tree_factor: float) -> list[bool]:
+    """Decode rounds through `choice` at batch 4, greedy: a chain round gives 400 tokens/s times the
+    text's difficulty then, a tree round tree_factor times that. The shapes taken, in order."""
+    taken = []
+    for d in difficulty:
+        tree = choice.take_trees(False, 4)
+        rate = 400.0 * d * (tree_factor if tree else 1.0)
+        choice.observe(False, 4, tree, tokens=4, seconds=4 / rate)
+        taken.append(tree)
+    return taken
+
+
+@pytest.mark.parametrize("tree_factor", [0.8, 1.25])
+def test_shape_choice_judges_probes_against_the_text_of_their_time(tree_factor, monkeypatch):
+    """The losing shape measured at 0.8x (or the winner at 1.25x) the other everywhere: a hard stretch
+    of text, halving every rate, switches nothing, though the loser's stale rate is then the higher;
+    only its scheduled probes run. Judged by the two recent rates instead, shapes switch there."""
+    from engine.speculative.shape_choice import ShapeChoice
+
+    def run(choice) -> tuple[int, int]:
+        easy = _shapes_taken(choice, [1.0] * 400, tree_factor)
+        hard = _shapes_taken(choice, [0.45] * 64, tree_factor)
+        loser = tree_factor < 1
+        assert easy[-64:].count(loser) <= 1  # settled on the faster shape: a probe at most
+        return hard.count(loser), len(hard)
+
+    losing, rounds = run(ShapeChoice())
+    assert losing <= 1 + rounds // 16, losing  # scheduled probes at most (as often as after an overturn)
+    choice = ShapeChoice()
+    assert choice.tree_over_chain(False, 4) is None
+    _shapes_taken(choice, [1.0] * 400, tree_factor)
+    assert choice.tree_over_chain(False, 4) == pytest.approx(tree_factor, rel=0.05)
+
+    def by_recent_rates(self, sampled, batch):  # the rule without the probes' ratio
+        return self.rate(sampled, batch, True) > self.rate(sampled, batch, False)
+    monkeypatch.setattr(ShapeChoice, "trees_faster", by_recent_rates)
+    losing_old, _ = run(ShapeChoice())
+    assert losing_old >= losing + 3, (losing_old, losing)
+
+
 def test_tree_width_keeps_the_sibling_ranks_whose_acceptance_pays_for_their_node():
     from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
 
