@@ -11,29 +11,30 @@ overturns it. An unmeasured shape is tried first, trees first.
 
 Text gets easier and harder as it goes, and every round's rate with it, so a probe is judged
 against the incumbent's rate of the rounds just before it, not against the probed shape's own
-rounds of long ago: each probe gives a ratio (tree ÷ chain: the probe's rate over the incumbent's
-recent one, or its inverse), and once a probe has been taken the faster shape is the one these
-ratios favour (their decayed mean in log), not whichever recent rate is higher. Otherwise a hard
-stretch of text, lowering the incumbent's recent rate below the other's stale one, would switch
-shapes for no gain.
+rounds of long ago: a tree probe's tokens are set against the tokens chains were giving in as many
+seconds, a chain probe's against the trees'. Once a probe has been taken the faster shape is the
+one these sums favour (tree tokens ÷ chain tokens, both decayed per probe: a ratio of sums, so one
+lucky round moves it little and neither shape is favoured), not whichever recent rate is higher.
+Otherwise a hard stretch of text, lowering the incumbent's recent rate below the other's stale
+one, would switch shapes for no gain.
 """
 
 from __future__ import annotations
-
-import math
 
 from engine.speculative.costs import batch_bucket
 
 PROBE_EVERY = 16  # decisions before the first probe of the losing shape
 PROBE_MAX = 256  # the longest gap between probes while they keep confirming the choice
 DECAY = 0.9  # per round of a shape: the weight its earlier rounds keep in its rate
-RATIO_DECAY = 0.8  # per probe: the weight earlier probes keep in the tree ÷ chain estimate
+PROBE_DECAY = 0.8  # per probe: the weight earlier probes keep in the tree ÷ chain estimate
 
 
 class ShapeChoice:
     def __init__(self):
         self._sums: dict[tuple[bool, int, bool], tuple[float, float]] = {}  # key -> (tokens, seconds), decayed
-        self._log_ratio: dict[tuple[bool, int], tuple[float, float]] = {}  # -> decayed (sum of log(tree ÷ chain), weight)
+        # -> decayed (tree tokens, chain tokens) of the probes: each probe's own, and the incumbent's at its recent
+        # rate over the probe's seconds
+        self._probed: dict[tuple[bool, int], tuple[float, float]] = {}
         self._probing: dict[tuple[bool, int], bool | None] = {}  # the shape (tree?) of the probe just decided
         self._since_probe: dict[tuple[bool, int], int] = {}
         self._gap: dict[tuple[bool, int], int] = {}  # decisions between probes, now
@@ -64,11 +65,10 @@ class ShapeChoice:
             return
         key = (sampled, batch_bucket(batch))
         other = self.rate(sampled, batch, not tree)
-        if self._probing.pop(key, None) is tree and other and tokens > 0:  # a probe: against the incumbent's now
-            rate = tokens / seconds
-            log_ratio = math.log(rate / other) if tree else math.log(other / rate)
-            s, w = self._log_ratio.get(key, (0.0, 0.0))
-            self._log_ratio[key] = (RATIO_DECAY * s + log_ratio, RATIO_DECAY * w + 1.0)
+        if self._probing.pop(key, None) is tree and other:  # a probe: against the incumbent's now
+            trees, chains = (tokens, other * seconds) if tree else (other * seconds, tokens)
+            a, b = self._probed.get(key, (0.0, 0.0))
+            self._probed[key] = (PROBE_DECAY * a + trees, PROBE_DECAY * b + chains)
         t, s = self._sums.get((*key, tree), (0.0, 0.0))
         self._sums[(*key, tree)] = (DECAY * t + tokens, DECAY * s + seconds)
 
@@ -78,10 +78,10 @@ class ShapeChoice:
         return sums[0] / sums[1] if sums else None
 
     def tree_over_chain(self, sampled: bool, batch: int) -> float | None:
-        """The probes' estimate of a tree round's rate ÷ a chain round's at the same point of the
-        text (their decayed geometric mean); None before the first probe."""
-        ratio = self._log_ratio.get((sampled, batch_bucket(batch)))
-        return math.exp(ratio[0] / ratio[1]) if ratio else None
+        """The probes' estimate of trees' rate ÷ chains' at the same point of the text; None
+        before the first probe."""
+        probed = self._probed.get((sampled, batch_bucket(batch)))
+        return probed[0] / probed[1] if probed and probed[1] > 0 else None
 
     def trees_faster(self, sampled: bool, batch: int) -> bool:
         """By the probes' ratio once there is one, else by the two recent rates (False while
