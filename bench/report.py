@@ -426,35 +426,33 @@ def summary() -> str:
         worst = min(ratios, key=ratios.get)
         row("forward plan: auto within 5% of the best other plan (plain, draft K=5, hybrid adaptive; batch 1 and 16)",
             f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
-    tree_runs = {name: r for name in TREE_RESULTS if (r := _load(name)) is not None}
-    if tree_runs:
-        def label(r: dict) -> str:
-            return f"{r['method']} {r['nodes']} nodes"
-        gains = {label(r): row_["tree_over_chain_accepted_per_round"]["median"] for r in tree_runs.values()
-                 if (row_ := r["results"].get("batch_1", {}).get("T=0.0"))}
-        if gains:
-            worst = min(gains, key=gains.get)
-            row("token trees: accepted tokens per round >= 1.15x the chain's of the same depth (batch 1, greedy, code)",
-                f"{min(gains.values()):.3f} ({worst}) to {max(gains.values()):.3f}", max(gains.values()) >= 1.15)
-        speed = {f"{label(r)} {t}": row_["adaptive_tree_over_chain_tok_s"]["median"] for r in tree_runs.values()
-                 for t, row_ in r["results"].get("batch_1", {}).items()}
-        if speed:
-            worst = min(speed, key=speed.get)
-            row("token trees: adaptive with trees >= 1.0x adaptive chains only, tok/s (batch 1)",
-                f"{min(speed.values()):.3f} ({worst}) to {max(speed.values()):.3f}", min(speed.values()) >= 1.0)
-        batches = {f"{label(r)} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for r in tree_runs.values()
-                   for b, row_ in r["results"].get("batches", {}).items()}
-        if batches:
-            worst = min(batches, key=batches.get)
-            row("token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
-                f"{min(batches.values()):.3f} ({worst}) to {max(batches.values()):.3f}", min(batches.values()) >= 0.97)
+    def span(values: dict[str, float]) -> str:  # "lowest (its name) to highest"
+        worst = min(values, key=values.get)
+        return f"{values[worst]:.3f} ({worst}) to {max(values.values()):.3f}"
+
+    tree_runs = [r for name in TREE_RESULTS if (r := _load(name)) is not None]
+    labels = [f"{r['method']} {r['nodes']} nodes" for r in tree_runs]
+    gains = {label: row_["tree_over_chain_accepted_per_round"]["median"] for label, r in zip(labels, tree_runs)
+             if (row_ := r["results"].get("batch_1", {}).get("T=0.0"))}
+    speed = {f"{label} {t}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
+             for t, row_ in r["results"].get("batch_1", {}).items()}
+    batches = {f"{label} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
+               for b, row_ in r["results"].get("batches", {}).items()}
+    for values, target, met in (
+            (gains, "token trees: accepted tokens per round >= 1.15x the chain's of the same depth (batch 1, greedy, "
+             "code)", lambda v: max(v) >= 1.15),
+            (speed, "token trees: adaptive with trees >= 1.0x adaptive chains only, tok/s (batch 1)",
+             lambda v: min(v) >= 1.0),
+            (batches, "token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
+             lambda v: min(v) >= 0.97)):
+        if values:
+            row(target, span(values), met(values.values()))
     if (r := _load("verification")) is not None:
         for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
             ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()
                       for shape, e in row_.items() if shape != "variants"}
-            worst = min(ratios, key=ratios.get)
-            row(f"block ÷ token verification >= 1.0, {what} (batch 1, T = {r['temperature']})",
-                f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 1.0)
+            row(f"block ÷ token verification >= 1.0, {what} (batch 1, T = {r['temperature']})", span(ratios),
+                min(ratios.values()) >= 1.0)
     if not rows:
         return ""
     return "\n".join(["**Targets** (the project's goals, from the results below):", "", "| target | measured | met |",
