@@ -90,7 +90,7 @@ class TokenTree:
         """[V] what the root's (row 0) or node row - 1's children were drawn from; None: chosen."""
         if self.q is None:
             return None
-        at = row if self.q_rows is None else self.q_rows[row]
+        at = self.q_row_of(row)
         return self.q[at] if at >= 0 else None
 
     def q_row_of(self, row: int) -> int:
