@@ -180,10 +180,15 @@ def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Calla
             for name, s in sums.items():
                 rounds = s["rounds"]
                 runs[name].append({"tok_s": s["tokens"] / s["seconds"], "tokens": s["tokens"], "seconds": s["seconds"],
-                                   "rounds": rounds,
+                                   "rounds": rounds, "accepted": s["accepted"],
                                    "accepted_per_round": s["accepted"] / rounds if rounds else 0.0,
                                    "verified_per_round": s["verified"] / rounds if rounds else 0.0})
     return runs
+
+
+def pooled(runs: list[dict], numerator: str, denominator: str) -> float:
+    """Every run's `numerator` summed ÷ every run's `denominator` summed (e.g. tokens ÷ seconds)."""
+    return sum(r[numerator] for r in runs) / sum(r[denominator] for r in runs)
 
 
 def generate_each(llm, prompts: list, params) -> tuple[list, dict[str, float]]:

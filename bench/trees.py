@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from bench.common import PLAIN, adaptive, fixed, interleave, interleave_prompts, parser, write
+from bench.common import PLAIN, adaptive, fixed, interleave, interleave_prompts, parser, pooled, write
 from bench.sweep import run_batch
 from bench.workloads import load_prompts
 
@@ -63,16 +63,15 @@ def main(argv: list[str] | None = None) -> None:
         speed = [t["tok_s"] / c["tok_s"] for t, c in zip(runs["adaptive tree"], runs["adaptive chain"])]
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
-        pooled = {name: sum(r["tokens"] for r in runs[name]) / sum(r["seconds"] for r in runs[name])
-                  for name in ("adaptive tree", "adaptive chain")}  # every repeat's decodes together
+        speeds = {name: pooled(runs[name], "tokens", "seconds") for name in ("adaptive tree", "adaptive chain")}
         row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
-                                                 "pooled": pooled["adaptive tree"] / pooled["adaptive chain"]}
+                                                 "pooled": speeds["adaptive tree"] / speeds["adaptive chain"]}
         row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
                               for name in (f"chain K={args.k}", f"tree K={args.k}")}
         print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
               f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
               f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
-              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{pooled['adaptive tree'] / pooled['adaptive chain']:.3f}); "
+              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{speeds['adaptive tree'] / speeds['adaptive chain']:.3f}); "
               f"plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
         print("  measured / theoretical speedup: " + "; ".join(
             f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"

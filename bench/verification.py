@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.common import adaptive, fixed, interleave_prompts, parser, write
+from bench.common import adaptive, fixed, interleave_prompts, parser, pooled, write
 from bench.workloads import load_prompts
 
 
@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
         for name, per_repeat in runs.items():
             for r, run in enumerate(per_repeat):
                 run.update(expected.of(name, r))
-                run["accepted"] = run["accepted_per_round"] * run["rounds"]
                 run["seconds"] -= run["bookkeeping_seconds"]  # the decode's own time
                 run["tok_s"] = run["tokens"] / run["seconds"]
         row = {}
@@ -110,17 +109,15 @@ def main(argv: list[str] | None = None) -> None:
             token, block = runs[f"{shape} token"], runs[f"{shape} block"]
             accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
             speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
-            pooled_speed = {rule: sum(r["tokens"] for r in runs[f"{shape} {rule}"]) / sum(r["seconds"] for r in runs[f"{shape} {rule}"])
-                            for rule in ("token", "block")}
+            pooled_speed = {rule: pooled(runs[f"{shape} {rule}"], "tokens", "seconds") for rule in ("token", "block")}
             same_rounds = [r["expected_block"] / r["expected_token"] for r in token + block if r["expected_token"]]
-            pooled = {rule: sum(r["accepted"] for r in runs[f"{shape} {rule}"]) / sum(r["rounds"] for r in runs[f"{shape} {rule}"])
-                      for rule in ("token", "block")}  # every seed's rounds together
+            pooled_accepted = {rule: pooled(runs[f"{shape} {rule}"], "accepted", "rounds") for rule in ("token", "block")}
             row[shape] = {
                 "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
                                        for rule in ("token", "block")},
                 "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
                                               "max": max(accepted), "per_seed": accepted},
-                "block_over_token_accepted_pooled": pooled["block"] / pooled["token"],
+                "block_over_token_accepted_pooled": pooled_accepted["block"] / pooled_accepted["token"],
                 "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
                                            "pooled": pooled_speed["block"] / pooled_speed["token"]},
                 "expected_block_over_token_same_rounds": {"median": statistics.median(same_rounds),
@@ -129,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             print(f"{method} {shape}: accepted/round token {row[shape]['accepted_per_round']['token']:.3f} "
                   f"block {row[shape]['accepted_per_round']['block']:.3f} -> x{statistics.median(accepted):.3f} "
-                  f"[{min(accepted):.3f}, {max(accepted):.3f}] (pooled x{pooled['block'] / pooled['token']:.3f}); tok/s x{statistics.median(speed):.3f} "
+                  f"[{min(accepted):.3f}, {max(accepted):.3f}] (pooled x{pooled_accepted['block'] / pooled_accepted['token']:.3f}); tok/s x{statistics.median(speed):.3f} "
                   f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{pooled_speed['block'] / pooled_speed['token']:.3f}); "
                   f"expected on the same rounds x"
                   f"{statistics.median(same_rounds):.3f} [{min(same_rounds):.3f}, {max(same_rounds):.3f}]", flush=True)
