@@ -56,9 +56,24 @@ def run(ctx: Context, out: dict) -> None:
                         pool.truncate_to(s, context, keep_storage=True)
                 rows.setdefault(str(batch), {}).setdefault(shape, {})[str(width)] = 1e3 * statistics.median(times[1:])
         ctx.log(f"batch {batch}: verify ms by width {rows[str(batch)]}")
+        out["summary"] = _summary(rows)
     del llm, model
     ctx.free()
     _parity(ctx, out, work)
+
+
+def _summary(rows: dict) -> list[str]:
+    """One line a batch: each width's pass time as a chain and as a tree, and the widest tree's
+    pass over a one-token pass (how near free the extra nodes are)."""
+    lines = []
+    for batch, shapes in rows.items():
+        chain, tree = shapes["chain"], shapes.get("tree", {})
+        cells = ", ".join(f"{w}: {chain[w]:.2f} / {tree[w]:.2f} ms" for w in chain if w in tree)
+        widest = str(max(WIDTHS))
+        if widest in tree:
+            cells += f"; tree of {widest} / 1 token = {tree[widest] / chain['1']:.2f}x"
+        lines.append(f"batch {batch} verify pass, chain / tree by tokens a sequence: {cells}")
+    return lines
 
 
 def _parity(ctx: Context, out: dict, work) -> None:
