@@ -35,7 +35,7 @@ def run(ctx: Context, out: dict) -> None:
         step_ms = out["plain_batch1"]["step_ms"]["median"]
         bandwidth = ctx.report.get("sections", {}).get("environment", {}).get("copy_tb_s")
         if bandwidth:
-            bound_ms = weights_gb / (bandwidth * 1e3)
+            bound_ms = weights_gb / bandwidth  # GB / (TB/s) = ms
             out["batch1_bound"] = {"weights_gb": weights_gb, "copy_tb_s": bandwidth, "bound_ms": bound_ms,
                                    "step_ms": step_ms, "share_of_bound": bound_ms / step_ms}
             ctx.log(f"8B plain batch 1: step {step_ms:.2f} ms, bound {bound_ms:.2f} ms ({100 * bound_ms / step_ms:.0f}%)")

@@ -75,7 +75,7 @@ def _plain(ctx: Context, out: dict, hf, target, dtype: str, config: dict) -> Non
                 f"transformers {r['transformers']['median']:.1f} tok/s, ratio {r['ratio']:.2f}")
     bandwidth = ctx.report.get("sections", {}).get("environment", {}).get("copy_tb_s")
     if bandwidth:
-        bound_ms = out["weights_gb"] / (bandwidth * 1e3)  # GB / (TB/s) in ms
+        bound_ms = out["weights_gb"] / bandwidth  # GB / (TB/s) = ms
         out["batch1_bound"] = {"weights_gb": out["weights_gb"], "copy_tb_s": bandwidth, "bound_ms": bound_ms,
                                "step_ms": rows[1]["step_ms"]["median"],
                                "share_of_bound": bound_ms / rows[1]["step_ms"]["median"]}

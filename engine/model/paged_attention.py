@@ -56,7 +56,17 @@ def paged_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_num
         return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
     mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=visible,
                                     seq_lengths=(q.shape[2], keys.shape[2]), compute_q_blocks=False)
-    return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+    return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+                          kernel_options=kernel_options(bs) if q.is_cuda else None)
+
+
+def kernel_options(block_size: int) -> dict:
+    """The Triton kernel's key tile: it must divide a pool block (its default, 64 or 128 keys, is
+    wider than a 16-token block, and inductor then finds no kernel)."""
+    tile = next((n for n in (64, 32, 16) if block_size % n == 0), None)
+    if tile is None:
+        raise ValueError(f"reading in place on CUDA needs a block_size that is a multiple of 16, not {block_size}")
+    return {"BLOCK_N": tile}
 
 
 class PagedAttention:
@@ -115,6 +125,8 @@ def check_inplace(model, pool, tolerance: float) -> str | None:
     """Compares the model's passes reading in place with the gather on a probe over `pool`
     (ragged decode and verify batches, one sequence alone); what differs, or None. The probe's
     slots are freed after."""
+    if pool.storage.is_cuda:
+        kernel_options(pool.block_size)  # a block the kernel cannot tile raises, with why
     paged, vocab = model.paged, model.shape.vocab_size
     contexts = [3, 21, 40, 9][:pool.max_slots]
     contexts = [min(n, pool.max_seq_len - 5) for n in contexts]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv import PagedKVPool
-from engine.model.paged_attention import PagedAttention, inplace_on, paged_flex
+from engine.model.paged_attention import PagedAttention, inplace_on, kernel_options, paged_flex
 
 D = 8
 
@@ -161,3 +161,12 @@ def test_an_in_place_kernel_that_fails_or_differs_leaves_the_gather(tiny_model, 
     assert llm.engine.model.paged is None
     assert any("gathers its keys" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert llm.generate(PROMPTS[0], greedy())[0].token_ids  # runs, gathering
+
+
+def test_the_kernel_tile_divides_the_pool_block_or_the_pool_is_refused():
+    # the Triton kernel's default key tile (64 or 128) finds no kernel over 16-token blocks (seen on an H200)
+    assert kernel_options(16) == {"BLOCK_N": 16}
+    assert kernel_options(48) == {"BLOCK_N": 16}
+    assert kernel_options(2048) == {"BLOCK_N": 64}
+    with pytest.raises(ValueError, match="block_size that is a multiple of 16, not 2124"):
+        kernel_options(2124)  # a slotted pool's one block of max_seq_len tokens
