@@ -224,22 +224,27 @@ class LLMEngine:
         if not graphs_on(c.cuda_graphs, c.device):
             return {}
         capture = capture or default_capture(self.model.device)
-        widths = [1] + ([padded_length(c.speculative.spec_length + 1)] if c.use_speculative_decoding else [])
+        spec = c.speculative
+        widths = [1] + ([padded_length(spec.spec_length + 1)] if c.use_speculative_decoding else [])
+        # token trees: the verify pass and the drafting passes over a tree's newest nodes, under its mask
+        trees = [PassKind(padded_length(spec.tree_tokens + 1), tree=True)] \
+            if c.use_speculative_decoding and spec.tree_width > 1 else []
         head = self.draft_model if isinstance(self.draft_model, Eagle3Head) else None
         layers = head.aux_layers if head is not None else ()  # the target's features the head reads
         common = dict(max_batch=c.max_batch_size, max_seq_len=c.max_seq_len, capture=capture)
         reports = {}
         self.model.graphs, reports["target"] = capture_checked(
-            "target", self.model, self.kv.target, target_pass(self.model, layers), [PassKind(w) for w in widths],
-            layers=layers, **common)
+            "target", self.model, self.kv.target, target_pass(self.model, layers),
+            [PassKind(w) for w in widths] + trees, layers=layers, **common)
         if head is not None:  # its own steps feed back its state; a round's first pass reads target features
-            kinds = [PassKind(1, head.shape.hidden_size)] + [PassKind(w, head.feature_width) for w in widths[1:]]
+            kinds = [PassKind(1, head.shape.hidden_size)] + [PassKind(w, head.feature_width) for w in widths[1:]] \
+                + [PassKind(k.width, head.shape.hidden_size, tree=True) for k in trees]
             head.graphs, reports["draft"] = capture_checked("EAGLE-3 head", head, self.kv.draft, head_pass(head),
                                                             kinds, **common)
         elif self.draft_model is not None:
             self.draft_model.graphs, reports["draft"] = capture_checked(
                 "draft", self.draft_model, self.kv.draft, target_pass(self.draft_model, ()),
-                [PassKind(w) for w in widths], **common)
+                [PassKind(w) for w in widths] + trees, **common)
         return reports
 
     def _build_speculation(self, defer_calibration: bool) -> SpeculativeDecoder:

@@ -112,8 +112,8 @@ def sections() -> list[tuple[str, Callable[[Context, dict], None], float, float]
     return [("environment", environment.run, 15, 20), ("attention", attention.run, 35, 15),
             ("correctness", correctness.run, 110, 70), ("syncs", syncs.run, 30, 20),
             ("llama_1b", speed.run, 170, 40), ("cuda_graphs", graphs.run_graphs, 90, 40),
-            ("paged_attention", graphs.run_paged, 90, 60), ("trees", trees.run, 45, 40), ("llama_8b", large.run, 80, 15),
-            ("faults", faults.run, 45, 30)]
+            ("paged_attention", graphs.run_paged, 90, 60), ("trees", trees.run, 60, 40), ("llama_8b", large.run, 80, 15),
+            ("faults", faults.run, 60, 30)]
 
 
 def device_name(device: str) -> str:

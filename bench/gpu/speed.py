@@ -57,6 +57,7 @@ def _plain(ctx: Context, out: dict, hf, target, dtype: str, config: dict) -> Non
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm = LLM(**ctx.engine_kwargs(32, 2304, model=str(target), dtype=dtype))
     out["weights_gb"] = llm.engine.model.num_parameters * llm.engine.model.dtype.itemsize / 1e9
+    out["paged_attention"] = llm.engine.paged_attention  # {"target": "inplace"}, or why it gathers
     rows = out["plain"] = {}
     for batch in (1, 8, 32):
         prompts = random_prompts(batch, 32, config["vocab_size"], seed=batch)
@@ -101,12 +102,19 @@ def _busy_share(ctx: Context, llm: LLM, config: dict) -> dict | None:
         for _ in range(n):
             engine.step()
         ctx.sync()
-    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernel_us = sum(e.time_range.elapsed_us() for e in kernels)
+    by_name: dict[str, list[float]] = {}  # kernel name -> [launches, microseconds] over the n steps
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     engine.abort(rid)
     engine.release(rid)
     return {"kernel_ms_per_step": kernel_us / 1e3 / n, "wall_ms_per_step": 1e3 * wall / n,
-            "busy_share": kernel_us / 1e6 / wall, "kernels_per_step": launches / n}
+            "busy_share": kernel_us / 1e6 / wall, "kernels_per_step": len(kernels) / n,
+            "top_kernels": [{"name": name, "per_step": c / n, "us_per_step": us / n} for name, (c, us) in top]}
 
 
 def _speculative(ctx: Context, out: dict, target, draft, same, dtype: str, config: dict) -> None:
@@ -202,6 +210,8 @@ def _summary(out: dict) -> list[str]:
         b = out["batch1_bound"]
         lines.append(f"batch-1 step {b['step_ms']:.2f} ms vs weights / bandwidth bound {b['bound_ms']:.2f} ms "
                      f"({b['weights_gb']:.2f} GB at {b['copy_tb_s']:.2f} TB/s): {100 * b['share_of_bound']:.0f}% of bound")
+    if "paged_attention" in out:
+        lines.append(f"decode attention: {str(out['paged_attention'])[:200]}")
     if out.get("busy_share_batch1"):
         s = out["busy_share_batch1"]
         lines.append(f"batch-1 decode step: GPU busy {100 * s['busy_share']:.0f}% ({s['kernel_ms_per_step']:.2f} ms of "

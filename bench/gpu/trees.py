@@ -1,7 +1,8 @@
 """Token trees on the device (section `trees`): what a verify pass costs by its width, as a chain
 and as a tree (the ancestor mask), at batch 1 and 8 on the Llama-3.2-1B shape, where a wider pass
-is nearly free while decoding reads the weights; and greedy n-gram trees equal plain decoding
-(float32, both pools) on the device."""
+is nearly free while decoding reads the weights: replayed from captured graphs (as the engine
+runs them) and eager; and greedy n-gram trees equal plain decoding (float32, both pools) on the
+device."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from bench.gpu.check import Context, check
 from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
 from engine import LLM, SamplingParams
-from engine.model.passes import fill_slots, forward_chunks, pool_for
+from engine.model.cuda_graphs import CapturedPasses, PassKind, default_capture, target_pass
+from engine.model.passes import fill_slots, forward_chunks, padded_length, pool_for
 from engine.speculative.tree import TokenTree
 
 WIDTHS = (1, 5, 9, 17)  # tokens per sequence in a verify pass (root + nodes)
@@ -36,33 +38,52 @@ def run(ctx: Context, out: dict) -> None:
         llm = LLM(**ctx.engine_kwargs(max(batches), context + 32, model=str(target), dtype=ctx.dtype))
     model = llm.engine.runner.model
     repeats = ctx.size(20, 2)
-    rows = out.setdefault("verify_ms", {})
     out.update(context=context, widths=list(WIDTHS), dtype=ctx.dtype)
-    for batch in batches:
-        pool = pool_for(model, batch, context + 32)
-        slots = fill_slots(model, pool, batch, context)
-        for width in WIDTHS:
-            for shape in ("chain", "tree"):
-                trees = None if shape == "chain" or width == 1 else [_tree(width - 1)] * batch
-                times = []
-                for _ in range(repeats + 1):
-                    ctx.sync()
-                    t0 = time.perf_counter()
-                    forward_chunks(model, pool, slots, [[1] * width] * batch, [context] * batch, all_logits=True,
-                                   trees=trees)
-                    ctx.sync()
-                    times.append(time.perf_counter() - t0)
-                    for s in slots:
-                        pool.truncate_to(s, context, keep_storage=True)
-                rows.setdefault(str(batch), {}).setdefault(shape, {})[str(width)] = 1e3 * statistics.median(times[1:])
-        ctx.log(f"batch {batch}: verify ms by width {rows[str(batch)]}")
-        out["summary"] = _summary(rows)
-    del llm, model
+    pool = pool_for(model, max(batches), context + 64)
+    filled = fill_slots(model, pool, max(batches), context)
+    # the engine's captured passes over this pool: chains of each width, and trees under their mask
+    widths = sorted({padded_length(w) for w in WIDTHS})
+    graphs = CapturedPasses(target_pass(model, ()), pool.storage,
+                            [PassKind(w) for w in widths] + [PassKind(w, tree=True) for w in widths if w > 1],
+                            max_batch=max(batches), max_seq_len=context + 64, extra_dtype=model.dtype)
+    t0 = time.perf_counter()
+    graphs.capture(default_capture(model.device))
+    out["capture_seconds"] = time.perf_counter() - t0
+    engine_graphs = model.graphs
+    try:
+        for mode, captured in (("graphs", graphs), ("eager", None)):
+            model.graphs = captured
+            rows = out.setdefault(f"verify_ms_{mode}", {})
+            for batch in batches:
+                slots = filled[:batch]
+                for width in WIDTHS:
+                    for shape in ("chain", "tree"):
+                        trees = None if shape == "chain" or width == 1 else [_tree(width - 1)] * batch
+                        times = []
+                        for _ in range(repeats + 1):
+                            ctx.sync()
+                            t0 = time.perf_counter()
+                            forward_chunks(model, pool, slots, [[1] * width] * batch, [context] * batch,
+                                           all_logits=True, trees=trees)
+                            ctx.sync()
+                            times.append(time.perf_counter() - t0)
+                            for s in slots:
+                                pool.truncate_to(s, context, keep_storage=True)
+                        rows.setdefault(str(batch), {}).setdefault(shape, {})[str(width)] = \
+                            1e3 * statistics.median(times[1:])
+                ctx.log(f"{mode}, batch {batch}: verify ms by width {rows[str(batch)]}")
+        replays = graphs.replays
+    finally:
+        model.graphs = engine_graphs
+    check(out, "every timed pass replayed a graph where graphs were on",
+          replays == len(batches) * len(WIDTHS) * 2 * (repeats + 1), {"replays": replays})
+    out["summary"] = _summary(out["verify_ms_graphs"], "graphs") + _summary(out["verify_ms_eager"], "eager")
+    del llm, model, graphs
     ctx.free()
     _parity(ctx, out, work)
 
 
-def _summary(rows: dict) -> list[str]:
+def _summary(rows: dict, mode: str) -> list[str]:
     """One line a batch: each width's pass time as a chain and as a tree, and the widest tree's
     pass over a one-token pass (how near free the extra nodes are)."""
     lines = []
@@ -72,7 +93,7 @@ def _summary(rows: dict) -> list[str]:
         widest = str(max(WIDTHS))
         if widest in tree:
             cells += f"; tree of {widest} / 1 token = {tree[widest] / chain['1']:.2f}x"
-        lines.append(f"batch {batch} verify pass, chain / tree by tokens a sequence: {cells}")
+        lines.append(f"{mode}, batch {batch} verify pass, chain / tree by tokens a sequence: {cells}")
     return lines
 
 

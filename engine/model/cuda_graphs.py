@@ -7,7 +7,7 @@ copies the step's values into, in place, and writes its outputs into static tens
 sequences of T tokens over L keys takes the smallest bucket with at least B rows, T tokens and L
 keys: padded rows and tokens write to the pool's scratch row at position 0 and are sliced away.
 Every captured pass masks keys by position (no host value reaches it: no lengths, no groups,
-no `.item()`). The capture mechanism is injected: on CUDA `torch.cuda.CUDAGraph` with one memory
+no `.item()`), except a tree kind's, which reads its mask (kv/tree_view.py) from a static buffer. The capture mechanism is injected: on CUDA `torch.cuda.CUDAGraph` with one memory
 pool shared by every graph; on CPU (tests, `cuda_graphs: "on"`) a replay runs the captured callable
 again over the same static buffers. At load each graph's replay is checked against eager on a
 probe; a capture that raises or a replay that differs leaves that model eager, with a warning.
@@ -97,10 +97,12 @@ def default_capture(device: torch.device) -> Capture:
 @dataclass(frozen=True)
 class PassKind:
     """Passes one set of graphs takes: up to `width` tokens a sequence, and a per-token input of
-    `extra` values beside the ids (an EAGLE-3 head's state or features; None: none)."""
+    `extra` values beside the ids (an EAGLE-3 head's state or features; None: none); `tree`: passes
+    over token trees, their mask a static input."""
 
     width: int
     extra: int | None = None
+    tree: bool = False
 
 
 @dataclass
@@ -112,6 +114,7 @@ class _Static:
     write_rows: torch.Tensor  # [max_batch, width] storage row of each new token
     read_rows: torch.Tensor  # [max_batch, max_keys] storage row of each key
     extra: torch.Tensor | None  # [max_batch, width, extra]
+    mask: torch.Tensor | None  # [max_batch, 1, width, max_keys] a tree kind's attention mask (True = attend)
     outputs: tuple[torch.Tensor, ...] = ()  # each [max_batch, width, ...]
     replays: dict[tuple[int, int], Callable[[], None]] = field(default_factory=dict)  # (batch, keys) -> replay
 
@@ -130,6 +133,7 @@ class CapturedPasses:
         self.extra_dtype = extra_dtype
         self._static: dict[PassKind, _Static] = {}
         self.replays = 0  # steps that ran a graph (tests, stats)
+        self.tree_replays = 0  # of which over token trees
 
     def capture(self, capture: Capture) -> int:
         """Records every (kind, batch, keys) graph, largest first; how many."""
@@ -141,7 +145,9 @@ class CapturedPasses:
                 s = _Static(torch.zeros(B, kind.width, **long), torch.zeros(B, kind.width, **long),
                             torch.full((B, kind.width), scratch, **long), torch.full((B, L), scratch, **long),
                             None if kind.extra is None else torch.zeros(B, kind.width, kind.extra,
-                                                                        dtype=self.extra_dtype, device=device))
+                                                                        dtype=self.extra_dtype, device=device),
+                            _first_key_only(torch.empty(B, 1, kind.width, L, dtype=torch.bool, device=device))
+                            if kind.tree else None)
                 s.outputs = tuple(torch.empty_like(o) for o in self._body(s, B, L)())  # shapes from one eager run
                 self._static[kind] = s
                 for b in reversed(self.batches):
@@ -153,6 +159,8 @@ class CapturedPasses:
         """The captured pass over the first b rows and n keys of the static buffers."""
         def body():
             view = KVView(self.storage, s.write_rows[:b].reshape(-1), s.read_rows[:b, :n], None, n, needs_mask=True)
+            if s.mask is not None:
+                view.mask_override = s.mask[:b, :, :, :n]
             outs = self.fn(s.ids[:b], s.positions[:b], view, None if s.extra is None else s.extra[:b])
             if not store:
                 return outs
@@ -160,9 +168,10 @@ class CapturedPasses:
                 out[:b].copy_(value)
         return body
 
-    def bucket(self, batch: int, width: int, keys: int, extra: int | None) -> tuple[PassKind, int, int] | None:
+    def bucket(self, batch: int, width: int, keys: int, extra: int | None,
+               tree: bool = False) -> tuple[PassKind, int, int] | None:
         """The kind and (batch, keys) bucket a pass fits, or None (it runs eager)."""
-        kind = next((k for k in self.kinds if k.width >= width and k.extra == extra), None)
+        kind = next((k for k in self.kinds if k.width >= width and k.extra == extra and k.tree == tree), None)
         b = next((x for x in self.batches if x >= batch), None)
         n = next((x for x in self.keys if x >= keys), None)
         return None if kind is None or b is None or n is None else (kind, b, n)
@@ -173,7 +182,8 @@ class CapturedPasses:
         are the next replay's); None where no graph fits or the view is another pool's. keys:
         force a key bucket (the load-time check replays each)."""
         B, T = ids.shape
-        fit = self.bucket(B, T, max(view.key_len, keys or 0), None if extra is None else extra.shape[-1]) \
+        tree = view.mask_override is not None
+        fit = self.bucket(B, T, max(view.key_len, keys or 0), None if extra is None else extra.shape[-1], tree) \
             if view.storage is self.storage else None
         if fit is None:
             return None
@@ -194,9 +204,20 @@ class CapturedPasses:
             if s.extra is not None:
                 s.extra[:b].zero_()
                 s.extra[:B, :T].copy_(extra)
+            if tree:  # padded rows and keys: the first key alone (a softmax over no key would be NaN)
+                _first_key_only(s.mask[:b, :, :, :n])
+                s.mask[:B, :, :T, :view.key_len].copy_(view.mask_override)
             s.replays[b, n]()
             self.replays += 1
+            self.tree_replays += tree
             return tuple(out[:B, :T].clone() for out in s.outputs)
+
+
+def _first_key_only(mask: torch.Tensor) -> torch.Tensor:
+    """mask [b, 1, T, n] set, in place, to attend to key 0 only."""
+    mask.fill_(False)
+    mask[..., 0] = True
+    return mask
 
 
 def target_pass(model: Transformer, layers: tuple[int, ...]) -> PassFn:
@@ -277,12 +298,12 @@ def self_check(graphs: CapturedPasses, model: Transformer, pool: CachePool, cont
                 rows = slots[:max(prev + 1, b - b // 4)]  # fills bucket b, with padded rows where it can
                 chunks = [[(5 * i + 7 * j + 2) % vocab for j in range(kind.width)] for i in range(len(rows))]
                 more = extra(kind, len(rows), kind.width)
-                x = pass_inputs(model, pool, rows, chunks, [context] * len(rows))
+                x = _probe_inputs(model, pool, rows, chunks, context, kind)
                 with torch.inference_mode():
                     want = graphs.fn(x.ids, x.positions, x.view, more)
                 _roll_back(pool, rows, context)
                 for n in graphs.keys:
-                    x = pass_inputs(model, pool, rows, chunks, [context] * len(rows))
+                    x = _probe_inputs(model, pool, rows, chunks, context, kind)
                     got = graphs.run(x.ids, x.positions, x.view, more, keys=n)
                     _roll_back(pool, rows, context)
                     if got is None:
@@ -297,8 +318,22 @@ def self_check(graphs: CapturedPasses, model: Transformer, pool: CachePool, cont
     finally:
         for s in slots:
             pool.free_slot(s)
-    graphs.replays = 0
+    graphs.replays = graphs.tree_replays = 0
     return None
+
+
+def _probe_inputs(model: Transformer, pool: CachePool, rows: list[int], chunks: list[list[int]], context: int,
+                  kind: PassKind):
+    """The probe's pass; for a tree kind under a tree's mask: every odd token skips the token
+    before it (two chains interleaved, each token seeing the context and its own ancestors)."""
+    x = pass_inputs(model, pool, rows, chunks, [context] * len(rows))
+    if kind.tree:
+        L, T = x.view.key_len, x.ids.shape[1]
+        mask = (torch.arange(L, device=x.positions.device) <= x.positions[:, :, None]).unsqueeze(1)  # [B, 1, T, L]
+        odd = torch.arange(1, T, 2, device=mask.device)
+        mask[:, :, odd, context + odd - 1] = False
+        x.view.mask_override = mask
+    return x
 
 
 def _roll_back(pool: CachePool, slots: list[int], length: int) -> None:

@@ -108,9 +108,9 @@ def replayed(model: Transformer, x: PassInputs, extra: torch.Tensor | None = Non
     """The pass's every-position outputs [B, T, ...] replayed from the model's captured graphs
     (engine/model/cuda_graphs.py; with the features of `layers` second where asked), or None: eager."""
     graphs = model.graphs
-    if graphs is None or (layers and graphs.layers != layers) or x.view.mask_override is not None:
-        return None  # no graph, or a tree pass (its mask is not a graph's)
-    return graphs.run(x.ids, x.positions, x.view, extra)
+    if graphs is None or (layers and graphs.layers != layers):
+        return None
+    return graphs.run(x.ids, x.positions, x.view, extra)  # a tree pass takes a tree kind's graph
 
 
 def at_last(every: torch.Tensor, x: PassInputs, all_logits: bool) -> torch.Tensor:

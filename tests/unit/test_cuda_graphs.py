@@ -26,6 +26,7 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
+from engine.speculative.tree import TokenTree
 from tests.helpers import make_eagle3_head
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "class Point:\n    def __init__(self, x, y):",
@@ -60,12 +61,12 @@ def model_and_pool(tiny_model):
     return model, pool_for(model, max_slots=8, max_seq_len=400, block_size=4)
 
 
-def _pass(model, pool, slots, chunks, all_logits, graphs):
+def _pass(model, pool, slots, chunks, all_logits, graphs, trees=None):
     """forward_chunks with `graphs` on the model (None: eager); the slots rolled back after."""
     starts = [pool.seq_len(s) for s in slots]
     model.graphs = graphs
     try:
-        return forward_chunks(model, pool, slots, chunks, starts, all_logits=all_logits)
+        return forward_chunks(model, pool, slots, chunks, starts, all_logits=all_logits, trees=trees)
     finally:
         model.graphs = None
         for s, n in zip(slots, starts):
@@ -105,6 +106,41 @@ def test_a_replay_over_the_static_buffers_equals_eager_padded_or_beyond_the_buck
         else:
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
             assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
+def test_a_tree_pass_replays_a_tree_kind_under_its_own_mask(model_and_pool):
+    model, pool = model_and_pool
+    graphs = CapturedPasses(target_pass(model, ()), pool.storage, [PassKind(1), PassKind(5), PassKind(8, tree=True)],
+                            max_batch=4, max_seq_len=400, extra_dtype=model.dtype)
+    graphs.capture(EmulatedCapture())
+    contexts = [3, 17, 40]
+    slots = [pool.allocate_slot([])[0] for _ in contexts]
+    vocab = model.shape.vocab_size
+    forward_chunks(model, pool, slots, [[(5 * i + j) % vocab for j in range(n)] for i, n in enumerate(contexts)],
+                   [0] * len(slots))
+    bushy = TokenTree((11, 12, 13, 14, 15, 16), (-1, -1, -1, 0, 0, 1))  # three children at the root
+    chain = TokenTree((21, 22, 23), (-1, 0, 1))
+    cases = [([0], [[7, *bushy.tokens]], [bushy]),
+             ([0, 1, 2], [[7, *bushy.tokens], [8, *chain.tokens], [9]], [bushy, chain, None]),  # ragged, pads to 4
+             ([1, 2], [[4, 5, 6], [7, *bushy.tokens]], [None, bushy])]
+    for rows, chunks, trees in cases:
+        picked = [slots[r] for r in rows]
+        before = graphs.tree_replays
+        eager = _pass(model, pool, picked, chunks, True, None, trees)
+        replayed = _pass(model, pool, picked, chunks, True, graphs, trees)
+        assert graphs.tree_replays == before + 1
+        for i, c in enumerate(chunks):
+            torch.testing.assert_close(replayed[i, :len(c)], eager[i, :len(c)], rtol=1e-5, atol=1e-5)
+        # the mask matters: the same tokens as a chain give other logits where a node is not its predecessor's child
+        as_chain = _pass(model, pool, picked, chunks, True, None, None)
+        i = trees.index(bushy)
+        assert not torch.allclose(as_chain[i, :len(chunks[i])], eager[i, :len(chunks[i])], atol=1e-4)
+    chains = graphs.replays
+    _pass(model, pool, [slots[0]], [[1, 2, 3]], True, graphs, None)  # a chain takes a chain kind
+    assert graphs.replays == chains + 1 and graphs.tree_replays == len(cases)
+    wide = TokenTree(tuple(range(30, 39)), (-1,) * 9)
+    _pass(model, pool, [slots[0]], [[7, *wide.tokens]], True, graphs, [wide])  # wider than the tree kind: eager
+    assert graphs.replays == chains + 1
 
 
 def test_the_static_inputs_are_the_same_tensors_every_replay_filled_in_place(model_and_pool):
@@ -204,3 +240,17 @@ def test_speculative_greedy_with_an_eagle3_head_and_graphs_equals_plain(tiny_mod
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_accepted_tokens for o in outs) > 0
     assert llm.engine.model.graphs.replays > 0 and llm.engine.draft_model.graphs.replays > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_speculative_greedy_trees_with_graphs_equal_plain(tiny_model, tiny_draft, head_dir, reference, method):
+    draft = tiny_draft[0] if method == "draft" else head_dir
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(draft), use_speculative_decoding=True,
+              speculative_method=method, spec_policy="fixed", spec_length=3, tree_width=3, tree_tokens=7,
+              cuda_graphs="on", **COMMON)
+    assert all(r.fallback is None for r in llm.engine.cuda_graphs.values())
+    outs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_draft_tokens for o in outs) > 0
+    # the verify passes and the drafting passes over the trees' newest nodes replay graphs
+    assert llm.engine.model.graphs.tree_replays > 0 and llm.engine.draft_model.graphs.tree_replays > 0
