@@ -31,18 +31,18 @@ def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], trees: lis
     L = view.key_len
     first = first if first is not None else [0] * B
     C = max([T] + [f + c for f, c in zip(first, chunk_lens)])  # tree columns a row may have
-    depths = torch.zeros(B, T, dtype=torch.int64)  # [B, T] each query's depth (padded queries: 0)
-    ancestors = torch.zeros(B, T, C, dtype=torch.int64)  # [B, T, C] query i may see column j
-    ancestors[:, :, 0] = 1  # the root: everyone's (padded queries see it and the context only)
+    depths = [0] * (B * T)  # each query's depth (padded queries: 0)
+    visible = [1] * (B * T)  # bit j: the query may see column j (padded queries: the root only, and the context)
     for b, (f, c, tree) in enumerate(zip(first, chunk_lens, trees)):
-        if tree is None:
-            depths[b, :c] = torch.arange(f, f + c)
-            ancestors[b, :c, :f + c] = torch.ones(f + c, f + c, dtype=torch.int64).tril()[f:]
+        if tree is None:  # a chain: column j sees columns 0..j
+            depths[b * T:b * T + c] = range(f, f + c)
+            visible[b * T:b * T + c] = [(1 << (j + 1)) - 1 for j in range(f, f + c)]
         else:
-            depths[b, :c] = torch.tensor((0,) + tree.depths, dtype=torch.int64)[f:f + c]
-            ancestors[b, :c, :len(tree) + 1] = tree.ancestor_mask()[f:f + c].long()
+            depths[b * T:b * T + c] = ((0,) + tree.depths)[f:f + c]
+            visible[b * T:b * T + c] = tree.ancestor_bits[f:f + c]
+    ancestors = unpack_bits(visible, C)  # [B * T, C]
     roots = [s - f for s, f in zip(starts, first)]
-    packed = host_sync.upload(torch.cat([torch.tensor(roots, dtype=torch.int64), depths.view(-1), ancestors.view(-1)]),
+    packed = host_sync.upload(torch.cat([torch.tensor(roots + depths, dtype=torch.int64), ancestors.reshape(-1).long()]),
                               view.position_ids.device)  # one upload
     root = packed[:B]  # [B] each root's key position
     depth = packed[B:B + B * T].view(B, T)  # [B, T]
@@ -58,3 +58,12 @@ def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], trees: lis
     view.needs_mask = True
     view.causal_tail = False
     return view
+
+
+def unpack_bits(rows: list[int], columns: int) -> torch.Tensor:
+    """[len(rows), columns] uint8 on the host: bit j of rows[i] at [i, j] (one pass over bytes, not
+    an op per bit)."""
+    width = (columns + 7) // 8
+    packed = torch.frombuffer(bytearray(b"".join(r.to_bytes(width, "little") for r in rows)), dtype=torch.uint8)
+    bits = packed.view(len(rows), width, 1) >> torch.arange(8, dtype=torch.uint8) & 1  # [rows, width, 8]
+    return bits.view(len(rows), 8 * width)[:, :columns]

@@ -30,6 +30,8 @@ from functools import cached_property
 
 import torch
 
+from engine.kv.tree_view import unpack_bits
+
 
 @dataclass(frozen=True)
 class TokenTree:
@@ -109,16 +111,20 @@ class TokenTree:
             node = self.parents[node]
         return out[::-1]
 
+    @cached_property
+    def ancestor_bits(self) -> tuple[int, ...]:
+        """ancestor_mask's rows as integers: bit b of row a set where row a may attend to column b."""
+        out = [1]  # the root sees itself
+        for i, parent in enumerate(self.parents):
+            out.append(out[parent + 1] | 1 << (i + 1))
+        return tuple(out)
+
     def ancestor_mask(self, device=None) -> torch.Tensor:
         """[n + 1, n + 1] bool over (root, nodes): row a may attend to column b, b being a or one of
         a's ancestors (the root is everyone's)."""
-        n = len(self)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, parent in enumerate(self.parents):
-            mask[i + 1] = mask[parent + 1]
-            mask[i + 1, i + 1] = True
+        mask = unpack_bits(list(self.ancestor_bits), len(self) + 1).bool()
         return mask.to(device) if device is not None else mask
+
 
 
 def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:
