@@ -265,6 +265,20 @@ def structured(r: dict) -> list[str]:
 TREE_RESULTS = ("trees", "trees_eagle", "trees_eagle_8nodes", "trees_draft")  # bench trees runs, by method and size
 
 
+def _tree_runs() -> list[dict]:
+    """The bench trees runs; a later `--skip-batch-1` run (<name>_batches.json) replaces its
+    run's batches."""
+    runs = []
+    for name in TREE_RESULTS:
+        if (r := _load(name)) is None:
+            continue
+        if (later := _load(f"{name}_batches")) is not None and later["results"].get("batches"):
+            r = {**r, "results": {**r["results"], "batches": later["results"]["batches"]}, "machine": r["machine"]}
+            r["batches_machine"] = later["machine"]
+        runs.append(r)
+    return runs
+
+
 def _spread(d: dict, pooled: bool = True) -> str:
     """A ratio's median [min, max] over repeats, and its pooled value where recorded."""
     out = f"{d['median']:.3f} [{d['min']:.3f}, {d['max']:.3f}]"
@@ -297,7 +311,7 @@ def trees(runs: list[dict]) -> list[str]:
     for r in batches:
         lines += ["", f"Batches of the same prompts (repeated to fill), greedy, {r['method']} trees of up to {r['nodes']} "
                   f"nodes, width {r['width']}; adaptive with trees ÷ adaptive chains only, tok/s (goal: at least 0.97), "
-                  f"{_host(r['machine'])}: " + ", ".join(
+                  f"{_host(r.get('batches_machine', r['machine']))}: " + ", ".join(
                       f"batch {b} {_spread(row['adaptive_tree_over_chain_tok_s'])}" for b, row in r["results"]["batches"].items())]
     return lines + [""]
 
@@ -430,7 +444,7 @@ def summary() -> str:
         worst = min(values, key=values.get)
         return f"{values[worst]:.3f} ({worst}) to {max(values.values()):.3f}"
 
-    tree_runs = [r for name in TREE_RESULTS if (r := _load(name)) is not None]
+    tree_runs = _tree_runs()
     labels = [f"{r['method']} {r['nodes']} nodes" for r in tree_runs]
     gains = {label: row_["tree_over_chain_accepted_per_round"]["median"] for label, r in zip(labels, tree_runs)
              if (row_ := r["results"].get("batch_1", {}).get("T=0.0"))}
@@ -523,7 +537,7 @@ def build() -> str:
                      ("structured", structured), ("startup", startup)):
         if (r := _load(name)) is not None:
             out += fn(r)
-    if (runs := [r for name in TREE_RESULTS if (r := _load(name)) is not None]):
+    if (runs := _tree_runs()):
         out += trees(runs)
     if (r := _load("verification")) is not None:
         out += verification(r)

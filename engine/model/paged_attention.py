@@ -78,7 +78,7 @@ class PagedAttention:
         self.block_size = block_size
         self.num_blocks = (storage.shape[3] - 1) // block_size
         self.max_queries = max_queries  # passes of at most this many queries a sequence read in place (decode, verify)
-        self._flex = flex or (_compiled_flex() if storage.device.type == "cuda" else paged_flex)
+        self._flex = flex or (_compiled_flex(block_size) if storage.device.type == "cuda" else paged_flex)
 
     def takes(self, queries: int, view: KVView) -> bool:
         """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
@@ -115,10 +115,14 @@ class PagedAttention:
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
-    """paged_flex compiled once per process, with dynamic shapes: a pass's batch and width change
-    every step, and a kernel per shape would soon pass dynamo's recompile limit."""
-    return torch.compile(paged_flex, dynamic=True)
+def _compiled_flex(block_size: int) -> Callable:
+    """paged_flex compiled once per process and block size, with dynamic shapes: a pass's batch and
+    width change every step, and a kernel per shape would soon pass dynamo's recompile limit. The
+    block size is a constant of the trace: passed as an argument it is symbolic, and inductor
+    (torch 2.11, an H200) emitted the mask's `kv_idx // block_size` as code that does not compile."""
+    def flex(q, keys, values, kv_num_blocks, kv_indices, to_logical, positions, _block_size, scale):
+        return paged_flex(q, keys, values, kv_num_blocks, kv_indices, to_logical, positions, block_size, scale)
+    return torch.compile(flex, dynamic=True)
 
 
 def check_inplace(model, pool, tolerance: float) -> str | None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv import PagedKVPool
-from engine.model.paged_attention import PagedAttention, inplace_on, kernel_options, paged_flex
+from engine.model.paged_attention import PagedAttention, _compiled_flex, inplace_on, kernel_options
 
 D = 8
 
@@ -103,7 +103,7 @@ def test_compiled_flex_attention_reads_in_place_as_the_eager_one():
     generator = torch.Generator().manual_seed(1)
     pool = _pool(kv_heads=2, block_size=16)
     eager = PagedAttention(pool.storage, 16, max_queries=16)
-    compiled = PagedAttention(pool.storage, 16, max_queries=16, flex=torch.compile(paged_flex, dynamic=False))
+    compiled = PagedAttention(pool.storage, 16, max_queries=16, flex=_compiled_flex(16))  # the engine's, on CUDA
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     logical = {}
     for chunks in ([20, 5, 33], [9, 17, 1]):
