@@ -148,13 +148,15 @@ def _speculative(ctx: Context, out: dict, target, draft, same, dtype: str, confi
                 f"Thm 3.8 bound {bound:.2f}x, measured/bound {r['measured_over_bound']:.2f})")
     del plain, draft_alone, spec
     ctx.free()
-    identical = LLM(**ctx.engine_kwargs(1, 512, model=str(target), dtype=dtype, use_speculative_decoding=True,
+    # float32: in bf16 the draft's one-token passes and the verify pass round differently, and a random
+    # model's top logits are near ties (alpha 0.86 on an H200)
+    identical = LLM(**ctx.engine_kwargs(1, 512, model=str(target), dtype="float32", use_speculative_decoding=True,
                                         speculative_method="draft", draft_model=str(same), spec_length=K,
                                         spec_policy="fixed"))
     r = timed_generate(ctx, identical, random_prompts(1, 32, config["vocab_size"], seed=21), params)
     out["identical_draft_alpha"] = r["acceptance"]
     ctx.log(f"identical draft: acceptance {r['acceptance']:.3f}")
-    check(out, "the identical draft is accepted almost always (alpha >= 0.9)", (r["acceptance"] or 0) >= 0.9,
+    check(out, "the identical draft is accepted almost always in float32 (alpha >= 0.9)", (r["acceptance"] or 0) >= 0.9,
           r["acceptance"])
     del identical
 
@@ -221,7 +223,7 @@ def _summary(out: dict) -> list[str]:
                      f"{r['speedup']:.2f}x plain, alpha {r['alpha']:.3f}, c {r['c']:.3f}, "
                      f"Thm 3.8 bound {r['thm_3_8_bound']:.2f}x, measured / bound {r['measured_over_bound']:.2f}")
     if "identical_draft_alpha" in out:
-        lines.append(f"identical draft acceptance {out['identical_draft_alpha']:.3f}")
+        lines.append(f"identical draft acceptance (float32) {out['identical_draft_alpha']:.3f}")
     for name, r in out.get("ttft", {}).items():
         if isinstance(r, dict):
             lines.append(f"time to first token, {out['ttft']['prompt_tokens']}-token prompt, {name}: "

@@ -184,8 +184,7 @@ class Eagle3Head(Transformer):
         hidden] (the layer's output, or the final norm's with norm_output), at logits_index (or every
         position when None)."""
         B, T = input_ids.shape
-        narrow = self._token_step is not None and kv.mask_override is None \
-            and self._token_step.takes(B, T, logits_index)  # the C step attends by position: no tree pass
+        narrow = self._token_step is not None and self._token_step.takes(B, T, logits_index)
         if hidden.shape[-1] != self.shape.hidden_size:
             hidden = self._normed_features(hidden)
             hidden = one_sequence.load().linear(hidden, self._fc_rows).to(self.dtype) \

@@ -198,16 +198,38 @@ class TokenStep:
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
         if kv.read_rows is None:  # one sequence whose keys are one slice of storage
-            keys = [(None, kv.read_slice.start)]
+            read = torch.arange(kv.read_slice.start, kv.read_slice.stop, dtype=torch.int64)[None]  # [1, L]
         else:
-            self._key_rows = kv.read_rows.to(torch.int64).contiguous()  # [B, L], alive while the pass runs
-            keys = [(r.data_ptr(), 0) for r in self._key_rows]
+            read = kv.read_rows.to(torch.int64)  # [B, L]
+        if kv.mask_override is not None:  # a tree pass: each query row has its own keys
+            self._key_rows = _tree_key_rows(read, kv.mask_override, position_ids, kv.last)  # [B, T, L]
+            keys = [[(self._key_rows[b, t].data_ptr(), 0) for t in range(T)] for b in range(B)]
+        elif kv.read_rows is None:
+            keys = [[(None, kv.read_slice.start)] * T]
+        else:
+            self._key_rows = read.contiguous()  # [B, L], alive while the pass runs
+            keys = [[(r.data_ptr(), 0)] * T for r in self._key_rows]
         rows, outs = [], []
         for b, n in enumerate(counts):
-            key_rows, first = keys[b]
-            rows += [_Row(ids[b][t], positions[b][t], write_rows[b * T + t], first, key_rows) for t in range(n)]
+            rows += [_Row(ids[b][t], positions[b][t], write_rows[b * T + t], keys[b][t][1], keys[b][t][0])
+                     for t in range(n)]
             outs += range(len(rows) - n, len(rows)) if logits_index is None else [len(rows) - 1]
         return (_Row * len(rows))(*rows), outs
+
+
+def _tree_key_rows(read: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[B, T, L] storage rows of the keys each query of a tree pass sees (kv/tree_view.py), in
+    position order, first: the C step reads the first position + 1 of them (a query sees the
+    context, the root and its own ancestors: position + 1 keys). read [B, L] (or [1, L]) each key
+    position's row; mask [B, 1, T, L]; positions [B, T]; last [B] each chunk's last query."""
+    visible = mask[:, 0]  # [B, T, L]
+    B, T, L = visible.shape
+    order = visible.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)  # [B, T, L] visible keys first
+    counts = visible.sum(-1)  # [B, T]
+    real = torch.arange(T)[None, :] <= last[:, None]  # [B, T] the chunks' queries (padding reads its first key)
+    if not bool(torch.where(real, counts == positions + 1, counts >= 1).all()):
+        raise ValueError("a tree pass's mask must show each query exactly position + 1 keys")
+    return read.expand(B, L).gather(1, order.view(B, T * L)).view(B, T, L).contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -400,8 +400,7 @@ class Transformer:
         Returns logits [B, vocab] or [B, T, vocab] (float32).
         """
         B, T = input_ids.shape
-        # the C step attends by position: a tree pass (kv.mask_override) runs in torch
-        if self._token_step is not None and kv.mask_override is None and self._token_step.takes(B, T, logits_index):
+        if self._token_step is not None and self._token_step.takes(B, T, logits_index):
             return self._token_step.forward(input_ids, position_ids, kv, logits_index)
         return self._run(input_ids, position_ids, kv, logits_index, ())[0]
 

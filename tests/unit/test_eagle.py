@@ -225,6 +225,40 @@ def test_a_head_feeding_its_normed_output_back_drafts_the_same_with_and_without_
     assert any(len(row) == 4 for step in proposals[True] for row in step)  # four-token rounds ran
 
 
+def test_a_heads_tree_drafting_runs_on_the_token_step_and_proposes_the_same_trees(tmp_path, tiny_model):
+    """Tree drafting's head passes (each fed node seeing the context and its own ancestors) run as
+    C calls on the token step, each query given the keys its tree mask shows: the trees proposed
+    equal the torch forward's, and the output is plain greedy's."""
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    make_eagle3_head(tmp_path, tiny_model[0], seed=4, aux=AUX, draft_vocab=list(range(0, vocab, 2)),
+                     layout="speculators", lm_scale=6.0)
+    proposed, outputs, passes = {}, {}, []
+    for token_step in (False, True):
+        llm = LLM(model=str(tiny_model[0]), draft_model=str(tmp_path), use_speculative_decoding=True,
+                  speculative_method="eagle", spec_policy="fixed", spec_length=3, tree_width=2, tree_tokens=6,
+                  dtype="float32", max_seq_len=160, max_batch_size=4, forward_plan={"draft": {"token_step": token_step}})
+        proposer = llm.engine.speculation.proposer
+        seen = proposed[token_step] = []
+
+        def recording(*args, original=proposer.propose_trees, seen=seen):
+            trees = original(*args)
+            seen.append([None if t is None else (t.tokens, t.parents) for t in trees])
+            return trees
+
+        proposer.propose_trees = recording
+        if token_step:
+            step = llm.engine.draft_model._token_step
+            step.head_pass = lambda ids, pos, kv, *rest, original=step.head_pass: passes.append(
+                kv.mask_override is not None) or original(ids, pos, kv, *rest)
+        outputs[token_step] = [o.token_ids for o in llm.generate(PROMPTS[:4], greedy(16))]
+    plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=4)
+    assert outputs[False] == outputs[True] == [o.token_ids for o in plain.generate(PROMPTS[:4], greedy(16))]
+    assert proposed[True] == proposed[False]
+    assert any(len(set(parents)) < len(parents) for step in proposed[True] for tree in step if tree
+               for _, parents in [tree])  # some tree branched
+    assert any(passes)  # passes under a tree mask ran in C
+
+
 @pytest.mark.parametrize("layers", [2, 3])
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 def test_a_head_of_several_layers_runs_as_the_reference_does(tmp_path, tiny_model, layers, backend):

@@ -181,3 +181,70 @@ def test_token_step_draft_refuses_half_a_sampling_request(tmp_path, tok_dir):
     x = pass_inputs(stepped, pool, [slot], [[4, 4]], [3])
     with pytest.raises(ValueError, match="temperatures .* and uniforms"):
         stepped._token_step.draft([4], x.view, [3], 2, None, None, temperatures=torch.tensor([1.0]))
+
+
+def _tree_passes(model, backend: str) -> list[torch.Tensor]:
+    """Two sequences prefilled, then tree passes as drafting and verifying make them: a whole tree
+    and a chain side by side, a tree's newest nodes after its earlier ones (tree_from), and a
+    tree beside a padded one-token row. Returns each pass's logits of every position."""
+    from engine.speculative.tree import TokenTree
+
+    pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
+    torch.manual_seed(2)
+    ids = torch.randint(0, model.shape.vocab_size, (2, 60)).tolist()
+    slots = [pool.allocate_slot([])[0] for _ in range(2)]
+    forward_chunks(model, pool, slots, [s[:37] for s in ids], [0, 0])
+    bushy = TokenTree((11, 12, 13, 14, 15, 16), (-1, -1, -1, 0, 0, 1))
+    chain = TokenTree((21, 22, 23), (-1, 0, 1))
+    out = [forward_chunks(model, pool, slots, [[7, *bushy.tokens], [8, *chain.tokens]], [37, 37], all_logits=True,
+                          trees=[bushy, chain])]
+    for s in slots:
+        pool.truncate_to(s, 37)
+    # drafting: the root and the first three nodes, then the newest three after them
+    out.append(forward_chunks(model, pool, slots[:1], [[7, 11, 12, 13]], [37], all_logits=True, trees=[bushy]))
+    out.append(forward_chunks(model, pool, slots[:1], [[14, 15, 16]], [41], all_logits=True, trees=[bushy],
+                              tree_from=[4]))
+    for s in slots:
+        pool.truncate_to(s, 37)
+    out.append(forward_chunks(model, pool, slots, [[9], [8, *bushy.tokens]], [37, 37], all_logits=True,
+                              trees=[None, bushy]))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_tree_passes_run_as_token_steps_and_match_the_torch_forward(tmp_path, tok_dir, backend):
+    """A token tree's passes (each query seeing the context and its own ancestors) run in the C step,
+    each row given the keys its mask shows, and agree with the torch forward's masked passes."""
+    make_model(tmp_path, tok_dir, seed=4)
+    reference = load_model(tmp_path, ModelPlan("float32"), "cpu", 256)
+    stepped = load_model(tmp_path, ModelPlan("float32", token_step=True, token_step_rows=16), "cpu", 256)
+    taken = []
+    original = stepped._token_step.forward
+
+    def counted(input_ids, *args):
+        taken.append(tuple(input_ids.shape))
+        return original(input_ids, *args)
+
+    stepped._token_step.forward = counted
+    want, got = _tree_passes(reference, backend), _tree_passes(stepped, backend)
+    assert taken == [(2, 7), (1, 4), (1, 3), (2, 7)]
+    real = [[7, 4], [4], [3], [1, 7]]  # each row's tokens (the rest: padding)
+    for w, g, rows in zip(want, got, real):
+        for b, n in enumerate(rows):
+            torch.testing.assert_close(g[b, :n], w[b, :n], atol=1e-4, rtol=1e-4)
+            assert torch.equal(g[b, :n].argmax(-1), w[b, :n].argmax(-1))
+
+
+def test_a_tree_mask_that_does_not_match_the_positions_is_refused():
+    from engine.model.token_step import _tree_key_rows
+
+    read = torch.arange(10)[None]  # [1, L]: key position j at storage row j
+    mask = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
+    mask[0, 0, 0, :6] = True  # position 5 sees keys 0..5
+    mask[0, 0, 1, [0, 1, 2, 3, 4, 6]] = True  # a sibling at position 5: the root's context, not node 5
+    rows = _tree_key_rows(read, mask, torch.tensor([[5, 5]]), torch.tensor([1]))
+    assert rows[0, 0, :6].tolist() == [0, 1, 2, 3, 4, 5] and rows[0, 1, :6].tolist() == [0, 1, 2, 3, 4, 6]
+    mask[0, 0, 1, 7] = True  # one key too many for its position
+    with pytest.raises(ValueError, match="position \\+ 1 keys"):
+        _tree_key_rows(read, mask, torch.tensor([[5, 5]]), torch.tensor([1]))
