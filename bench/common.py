@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -149,12 +150,40 @@ def batch1_llm(target: str, draft: str, forward_plan="auto", max_batch_size: int
                speculative_method=speculative_method)
 
 
+class SeparateLearning:
+    """Each variant's own learned state (the measured costs the adaptive policy plans K by, the
+    shape choice, the tree widths) on an engine that decodes several variants back to back: shared,
+    a variant would plan from the others' rounds (a fixed tree variant's slow tree passes priced in
+    the table an adaptive chain variant picks K from), which no deployment of it would see."""
+
+    PARTS = ("costs", "shapes", "ranks")  # SpeculativeDecoder attributes holding what it learns
+
+    def __init__(self, llm):
+        self.spec = llm.engine.speculation
+        self.start = {p: copy.deepcopy(getattr(self.spec, p).__dict__) for p in self.PARTS}  # each variant's first
+        self.saved: dict[str, dict] = {}
+        self.current: str | None = None
+
+    def switch_to(self, name: str) -> None:
+        """The decoder learns as variant `name` from here on (its state as it last left it)."""
+        if name == self.current:
+            return
+        if self.current is not None:
+            self.saved[self.current] = {p: getattr(self.spec, p).__dict__ for p in self.PARTS}
+        state = self.saved.get(name) or copy.deepcopy(self.start)
+        for p in self.PARTS:
+            getattr(self.spec, p).__dict__ = state[p]
+        self.current = name
+
+
 def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Callable[[int], list], repeats: int,
-                       desc: str, switch: Callable[[str, int], None] | None = None) -> dict[str, list[dict]]:
+                       desc: str, switch: Callable[[str, int], None] | None = None,
+                       learning: SeparateLearning | None = None) -> dict[str, list[dict]]:
     """Like `interleave`, but finer: within a repeat every prompt is decoded by each variant back to
     back (batch 1; `specs`: reconfigure_speculation() settings by name), the order rotating from
     prompt to prompt, so a shared host's drift falls on the variants alike. params(r): repeat r's
-    SamplingParams, one per prompt; switch(name, r), if given, before each variant's decode. Per
+    SamplingParams, one per prompt; switch(name, r), if given, before each variant's decode;
+    learning: each variant keeps its own learned state (SeparateLearning; across calls). Per
     variant and repeat: tok/s over its prompts (and their tokens and seconds), decode rounds,
     accepted and verified tokens per round."""
     names = list(specs)
@@ -166,6 +195,8 @@ def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Calla
                 turn = (i + r) % len(names)
                 for name in names[turn:] + names[:turn]:
                     llm.engine.reconfigure_speculation(**specs[name])
+                    if learning is not None:
+                        learning.switch_to(name)
                     if switch is not None:
                         switch(name, r)
                     t0 = time.perf_counter()

@@ -18,7 +18,17 @@ import statistics
 
 import torch
 
-from bench.common import PLAIN, adaptive, fixed, interleave, interleave_prompts, parser, pooled, write
+from bench.common import (
+    PLAIN,
+    SeparateLearning,
+    adaptive,
+    fixed,
+    interleave,
+    interleave_prompts,
+    parser,
+    pooled,
+    write,
+)
 from bench.sweep import run_batch
 from bench.workloads import load_prompts
 
@@ -48,14 +58,16 @@ def main(argv: list[str] | None = None) -> None:
               f"tree K={args.k}": {**fixed(method, args.k), **tree},
               "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree}}
     results: dict = {"batch_1": {}, "batches": {}}
+    learning = SeparateLearning(llm)  # each variant learns its own costs and shapes, as if it ran alone
     for temperature in () if args.skip_batch_1 else (0.0, 0.8):
         def params(r: int, temperature=temperature) -> list:  # repeat r's seeds, the same for every variant
             return [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=1000 * r + i)
                     for i in range(len(prompts))]
 
-        interleave_prompts(llm, shapes, prompts, params, 1, f"warm-up, T={temperature}")  # the adaptive calibration too
+        interleave_prompts(llm, shapes, prompts, params, 1, f"warm-up, T={temperature}",
+                           learning=learning)  # the adaptive calibration too
         runs = interleave_prompts(llm, shapes, prompts, lambda r, params=params: params(r + 1), args.repeats,
-                                  f"batch 1, T={temperature}")
+                                  f"batch 1, T={temperature}", learning=learning)
         row = {name: {key: statistics.median(r[key] for r in runs[name])
                       for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
         same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
@@ -81,15 +93,16 @@ def main(argv: list[str] | None = None) -> None:
         batch = (prompts * (b // len(prompts) + 1))[:b]
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
 
-        def batch_variant(spec: dict, batch=batch, params=params):
+        def batch_variant(name: str, batch=batch, params=params):
             def go() -> dict:
-                llm.engine.reconfigure_speculation(**spec)
+                llm.engine.reconfigure_speculation(**shapes[name])
+                learning.switch_to(f"{name}, batch {len(batch)}")
                 run = run_batch(llm, batch, params)
                 del run["tokens"]
                 return run
             return go
 
-        variants = {name: batch_variant(shapes[name]) for name in ("adaptive chain", "adaptive tree")}
+        variants = {name: batch_variant(name) for name in ("adaptive chain", "adaptive tree")}
         for fn in variants.values():
             fn()
         runs = interleave(variants, args.repeats, f"batch {b}")
