@@ -175,8 +175,7 @@ class SpeculativeDecoder:
         paths, finals = accept_trees(reqs, trees, logits)
         tree_logprobs(reqs, trees, paths, finals, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
-        # not a chain's pass of its width (its mask, its acceptance on the host): kept out of the table
-        # chains plan K by; the shape choice prices tree rounds whole
+        self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
         self.kv.keep_paths(reqs, starts, paths, features)
         out = []
         for r, start, tree, path, final in zip(reqs, starts, trees, paths, finals):

@@ -343,19 +343,3 @@ def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy
     outs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
     assert branching["trees"] == 0 and sum(o.num_accepted_tokens for o in outs) > 0  # chains that accepted
-
-
-def test_tree_rounds_stay_out_of_the_verify_costs_chains_plan_k_by(tiny_model, branching):
-    """A tree pass is not a chain pass of its width (its mask, its acceptance on the host): rounds
-    of fixed trees add nothing to the target's verify-time table beyond one-token passes, where
-    the same rounds as chains would (both measured: the table's widths before and after)."""
-    def widths_observed(tree_width: int) -> set[int]:
-        llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
-                  spec_policy="fixed", spec_length=4, tree_width=tree_width, tree_tokens=8, dtype="float32",
-                  max_seq_len=256, max_batch_size=4)
-        table = llm.engine.speculation.costs.target
-        before = {t: dict(row) for t, row in table._ema.items()}
-        llm.generate(PROMPTS, greedy(48))
-        return {t for t, row in table._ema.items() if row != before.get(t)}
-
-    assert widths_observed(3) <= {1} and max(widths_observed(1)) > 1
