@@ -7,8 +7,9 @@ copies the step's values into, in place, and writes its outputs into static tens
 sequences of T tokens over L keys takes the smallest bucket with at least B rows, T tokens and L
 keys: padded rows and tokens write to the pool's scratch row at position 0 and are sliced away.
 Every captured pass masks keys by position (no host value reaches it: no lengths, no groups,
-no `.item()`), except a tree kind's, which reads its mask (kv/tree_view.py) from a static buffer. The capture mechanism is injected: on CUDA `torch.cuda.CUDAGraph` with one memory
-pool shared by every graph; on CPU (tests, `cuda_graphs: "on"`) a replay runs the captured callable
+no `.item()`), except a tree kind's, which reads its mask (kv/tree_view.py) from a static buffer.
+The capture mechanism is injected: on CUDA `torch.cuda.CUDAGraph` with one memory pool shared by
+every graph; on CPU (tests, `cuda_graphs: "on"`) a replay runs the captured callable
 again over the same static buffers. At load each graph's replay is checked against eager on a
 probe; a capture that raises or a replay that differs leaves that model eager, with a warning.
 """

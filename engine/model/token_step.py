@@ -217,7 +217,8 @@ class TokenStep:
         return (_Row * len(rows))(*rows), outs
 
 
-def _tree_key_rows(read: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def _tree_key_rows(read: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                   last: torch.Tensor) -> torch.Tensor:
     """[B, T, L] storage rows of the keys each query of a tree pass sees (kv/tree_view.py), in
     position order, first: the C step reads the first position + 1 of them (a query sees the
     context, the root and its own ancestors: position + 1 keys). read [B, L] (or [1, L]) each key

@@ -97,8 +97,8 @@ class EagleProposer:
         at = host_sync.upload([a for a, _ in reads] + [b for _, b in reads] + [w[0] for w in writes]
                               + [w[1] for w in writes] + [w[2] for w in writes], states.device, torch.long)  # [2P + 3M]
         hidden = states[at[:P], at[P:2 * P]].view(len(rows), T, -1)  # [R, T, H]
-        replay = replayed(self.head, x, hidden)
-        logits, out = replay if replay is not None else self.head.step(x.ids, x.positions, x.view, hidden, None)  # [R, T, V], [R, T, H]
+        replay = replayed(self.head, x, hidden)  # a tree kind's graph, else eager
+        logits, out = replay or self.head.step(x.ids, x.positions, x.view, hidden, None)  # [R, T, V], [R, T, H]
         states[at[2 * P:2 * P + M], at[2 * P + M:2 * P + 2 * M]] = out.reshape(P, -1)[at[2 * P + 2 * M:]].to(states.dtype)
         return logits[:, :max(counts)]
 
