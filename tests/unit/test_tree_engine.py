@@ -213,6 +213,7 @@ def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slowe
 
     from engine.speculative import shape_choice
     from engine.speculative.costs import batch_bucket
+    from engine.speculative.policy import Choice
 
     rounds: Counter = Counter()  # (batch bucket, tree?) -> rounds
     real_observe = shape_choice.ShapeChoice.observe
@@ -222,6 +223,9 @@ def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slowe
         real_observe(self, sampled, batch, tree, tokens, seconds * (100 if tree else 1))
 
     monkeypatch.setattr(shape_choice.ShapeChoice, "observe", observe)
+    # every step speculates (the K choice would follow this host's timings, and plain steps take no shape)
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_adaptive_choice",
+                        lambda self, reqs, caps, running: Choice(4, "adaptive", {}))
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=256, max_batch_size=8)
     plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=256, max_batch_size=8)
