@@ -273,8 +273,8 @@ def _tree_runs() -> list[dict]:
         if (r := _load(name)) is None:
             continue
         if (later := _load(f"{name}_batches")) is not None and later["results"].get("batches"):
-            r = {**r, "results": {**r["results"], "batches": later["results"]["batches"]}, "machine": r["machine"]}
-            r["batches_machine"] = later["machine"]
+            r = {**r, "results": {**r["results"], "batches": later["results"]["batches"]},
+                 "batches_machine": later["machine"]}
         runs.append(r)
     return runs
 

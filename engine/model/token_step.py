@@ -197,17 +197,15 @@ class TokenStep:
             raise ValueError(f"position exceeds the model's {self._model.max_keys} positions")
         self._model.kv = storage.data_ptr()
         self._model.kv_rows = storage.shape[3]
-        if kv.read_rows is None:  # one sequence whose keys are one slice of storage
-            read = torch.arange(kv.read_slice.start, kv.read_slice.stop, dtype=torch.int64)[None]  # [1, L]
-        else:
-            read = kv.read_rows.to(torch.int64)  # [B, L]
         if kv.mask_override is not None:  # a tree pass: each query row has its own keys
+            read = kv.read_rows.to(torch.int64) if kv.read_rows is not None else torch.arange(
+                kv.read_slice.start, kv.read_slice.stop, dtype=torch.int64)[None]  # [B or 1, L]
             self._key_rows = _tree_key_rows(read, kv.mask_override, position_ids, kv.last)  # [B, T, L]
             keys = [[(self._key_rows[b, t].data_ptr(), 0) for t in range(T)] for b in range(B)]
-        elif kv.read_rows is None:
+        elif kv.read_rows is None:  # one sequence whose keys are one slice of storage
             keys = [[(None, kv.read_slice.start)] * T]
         else:
-            self._key_rows = read.contiguous()  # [B, L], alive while the pass runs
+            self._key_rows = kv.read_rows.to(torch.int64).contiguous()  # [B, L], alive while the pass runs
             keys = [[(r.data_ptr(), 0)] * T for r in self._key_rows]
         rows, outs = [], []
         for b, n in enumerate(counts):
