@@ -184,7 +184,8 @@ class EngineConfig:
     # against eager (engine/model/cuda_graphs.py); "auto": on CUDA only; "on" on CPU emulates them (tests)
     cuda_graphs: CudaGraphs = "auto"
     # decode and verify attention reading the paged pool in place (FlexAttention, engine/model/paged_attention.py)
-    # or over a gathered copy; "auto": in place on CUDA where the load-time check agrees with the gather
+    # where the load-time check agrees with the gather, or over a gathered copy; "auto" gathers (in place
+    # measured slower on an H200, docs/gpu.md)
     paged_attention: PagedAttentionSetting = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 

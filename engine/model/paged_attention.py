@@ -7,7 +7,12 @@ each key position (`read_rows`: block b's first key at column b * block_size) an
 positions. Its kv_indices are the sequences' block tables, its kv_num_blocks how many blocks reach
 the last query; a mask_mod maps a physical key row back to its position in the sequence (a
 physical-to-logical block map, as torch's experimental PagedAttention does) and keeps keys at or
-before the query. On CUDA flex_attention is compiled (one kernel over a dynamic batch); on CPU it
+before the query. The mask_mod only looks one table up and compares: an integer constant in it
+(`kv_idx // block_size`) was emitted by inductor (torch 2.11, an H200) as Triton code that does not
+compile, and a lookup inside a lookup as C++ that does not (CPU). The table is each storage row's
+position in its sequence, built per pass from the batch's rows: a block two sequences share (a
+cached prefix, a fork) holds the same positions in both, and the block mask lists each sequence's
+own blocks only. On CUDA flex_attention is compiled (one kernel over a dynamic batch); on CPU it
 runs eager (a dense reference over the pool: correct, slow; tests only).
 """
 
@@ -29,8 +34,9 @@ Q_BLOCK = 128  # query rows per block of the mask: a decode or verify pass is on
 
 
 def inplace_on(setting: str, device: str) -> bool:
-    """EngineConfig.paged_attention: "auto" reads in place on CUDA only; "inplace" also on CPU (eager, tests)."""
-    return setting == "inplace" or (setting == "auto" and device.startswith("cuda"))
+    """EngineConfig.paged_attention: only "inplace" reads in place (eager on CPU: tests). "auto" gathers:
+    on an H200 in place ran 0.29-0.64x the gather (docs/gpu.md), its passes outside the CUDA graphs."""
+    return setting == "inplace"
 
 
 class PagedMask(NamedTuple):
@@ -38,26 +44,44 @@ class PagedMask(NamedTuple):
 
     kv_num_blocks: torch.Tensor  # [B, 1, q_blocks] blocks of each sequence up to its last query
     kv_indices: torch.Tensor  # [B, 1, q_blocks, num_blocks] its physical blocks, in order, first
-    to_logical: torch.Tensor  # [B, num_blocks + 1] each physical block's logical index in the sequence (-1: not its)
+    row_position: torch.Tensor  # [rows + 1] each storage row's position in the sequence holding it (NOT_HELD: none)
     positions: torch.Tensor  # [B, T] the queries' positions
 
 
+NOT_HELD = 1 << 30  # row_position of a row no sequence of the pass holds: past every query's position
+
+
 def paged_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_num_blocks: torch.Tensor,
-               kv_indices: torch.Tensor, to_logical: torch.Tensor, positions: torch.Tensor, block_size: int,
+               kv_indices: torch.Tensor, row_position: torch.Tensor, positions: torch.Tensor, block_size: int,
                scale: float) -> torch.Tensor:
     """flex_attention of q [B, heads, T, D] over the pool's keys, values [1, kv_heads, rows, D] under
     the pass's block mask. The mask_mod is made here from tensor arguments, so a compiled call is
     traced once, not once per engine or per pass (a new closure each time would be re-traced until
     dynamo's recompile limit, after which it runs the unfused reference: the whole pool's scores)."""
-    bs = block_size
 
-    def visible(b, h, q_idx, kv_idx):  # key row kv_idx is sequence b's and at or before query q_idx
-        block = to_logical[b, kv_idx // bs]
-        return (block >= 0) & (block * bs + kv_idx % bs <= positions[b, q_idx])
-    mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=visible,
+    if torch.compiler.is_compiling():  # the kernels visit only each sequence's listed blocks
+        def visible(b, h, q_idx, kv_idx):  # key row kv_idx (one of b's blocks) is at or before query q_idx
+            return row_position[kv_idx] <= positions[b, q_idx]
+    else:  # eager flex_attention applies the mask_mod to every key of the pool: each sequence's own, densely
+        owned = _owned_rows(kv_num_blocks, kv_indices, block_size)  # [B, rows]
+
+        def visible(b, h, q_idx, kv_idx):
+            return owned[b, kv_idx] & (row_position[kv_idx] <= positions[b, q_idx])
+    mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=visible,
                                     seq_lengths=(q.shape[2], keys.shape[2]), compute_q_blocks=False)
     return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
-                          kernel_options=kernel_options(bs) if q.is_cuda else None)
+                          kernel_options=kernel_options(block_size) if q.is_cuda else None)
+
+
+def _owned_rows(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, rows] whether each storage row lies in one of the blocks the mask lists for sequence b."""
+    B, nb = kv_indices.shape[0], kv_indices.shape[-1]
+    device = kv_indices.device
+    listed = torch.arange(nb, device=device)[None] < kv_num_blocks[:, 0, 0, None]  # [B, nb] columns in use
+    owned = torch.zeros(B, nb, dtype=torch.bool, device=device)  # [B, nb] by physical block
+    rows = torch.arange(B, device=device)[:, None].expand(B, nb)
+    owned[rows[listed], kv_indices[:, 0, 0].long()[listed]] = True
+    return owned.repeat_interleave(block_size, dim=1)
 
 
 def kernel_options(block_size: int) -> dict:
@@ -96,16 +120,23 @@ class PagedAttention:
             first_rows = torch.arange(view.read_slice.start, view.read_slice.stop, bs, device=device)[None]
         table = first_rows // bs  # [B, M] physical blocks (nb: the scratch row's, a padded key)
         M = table.shape[1]
-        to_logical = torch.full((B, nb + 1), -1, dtype=torch.int32, device=device)  # [B, nb + 1]
-        to_logical.scatter_(1, table, torch.arange(M, device=device, dtype=torch.int32).expand(B, M))
-        to_logical[:, nb] = -1  # padded keys
+        rows = nb * bs  # the scratch row (a padded key) is row `rows`
+        row_position = torch.full((rows + 1,), NOT_HELD, dtype=torch.int32, device=device)  # [rows + 1]
+        if view.read_rows is not None:
+            L = view.read_rows.shape[1]
+            keys = torch.arange(L, device=device, dtype=torch.int32).expand(B, L)  # [B, L]
+            row_position.scatter_(0, view.read_rows.reshape(-1), keys.reshape(-1))
+        else:
+            row_position[view.read_slice] = torch.arange(view.read_slice.stop - view.read_slice.start, device=device,
+                                                         dtype=torch.int32)
+        row_position[rows] = NOT_HELD
         counts = (positions.amax(dim=1) // bs + 1).clamp(max=M).to(torch.int32)  # [B] blocks up to the last query
         q_blocks = -(-T // Q_BLOCK)
         kv_num_blocks = counts[:, None, None].expand(B, 1, q_blocks).contiguous()  # [B, 1, q_blocks]
         # every block of the pool has a column (inductor's CPU kernel asserts it), the sequence's own first
         kv_indices = torch.zeros(B, 1, q_blocks, nb, dtype=torch.int32, device=device)  # [B, 1, q_blocks, nb]
         kv_indices[..., :min(M, nb)] = table[:, None, None, :nb].clamp(max=nb - 1).to(torch.int32)
-        return PagedMask(kv_num_blocks, kv_indices, to_logical, positions)
+        return PagedMask(kv_num_blocks, kv_indices, row_position, positions)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: PagedMask, scale: float) -> torch.Tensor:
         """q [B, heads, T, D] over one layer's pool kv [2, kv_heads, rows + 1, D] -> [B, heads, T, D]."""
@@ -118,10 +149,9 @@ class PagedAttention:
 def _compiled_flex(block_size: int) -> Callable:
     """paged_flex compiled once per process and block size, with dynamic shapes: a pass's batch and
     width change every step, and a kernel per shape would soon pass dynamo's recompile limit. The
-    block size is a constant of the trace: passed as an argument it is symbolic, and inductor
-    (torch 2.11, an H200) emitted the mask's `kv_idx // block_size` as code that does not compile."""
-    def flex(q, keys, values, kv_num_blocks, kv_indices, to_logical, positions, _block_size, scale):
-        return paged_flex(q, keys, values, kv_num_blocks, kv_indices, to_logical, positions, block_size, scale)
+    block size is a constant of the trace (the kernel's key tile)."""
+    def flex(q, keys, values, kv_num_blocks, kv_indices, row_position, positions, _block_size, scale):
+        return paged_flex(q, keys, values, kv_num_blocks, kv_indices, row_position, positions, block_size, scale)
     return torch.compile(flex, dynamic=True)
 
 
