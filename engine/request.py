@@ -174,7 +174,7 @@ class DecodeStats:
 
     batch_size: int
     k: int = 0
-    reason: str = "disabled"  # a PlainReason when k = 0; "policy", "probe" or "fixed" otherwise
+    reason: str = "disabled"  # a PlainReason when k = 0; "policy", "probe", "k_probe" or "fixed" otherwise
     num_proposed: int = 0
     num_accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [k]

@@ -13,7 +13,7 @@ from typing import Literal
 from engine.speculative.costs import MeasuredCosts
 from engine.speculative.proposer import CatchUp
 
-Reason = Literal["policy", "probe", "plain_probe", "fixed", "disabled_batch_size", "length_guard"]
+Reason = Literal["policy", "probe", "plain_probe", "k_probe", "fixed", "disabled_batch_size", "length_guard"]
 
 
 Acceptance = float | Sequence[float]  # one per-token rate, or rates by draft position h_1, h_2, ...
@@ -163,14 +163,20 @@ class SpecPolicy:
     step speculates ("probe": plain steps bring no evidence about the proposer); after as many
     choices of K > 0, one step decodes plainly ("plain_probe": speculative steps never measure
     the plain pass). Each probe that leaves the verdict as it was doubles its direction's wait,
-    up to MAX_PROBE_BACKOFF times; a step chosen the other way on its merits resets it."""
+    up to MAX_PROBE_BACKOFF times; a step chosen the other way on its merits resets it.
+
+    While speculating, every `k_probe_every`-th choice takes a neighbouring K instead, one and two
+    above and below in turn ("k_probe"): only the K in use is measured otherwise, so the verify line
+    at every other K (and the acceptance past K) stays as calibrated, and a policy whose first
+    rounds favoured a worse K would keep it (a stale line's slope bends towards the K it holds)."""
 
     MAX_PROBE_BACKOFF = 8
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
-                 probe_every: int = 32):
+                 probe_every: int = 32, k_probe_every: int = 8):
         self.costs, self.hysteresis, self.probe_every = costs, hysteresis, probe_every
+        self.k_probe_every = k_probe_every  # 0: never
         self.configure(spec_length, mode, disable_batch_size)
 
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
@@ -179,6 +185,7 @@ class SpecPolicy:
         self._last_k = spec_length
         self._streak = 0  # consecutive adaptive verdicts on _last_k's side (plain, or K > 0)
         self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
+        self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a neighbour K's probe; the next
 
     def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
         """A step's time at K = 0..k_max: its draft passes (the first at the expected width
@@ -239,9 +246,28 @@ class SpecPolicy:
             self._streak, self._wait[was_plain] = 0, self.probe_every
         self._streak += 1
         if self._streak < self._wait[plain]:
-            return Choice(best, "policy", scores)
+            return self._neighbour_probe(best, k_max, scores) or Choice(best, "policy", scores)
         self._streak = 0
         self._wait[plain] = min(2 * self._wait[plain], self.MAX_PROBE_BACKOFF * self.probe_every)
         if plain:
             return Choice(max(range(1, k_max + 1), key=scores.get), "probe", scores)
         return Choice(0, "plain_probe", scores)
+
+    K_PROBE_STEPS = (1, -1, 2, -2)  # the neighbours probed in turn, as offsets from the policy's K
+
+    def _neighbour_probe(self, best: int, k_max: int, scores: dict[int, float]) -> Choice | None:
+        """Every k_probe_every-th speculative choice: a K near `best` (K_PROBE_STEPS in turn, the
+        next one that lies in 1..k_max), measuring its pass; the policy's K stays `best`. None otherwise."""
+        if best == 0 or not self.k_probe_every or k_max < 2:
+            return None
+        self._since_k_probe += 1
+        if self._since_k_probe < self.k_probe_every:
+            return None
+        self._since_k_probe = 0
+        steps = self.K_PROBE_STEPS
+        for i in range(len(steps)):
+            step = steps[(self._k_probe_turn + i) % len(steps)]
+            if 1 <= best + step <= k_max:
+                self._k_probe_turn = (self._k_probe_turn + i + 1) % len(steps)
+                return Choice(best + step, "k_probe", scores)
+        return None

@@ -87,7 +87,7 @@ def test_a_long_run_of_plain_steps_is_broken_by_probes_further_and_further_apart
 def test_a_long_run_of_speculative_steps_is_broken_by_plain_probes_further_and_further_apart():
     """K > 0 never measures the plain pass, so the policy decodes plainly now and then; each plain
     probe that leaves the verdict at speculation doubles the wait, up to the same bound."""
-    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=4)
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=4, k_probe_every=0)
     choices = [policy.choose([0.9], [100]) for _ in range(4 + 8 + 16 + 32 + 32 + 1)]
     probes = [i for i, c in enumerate(choices) if c.k == 0]
     assert probes == [3, 11, 27, 59, 91]
@@ -102,6 +102,50 @@ def test_a_long_run_of_speculative_steps_is_broken_by_plain_probes_further_and_f
     [policy.choose([0.9], [100]) for _ in range(3)]
     policy.configure(6, "adaptive", None)
     assert [policy.choose([0.9], [100]).reason for _ in range(4)] == ["policy"] * 3 + ["plain_probe"]
+
+
+def test_every_eighth_speculative_choice_probes_a_neighbouring_k_in_turn():
+    """One and two above and below the policy's K in turn, skipping those outside 1..spec_length;
+    the policy's own K is unchanged by them."""
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=10**6)
+    choices = [policy.choose([0.6], [100]) for _ in range(32)]
+    best = choices[0].k
+    assert best == 3 and all(c.k == best and c.reason == "policy" for i, c in enumerate(choices) if i % 8 != 7)
+    assert [c.k - best for c in choices[7::8]] == [1, -1, 2, -2] and {c.reason for c in choices[7::8]} == {"k_probe"}
+    top = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", probe_every=10**6)
+    probes = [c.k for c in (top.choose([0.99], [100]) for _ in range(24))][7::8]
+    assert probes == [4, 3, 4]  # at K = 5 only the steps down remain
+    assert [c.k for c in (SpecPolicy(MemoryBoundCosts(), spec_length=1, mode="adaptive").choose([0.9], [100])
+                          for _ in range(16))] == [1] * 16  # one K: nothing to probe
+
+
+def test_neighbour_probes_walk_the_policy_off_a_k_its_stale_costs_favoured():
+    """Calibration priced long verify passes far above what they cost (10 + 3 ms a token against
+    10 + 0.5). Measuring only the K in use, the line through that one fresh entry and the stale
+    ones keeps long passes overpriced, and the policy stays at the K the calibration favoured;
+    probes of the K around it measure the truth, and it climbs to the best K."""
+    def truth(t):
+        return (10 + 0.5 * t) * 1e-3
+
+    def run(k_probe_every: int) -> tuple[list[int], list[float]]:
+        costs = MeasuredCosts()
+        for t in range(1, 10):
+            costs.observe_target(16, t, (10 + 3.0 * t) * 1e-3)  # the calibration
+        policy = SpecPolicy(costs, spec_length=8, mode="adaptive", k_probe_every=k_probe_every)
+        ks = []
+        for _ in range(400):
+            choice = policy.choose([0.8] * 16, [100] * 16)
+            costs.observe_target(16, choice.k + 1, truth(choice.k + 1))
+            ks += [choice.k] if choice.reason == "policy" else []
+        return ks[-100:], costs.verify_times(16, 8)
+
+    best = max(range(1, 9), key=lambda k: expected_tokens(0.8, k) / truth(k + 1))
+    assert best == 8
+    stuck, _ = run(k_probe_every=0)
+    assert max(stuck, key=stuck.count) == 4
+    climbed, verify = run(k_probe_every=8)
+    assert sum(k >= 7 for k in climbed) >= 90
+    assert verify[7:] == pytest.approx([truth(8), truth(9)], rel=0.02)
 
 
 def test_plain_decoding_is_priced_by_its_own_pass_not_the_verify_line():
@@ -178,8 +222,8 @@ def test_k_falls_monotonically_with_batch_size_without_cliff():
 def test_hysteresis_holds_the_switch_between_plain_and_speculation_not_between_ks():
     """Near the batch size where plain decoding starts to win, the choice does not flip between
     K = 0 and K > 0 as estimates wobble; between two K > 0 each step takes the better one."""
-    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05)
-    free = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0)
+    policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05, k_probe_every=0)
+    free = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0, k_probe_every=0)
     batch = next(b for b in range(1, 257) if free.choose([0.7] * b, [100] * b).k == 0)  # plain just wins
     first = policy.choose([0.7] * (batch - 1), [100] * (batch - 1)).k
     seq = [policy.choose([a] * batch, [100] * batch).k for a in [0.69, 0.71, 0.70, 0.68, 0.72] * 4]
