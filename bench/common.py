@@ -37,12 +37,15 @@ def host_class(m: dict | None = None) -> str:
 
 
 def interleave(variants: dict[str, Callable[[], dict]], repeats: int, desc: str) -> dict[str, list[dict]]:
-    """Runs A B C A B C ... `repeats` times; each call returns a dict of measurements."""
+    """Runs A B C, C B A, A B C, ... `repeats` times (the order reversed every other repeat, so a
+    variant's place in the order, or a host drifting, favours none); each call returns a dict of
+    measurements."""
     runs: dict[str, list[dict]] = {name: [] for name in variants}
+    names = list(variants)
     with tqdm(total=repeats * len(variants), desc=desc, unit="run") as bar:
-        for _ in range(repeats):
-            for name, fn in variants.items():
-                runs[name].append(fn())
+        for r in range(repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                runs[name].append(variants[name]())
                 bar.update(1)
     return runs
 

@@ -9,7 +9,7 @@
 target and the EAGLE-3 head of --eagle, interleaved with the others; its c is the head's.
 
 Every configuration runs in one engine (reconfigured between runs, same weights), the
-configurations interleaved (A B C ... A B C ...) and repeated; medians are reported.
+configurations interleaved (A B C, C B A, ...) and repeated; medians are reported.
 Theoretical speedup (Leviathan et al., Thm 3.8): (1 - a^(K+1)) / ((1 - a)(K c + 1)), with c
 the draft's forward time over the target's at batch 1 (re-measured between the configurations
 of every repeat; medians), which

@@ -20,7 +20,7 @@ out the catch-up step"). If the adaptive policy decodes plainly in that step, it
 inside the window. The whole run, prefill and drain included, is reported too (`tok_s_end_to_end`).
 128 new tokens by default: at 64 the window of fixed K = 4 spans about 15 steps (0.2 s at batch 1),
 and the host's swings over so short a window outweighed the few percent the sweep is to judge.
-Variants are interleaved (A B C ... A B C ...) within each batch size; medians reported.
+Variants are interleaved (A B C, C B A, ...) within each batch size; medians reported.
 Repeat r of batch B decodes the B prompts after those of repeat r - 1 (the pool wraps), the same
 for every variant of that repeat: greedy text is deterministic, so with one prompt the same few
 tokens fall at each draft position in every repeat, and at batch 1 a fixed K whose round

@@ -1,8 +1,8 @@
-"""bench.common's interleaving keeps each variant's learned state apart (SeparateLearning)."""
+"""bench.common: interleaving alternates the order; each variant keeps its learned state apart (SeparateLearning)."""
 
 from __future__ import annotations
 
-from bench.common import SeparateLearning, adaptive, interleave_prompts
+from bench.common import SeparateLearning, adaptive, interleave, interleave_prompts
 from engine import LLM, SamplingParams
 
 
@@ -31,3 +31,10 @@ def test_each_variant_learns_as_if_it_ran_alone(tiny_model):
     learning.switch_to("trees")
     assert spec.shapes._sums is trees_state
     assert spec.costs is costs and spec.policy.costs is costs and spec.shapes is shapes
+
+
+def test_interleave_reverses_the_order_every_other_repeat():
+    order = []
+    runs = interleave({name: (lambda name=name: order.append(name) or {"n": len(order)}) for name in "ABC"}, 3, "t")
+    assert "".join(order) == "ABCCBAABC"
+    assert [r["n"] for r in runs["A"]] == [1, 6, 7]
