@@ -165,12 +165,16 @@ class SpecPolicy:
     the plain pass). Each probe that leaves the verdict as it was doubles its direction's wait,
     up to MAX_PROBE_BACKOFF times; a step chosen the other way on its merits resets it.
 
-    While speculating, every `k_probe_every`-th choice takes a neighbouring K instead, one and two
-    above and below in turn ("k_probe"): only the K in use is measured otherwise, so the verify line
-    at every other K (and the acceptance past K) stays as calibrated, and a policy whose first
-    rounds favoured a worse K would keep it (a stale line's slope bends towards the K it holds)."""
+    While speculating, every `k_probe_every`-th choice takes another K instead ("k_probe"): one and
+    two above and below in turn, and every FAR_PROBE_EVERY-th time one further away. Only the K in
+    use is measured otherwise, so the verify line at every other K (and the acceptance past K)
+    stays as calibrated, and a policy whose first rounds favoured a worse K would keep it (a stale
+    line's slope bends towards the K it holds); the far probes find a better K that the costs
+    near the one in use do not point to (a pass's cost per token falls as it widens, on CPU)."""
 
     MAX_PROBE_BACKOFF = 8
+    K_PROBE_STEPS = (1, -1, 2, -2)  # the neighbours probed in turn, as offsets from the policy's K
+    FAR_PROBE_EVERY = 4  # every 4th K probe takes a K further away instead
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
@@ -185,7 +189,8 @@ class SpecPolicy:
         self._last_k = spec_length
         self._streak = 0  # consecutive adaptive verdicts on _last_k's side (plain, or K > 0)
         self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
-        self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a neighbour K's probe; the next
+        self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a K probe; the next neighbour
+        self._k_probes, self._far_next = 0, 1  # K probes so far; the far K probed next (or the first above it)
 
     def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
         """A step's time at K = 0..k_max: its draft passes (the first at the expected width
@@ -253,17 +258,22 @@ class SpecPolicy:
             return Choice(max(range(1, k_max + 1), key=scores.get), "probe", scores)
         return Choice(0, "plain_probe", scores)
 
-    K_PROBE_STEPS = (1, -1, 2, -2)  # the neighbours probed in turn, as offsets from the policy's K
-
     def _neighbour_probe(self, best: int, k_max: int, scores: dict[int, float]) -> Choice | None:
         """Every k_probe_every-th speculative choice: a K near `best` (K_PROBE_STEPS in turn, the
-        next one that lies in 1..k_max), measuring its pass; the policy's K stays `best`. None otherwise."""
+        next one in 1..k_max), and every FAR_PROBE_EVERY-th of those one further away (the K more
+        than two from `best` in turn); the policy's K stays `best`. None otherwise."""
         if best == 0 or not self.k_probe_every or k_max < 2:
             return None
         self._since_k_probe += 1
         if self._since_k_probe < self.k_probe_every:
             return None
         self._since_k_probe = 0
+        self._k_probes += 1
+        far = [k for k in range(1, k_max + 1) if abs(k - best) > max(self.K_PROBE_STEPS)]
+        if far and self._k_probes % self.FAR_PROBE_EVERY == 0:
+            k = next((k for k in far if k >= self._far_next), far[0])
+            self._far_next = k + 1
+            return Choice(k, "k_probe", scores)
         steps = self.K_PROBE_STEPS
         for i in range(len(steps)):
             step = steps[(self._k_probe_turn + i) % len(steps)]
