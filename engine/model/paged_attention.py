@@ -5,15 +5,13 @@ once where the gather (`KVView.read`) reads it, writes a contiguous copy and rea
 The block mask is built once per pass, on the device, from what every view has: the storage row of
 each key position (`read_rows`: block b's first key at column b * block_size) and the queries'
 positions. Its kv_indices are the sequences' block tables, its kv_num_blocks how many blocks reach
-the last query; a mask_mod maps a physical key row back to its position in the sequence (a
-physical-to-logical block map, as torch's experimental PagedAttention does) and keeps keys at or
-before the query. The mask_mod only looks one table up and compares: an integer constant in it
-(`kv_idx // block_size`) was emitted by inductor (torch 2.11, an H200) as Triton code that does not
-compile, and a lookup inside a lookup as C++ that does not (CPU). The table is each storage row's
-position in its sequence, built per pass from the batch's rows: a block two sequences share (a
-cached prefix, a fork) holds the same positions in both, and the block mask lists each sequence's
-own blocks only. On CUDA flex_attention is compiled (one kernel over a dynamic batch); on CPU it
-runs eager (a dense reference over the pool: correct, slow; tests only).
+the last query; its mask_mod looks each key row's position in its sequence up in a table built
+from the batch's read rows (a block two sequences share, a cached prefix or a fork, holds the same
+positions in both) and keeps keys at or before the query. One lookup and a comparison, no integer
+constant: inductor (torch 2.11, an H200) emitted the engine's block arithmetic `kv_idx // block_size` as
+Triton code that does not compile, and a lookup inside a lookup as C++ that does not (CPU). On
+CUDA flex_attention is compiled (one kernel over a dynamic batch); on CPU it runs eager (a dense
+reference over the pool, each sequence's own rows checked densely: correct, slow; tests only).
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class SpeculativeDecoder:
         plan = self._plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
-        trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs)
+        # a K probe measures a chain of another K, and its rate is no shape's
+        trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs) \
+            and plan.reason != "k_probe"
         if trees and self._take_trees(reqs):
             nodes, width = self._tree_shape(reqs, plan.k)
             if width > 1:  # else no sibling rank pays: the round is a chain

@@ -347,3 +347,41 @@ def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy
     outs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
     assert branching["trees"] == 0 and sum(o.num_accepted_tokens for o in outs) > 0  # chains that accepted
+
+
+def test_a_k_probe_round_runs_as_a_chain_kept_out_of_the_shape_rates(tiny_model, reference, monkeypatch):
+    """Under trees, a round the policy takes at another K to measure it ("k_probe") is a chain of
+    that K, and the shape choice does not count it; the greedy output stays plain's."""
+    from engine.speculative.policy import Choice
+
+    turn = iter(range(10**6))
+    monkeypatch.setattr(step_module.SpeculativeDecoder, "_adaptive_choice",
+                        lambda self, reqs, caps, running: Choice(2, "k_probe", {}) if next(turn) % 2 else
+                        Choice(4, "policy", {}))
+    llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
+              spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=256, max_batch_size=8)
+    spec = llm.engine.speculation
+    tree_rounds, observed, steps = [], [], []
+    real_trees, real_observe, real_decode = spec._decode_trees, spec.shapes.observe, spec.decode
+
+    def decode_trees(reqs, plan, nodes, width):
+        tree_rounds.append(plan.reason)
+        return real_trees(reqs, plan, nodes, width)
+
+    def observe(sampled, batch, tree, tokens, seconds):
+        observed.append(tree)
+        real_observe(sampled, batch, tree, tokens, seconds)
+
+    def decode(reqs, running=()):
+        result = real_decode(reqs, running)
+        steps.append(result.stats)
+        return result
+
+    monkeypatch.setattr(spec, "_decode_trees", decode_trees)
+    monkeypatch.setattr(spec.shapes, "observe", observe)
+    monkeypatch.setattr(spec, "decode", decode)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
+    probes = [s for s in steps if s.reason == "k_probe"]
+    assert probes and all(max(s.verified_per_round, default=0) <= 2 for s in probes)  # chains of K = 2
+    assert tree_rounds and set(tree_rounds) == {"policy"}  # trees only on the policy's own rounds
+    assert len(observed) == sum(1 for s in steps if s.reason == "policy" and s.k > 0)  # no probe among them
