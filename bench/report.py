@@ -313,6 +313,10 @@ def trees(runs: list[dict]) -> list[str]:
                   f"nodes, width {r['width']}; adaptive with trees ÷ adaptive chains only, tok/s (goal: at least 0.97), "
                   f"{_host(r.get('batches_machine', r['machine']))}: " + ", ".join(
                       f"batch {b} {_spread(row['adaptive_tree_over_chain_tok_s'])}" for b, row in r["results"]["batches"].items())]
+        a_a = {b: row["a_a_chain_over_chain_tok_s"] for b, row in r["results"]["batches"].items() if "a_a_chain_over_chain_tok_s" in row}
+        if a_a:  # the chain-only variant run twice a repeat: how far two identical variants differ here
+            lines[-1] += ("; two runs of the chain-only variant against each other (A/A): "
+                          + ", ".join(f"batch {b} {_spread(x)}" for b, x in a_a.items()))
     return lines + [""]
 
 
