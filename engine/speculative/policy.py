@@ -251,14 +251,14 @@ class SpecPolicy:
             self._streak, self._wait[was_plain] = 0, self.probe_every
         self._streak += 1
         if self._streak < self._wait[plain]:
-            return self._neighbour_probe(best, k_max, scores) or Choice(best, "policy", scores)
+            return self._k_probe(best, k_max, scores) or Choice(best, "policy", scores)
         self._streak = 0
         self._wait[plain] = min(2 * self._wait[plain], self.MAX_PROBE_BACKOFF * self.probe_every)
         if plain:
             return Choice(max(range(1, k_max + 1), key=scores.get), "probe", scores)
         return Choice(0, "plain_probe", scores)
 
-    def _neighbour_probe(self, best: int, k_max: int, scores: dict[int, float]) -> Choice | None:
+    def _k_probe(self, best: int, k_max: int, scores: dict[int, float]) -> Choice | None:
         """Every k_probe_every-th speculative choice: a K near `best` (K_PROBE_STEPS in turn, the
         next one in 1..k_max), and every FAR_PROBE_EVERY-th of those one further away (the K more
         than two from `best` in turn); the policy's K stays `best`. None otherwise."""
