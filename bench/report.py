@@ -292,10 +292,13 @@ def trees(runs: list[dict]) -> list[str]:
              f"K = {first['k']}, medians over repeats (each its own seeds) with their range; {_host(first['machine'])} "
              "(`python -m bench trees --method M --width W --nodes N`). *Accepted/round*: tokens accepted per "
              "verify round at fixed K, chain and tree of the same depth. *Adaptive*: tok/s with trees allowed ÷ "
-             "chains only, both under the adaptive policy (goal: at least 1.0). *÷ theory*: measured speedup over "
+             "chains only, both under the adaptive policy (goal: at least 1.0; against the mean of the chain-only "
+             "variant's two runs where it ran twice). *A/A*: the chain-only variant's second run ÷ its first, how far "
+             "two identical variants differ here. *÷ theory*: measured speedup over "
              "plain ÷ Leviathan et al.'s with the measured costs.", "",
              "| method | nodes, width | prompts x tokens | T | accepted/round chain → tree | tree ÷ chain | "
-             "adaptive trees ÷ chains, tok/s | ÷ theory chain / tree |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "adaptive trees ÷ chains, tok/s | A/A chains ÷ chains | ÷ theory chain / tree |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         for temp, row in r["results"].get("batch_1", {}).items():
             k = r["k"]
@@ -305,6 +308,7 @@ def trees(runs: list[dict]) -> list[str]:
                          f"{temp.removeprefix('T=')} | {chain['accepted_per_round']:.2f} → {tree['accepted_per_round']:.2f} | "
                          f"{_spread(row['tree_over_chain_accepted_per_round'])} | "
                          f"{_spread(row['adaptive_tree_over_chain_tok_s'])} | "
+                         f"{_spread(row['a_a_chain_over_chain_tok_s']) if 'a_a_chain_over_chain_tok_s' in row else '—'} | "
                          f"{theory[f'chain K={k}']['measured_over_theoretical']:.2f} / "
                          f"{theory[f'tree K={k}']['measured_over_theoretical']:.2f} |")
     batches = [r for r in runs if r["results"].get("batches")]

@@ -8,10 +8,11 @@ Batch 1, greedy and T = 0.8, held-out prompts one at a time, each decoded by eve
 back (bench.common.interleave_prompts; the seeds differ from repeat to repeat): a chain and a tree of the
 same depth at fixed K (accepted tokens per round, tree ÷ chain), and adaptive K with and without
 trees (tok/s, trees ÷ chain-only; plain decoding beside them). Then batches of the same prompts
-(repeated to fill): adaptive with trees ÷ adaptive chain-only (trees must never cost), the chain-only
-variant run twice per repeat (one each side of the tree variant, as `interleave` alternates the order):
-trees are set against the mean of the two, and the second chain against the first (an A/A ratio: how
-far two identical variants differ on this host, the floor the tree ratio is read against).
+(repeated to fill): adaptive with trees ÷ adaptive chain-only (trees must never cost). At batch 1 and
+in the batches the chain-only variant runs twice per repeat (at batches one each side of the tree
+variant, as `interleave` alternates the order): trees are set against the mean of the two, and the
+second chain against the first (an A/A ratio: how far two identical variants differ on this host,
+the floor the tree ratio is read against).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     chain, tree = {"tree_width": 1}, {"tree_width": args.width}
     shapes = {"plain": PLAIN, f"chain K={args.k}": {**fixed(method, args.k), **chain},
               f"tree K={args.k}": {**fixed(method, args.k), **tree},
-              "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree}}
+              "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree},
+              AGAIN: {**adaptive(method), **chain}}
     results: dict = {"batch_1": {}, "batches": {}}
     learning = SeparateLearning(llm)  # each variant learns its own costs and shapes, as if it ran alone
     for temperature in () if args.skip_batch_1 else (0.0, 0.8):
@@ -77,19 +79,24 @@ def main(argv: list[str] | None = None) -> None:
                       for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
         same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
                       for t, c in zip(runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]) if c["accepted_per_round"]]
-        speed = [t["tok_s"] / c["tok_s"] for t, c in zip(runs["adaptive tree"], runs["adaptive chain"])]
+        # trees against the mean of the chain-only variant's two runs, which are set against each other (A/A)
+        chains = [(a["tok_s"] + c["tok_s"]) / 2 for a, c in zip(runs["adaptive chain"], runs[AGAIN])]
+        speed = [t["tok_s"] / c for t, c in zip(runs["adaptive tree"], chains)]
+        a_a = [a["tok_s"] / c["tok_s"] for a, c in zip(runs[AGAIN], runs["adaptive chain"])]
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
-        speeds = {name: pooled(runs[name], "tokens", "seconds") for name in ("adaptive tree", "adaptive chain")}
-        row["adaptive_tree_over_chain_tok_s"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
-                                                 "pooled": speeds["adaptive tree"] / speeds["adaptive chain"]}
+        speeds = {name: pooled(runs[name], "tokens", "seconds") for name in ("adaptive tree", "adaptive chain", AGAIN)}
+        row["adaptive_tree_over_chain_tok_s"] = _spread(
+            speed, speeds["adaptive tree"] / ((speeds["adaptive chain"] + speeds[AGAIN]) / 2))
+        row["a_a_chain_over_chain_tok_s"] = _spread(a_a, speeds[AGAIN] / speeds["adaptive chain"])
         row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
                               for name in (f"chain K={args.k}", f"tree K={args.k}")}
         print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
               f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
               f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
-              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{speeds['adaptive tree'] / speeds['adaptive chain']:.3f}); "
-              f"plain {row['plain']['tok_s']:.1f} tok/s", flush=True)
+              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{row['adaptive_tree_over_chain_tok_s']['pooled']:.3f}); "
+              f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}; plain {row['plain']['tok_s']:.1f} tok/s",
+              flush=True)
         print("  measured / theoretical speedup: " + "; ".join(
             f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
             for n, t in row["theoretical"].items()), flush=True)
