@@ -37,7 +37,7 @@ EXACT_KV_BLOCKS = 192  # 3,072 tokens: a few long sequences, far fewer than max_
 
 
 def exact_app(app: dict) -> dict:
-    """The /exact application: `app` in float32, one replica with one thread and no CPU
+    """The /exact application: `app` in float32 with a fixed K, one replica with one thread and no CPU
     reservation (so the main app can still autoscale to both cores), a small KV pool, and
     oneDNN's matmuls in every pass (`forward_plan: torch`): their rows are bit-identical
     whatever the batch, which its solo-vs-batched checks rely on (the one-sequence kernel, which
@@ -47,9 +47,13 @@ def exact_app(app: dict) -> dict:
     app["args"]["served_model_name"] = EXACT_APP
     app["args"]["engine"].update(dtype="float32", num_threads=1, num_kv_blocks=EXACT_KV_BLOCKS,
                                  forward_plan="torch")
+    # a fixed K: every step speculates, so its checks of speculation never meet a plain decode
+    # chosen by this host's timings
+    app["args"]["engine"]["speculative"]["spec_policy"] = "fixed"
     dep = app["deployments"][0]
     dep.pop("autoscaling_config", None)
     dep.update(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    dep["user_config"]["spec_policy"] = "fixed"
     return app
 
 
