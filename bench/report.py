@@ -460,15 +460,22 @@ def summary() -> str:
              for t, row_ in r["results"].get("batch_1", {}).items()}
     batches = {f"{label} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
                for b, row_ in r["results"].get("batches", {}).items()}
-    for values, target, met in (
+
+    def floor(rows: list[dict]) -> str:  # the A/A medians beside a ratio's span, where the runs have them
+        a_a = [x["a_a_chain_over_chain_tok_s"]["median"] for x in rows if "a_a_chain_over_chain_tok_s" in x]
+        return f"; A/A {min(a_a):.3f} to {max(a_a):.3f}" if a_a else ""
+
+    batch_1_rows = [x for r in tree_runs for x in r["results"].get("batch_1", {}).values()]
+    batch_rows = [x for r in tree_runs for x in r["results"].get("batches", {}).values()]
+    for values, target, met, rows_ in (
             (gains, "token trees: accepted tokens per round >= 1.15x the chain's of the same depth (batch 1, greedy, "
-             "code)", lambda v: max(v) >= 1.15),
+             "code)", lambda v: max(v) >= 1.15, []),
             (speed, "token trees: adaptive with trees >= 1.0x adaptive chains only, tok/s (batch 1)",
-             lambda v: min(v) >= 1.0),
+             lambda v: min(v) >= 1.0, batch_1_rows),
             (batches, "token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
-             lambda v: min(v) >= 0.97)):
+             lambda v: min(v) >= 0.97, batch_rows)):
         if values:
-            row(target, span(values), met(values.values()))
+            row(target, span(values) + floor(rows_), met(values.values()))
     if (r := _load("verification")) is not None:
         for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
             ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()
