@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _spread(ratios: list[float], pooled_ratio: float) -> dict:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "pooled": pooled_ratio}
+    """A ratio's median, range and pooled value, with every repeat's (so later runs can be pooled with it)."""
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "pooled": pooled_ratio,
+            "repeats": ratios}
 
 
 def _said(r: dict) -> str:
