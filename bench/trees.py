@@ -79,22 +79,17 @@ def main(argv: list[str] | None = None) -> None:
                       for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
         same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
                       for t, c in zip(runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]) if c["accepted_per_round"]]
-        # trees against the mean of the chain-only variant's two runs, which are set against each other (A/A)
-        chains = [(a["tok_s"] + c["tok_s"]) / 2 for a, c in zip(runs["adaptive chain"], runs[AGAIN])]
-        speed = [t["tok_s"] / c for t, c in zip(runs["adaptive tree"], chains)]
-        a_a = [a["tok_s"] / c["tok_s"] for a, c in zip(runs[AGAIN], runs["adaptive chain"])]
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
-        speeds = {name: pooled(runs[name], "tokens", "seconds") for name in ("adaptive tree", "adaptive chain", AGAIN)}
-        row["adaptive_tree_over_chain_tok_s"] = _spread(
-            speed, speeds["adaptive tree"] / ((speeds["adaptive chain"] + speeds[AGAIN]) / 2))
-        row["a_a_chain_over_chain_tok_s"] = _spread(a_a, speeds[AGAIN] / speeds["adaptive chain"])
+        adaptive_names = ("adaptive tree", "adaptive chain", AGAIN)
+        row.update(_trees_against_chains(*([r["tok_s"] for r in runs[name]] for name in adaptive_names),
+                                         *(pooled(runs[name], "tokens", "seconds") for name in adaptive_names)))
+        speed = row["adaptive_tree_over_chain_tok_s"]
         row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
                               for name in (f"chain K={args.k}", f"tree K={args.k}")}
         print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
               f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
-              f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain x{statistics.median(speed):.3f} "
-              f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{row['adaptive_tree_over_chain_tok_s']['pooled']:.3f}); "
+              f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain {_said(speed)}; "
               f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}; plain {row['plain']['tok_s']:.1f} tok/s",
               flush=True)
         print("  measured / theoretical speedup: " + "; ".join(
@@ -118,19 +113,24 @@ def main(argv: list[str] | None = None) -> None:
         for fn in variants.values():
             fn()
         runs = interleave(variants, args.repeats, f"batch {b}")
-        tok_s = {name: [r["tok_s_end_to_end"] for r in rs] for name, rs in runs.items()}
-        chains = [(a + c) / 2 for a, c in zip(tok_s["adaptive chain"], tok_s[AGAIN])]
-        row = results["batches"][str(b)] = {
-            "adaptive_tree_over_chain_tok_s": _spread([t / c for t, c in zip(tok_s["adaptive tree"], chains)],
-                                                      sum(tok_s["adaptive tree"]) / sum(chains)),
-            "a_a_chain_over_chain_tok_s": _spread([a / c for a, c in zip(tok_s[AGAIN], tok_s["adaptive chain"])],
-                                                  sum(tok_s[AGAIN]) / sum(tok_s["adaptive chain"]))}
+        tok_s = [[r["tok_s_end_to_end"] for r in runs[name]] for name in ("adaptive tree", "adaptive chain", AGAIN)]
+        row = results["batches"][str(b)] = _trees_against_chains(*tok_s, *map(sum, tok_s))
         print(f"batch {b}: adaptive tree/chain tok/s {_said(row['adaptive_tree_over_chain_tok_s'])}; "
               f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}", flush=True)
     name = ("trees" if method == "ngram" else f"trees_{method}") + ("_batches" if args.skip_batch_1 else "")
     path = write(name, {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
                            "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)
     print(f"wrote {path}")
+
+
+def _trees_against_chains(tree: list[float], chain: list[float], again: list[float], pooled_tree: float,
+                          pooled_chain: float, pooled_again: float) -> dict:
+    """From each repeat's tok/s (and pooled figures) of the tree variant and the chain-only variant's
+    two runs: trees ÷ the mean of the two runs, and the second run ÷ the first (the A/A floor)."""
+    chains = [(c + a) / 2 for c, a in zip(chain, again)]
+    return {"adaptive_tree_over_chain_tok_s": _spread([t / c for t, c in zip(tree, chains)],
+                                                      pooled_tree / ((pooled_chain + pooled_again) / 2)),
+            "a_a_chain_over_chain_tok_s": _spread([a / c for a, c in zip(again, chain)], pooled_again / pooled_chain)}
 
 
 def _spread(ratios: list[float], pooled_ratio: float) -> dict:
