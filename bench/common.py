@@ -188,12 +188,15 @@ def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Calla
     SamplingParams, one per prompt; switch(name, r), if given, before each variant's decode;
     learning: each variant keeps its own learned state (SeparateLearning; across calls). Per
     variant and repeat: tok/s over its prompts (and their tokens and seconds), decode rounds,
-    accepted and verified tokens per round."""
+    accepted and verified tokens per round, and the seconds by step phase (engine.request.PHASES)."""
+    from engine.request import PHASES
+
     names = list(specs)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     with tqdm(total=repeats * len(prompts) * len(names), desc=desc, unit="decode") as bar:
         for r in range(repeats):
             sums = {name: dict.fromkeys(("tokens", "seconds", "rounds", "accepted", "verified"), 0.0) for name in names}
+            phases = {name: dict.fromkeys(PHASES, 0.0) for name in names}
             for i, (prompt, p) in enumerate(zip(prompts, params(r), strict=True)):
                 turn = (i + r) % len(names)
                 for name in names[turn:] + names[:turn]:
@@ -203,8 +206,10 @@ def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Calla
                     if switch is not None:
                         switch(name, r)
                     t0 = time.perf_counter()
-                    (out,), _ = generate_each(llm, [prompt], [p])
+                    (out,), by_phase = generate_each(llm, [prompt], [p])
                     s = sums[name]
+                    for phase, seconds in by_phase.items():
+                        phases[name][phase] += seconds
                     s["seconds"] += time.perf_counter() - t0
                     s["tokens"] += len(out.token_ids)
                     s["rounds"] += out.num_spec_rounds
@@ -216,7 +221,8 @@ def interleave_prompts(llm, specs: dict[str, dict], prompts: list, params: Calla
                 runs[name].append({"tok_s": s["tokens"] / s["seconds"], "tokens": s["tokens"], "seconds": s["seconds"],
                                    "rounds": rounds, "accepted": s["accepted"],
                                    "accepted_per_round": s["accepted"] / rounds if rounds else 0.0,
-                                   "verified_per_round": s["verified"] / rounds if rounds else 0.0})
+                                   "verified_per_round": s["verified"] / rounds if rounds else 0.0,
+                                   "phases": phases[name]})
     return runs
 
 

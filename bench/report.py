@@ -294,11 +294,14 @@ def trees(runs: list[dict]) -> list[str]:
              "verify round at fixed K, chain and tree of the same depth. *Adaptive*: tok/s with trees allowed ÷ "
              "chains only, both under the adaptive policy (goal: at least 1.0; against the mean of the chain-only "
              "variant's two runs where it ran twice). *A/A*: the chain-only variant's second run ÷ its first, how far "
-             "two identical variants differ here. *÷ theory*: measured speedup over "
+             "two identical variants differ here. *Fixed K, tok/s*: the tree ÷ the chain of its depth, then the same "
+             "were the tree's drafting and host bookkeeping to cost the chain's (its verify pass and acceptance its "
+             "own): below 1.0, no cheaper drafting lets that tree beat the chain here. *÷ theory*: measured speedup over "
              "plain ÷ Leviathan et al.'s with the measured costs.", "",
              "| method | nodes, width | prompts x tokens | T | accepted/round chain → tree | tree ÷ chain | "
-             "adaptive trees ÷ chains, tok/s | A/A chains ÷ chains | ÷ theory chain / tree |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "adaptive trees ÷ chains, tok/s | A/A chains ÷ chains | fixed K, tok/s: tree ÷ chain; drafting free | "
+             "÷ theory chain / tree |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         for temp, row in r["results"].get("batch_1", {}).items():
             k = r["k"]
@@ -309,6 +312,7 @@ def trees(runs: list[dict]) -> list[str]:
                          f"{_spread(row['tree_over_chain_accepted_per_round'])} | "
                          f"{_spread(row['adaptive_tree_over_chain_tok_s'])} | "
                          f"{_spread(row['a_a_chain_over_chain_tok_s']) if 'a_a_chain_over_chain_tok_s' in row else '—'} | "
+                         f"{_fixed_and_ceiling(row)} | "
                          f"{theory[f'chain K={k}']['measured_over_theoretical']:.2f} / "
                          f"{theory[f'tree K={k}']['measured_over_theoretical']:.2f} |")
     batches = [r for r in runs if r["results"].get("batches")]
@@ -322,6 +326,13 @@ def trees(runs: list[dict]) -> list[str]:
             lines[-1] += ("; two runs of the chain-only variant against each other (A/A): "
                           + ", ".join(f"batch {b} {_spread(x)}" for b, x in a_a.items()))
     return lines + [""]
+
+
+def _fixed_and_ceiling(row: dict) -> str:
+    """A batch-1 row's fixed-K tree ÷ chain tok/s and its drafting-free ceiling ("—" for runs without)."""
+    if "drafting_free_ceiling" not in row:
+        return "—"
+    return f"{_spread(row['fixed_tree_over_chain_tok_s'])}; {_spread(row['drafting_free_ceiling'])}"
 
 
 def verification(r: dict) -> list[str]:
@@ -463,7 +474,9 @@ def summary() -> str:
 
     def floor(rows: list[dict]) -> str:  # the A/A medians beside a ratio's span, where the runs have them
         a_a = [x["a_a_chain_over_chain_tok_s"]["median"] for x in rows if "a_a_chain_over_chain_tok_s" in x]
-        return f"; A/A {min(a_a):.3f} to {max(a_a):.3f}" if a_a else ""
+        ceilings = [x["drafting_free_ceiling"]["median"] for x in rows if "drafting_free_ceiling" in x]
+        return (f"; A/A {min(a_a):.3f} to {max(a_a):.3f}" if a_a else "") + (
+            f"; fixed-K trees with chain-cost drafting {min(ceilings):.3f} to {max(ceilings):.3f}" if ceilings else "")
 
     batch_1_rows = [x for r in tree_runs for x in r["results"].get("batch_1", {}).values()]
     batch_rows = [x for r in tree_runs for x in r["results"].get("batches", {}).values()]

@@ -13,6 +13,11 @@ in the batches the chain-only variant runs twice per repeat (at batches one each
 variant, as `interleave` alternates the order): trees are set against the mean of the two, and the
 second chain against the first (an A/A ratio: how far two identical variants differ on this host,
 the floor the tree ratio is read against).
+
+Beside the fixed-K tree ÷ chain speed, a ceiling: the speed a tree round would reach if its drafting
+and host bookkeeping cost what the chain's do, only its target phase (the verify pass of its width,
+the acceptance) being its own. Where the ceiling is below 1.0 no cheaper tree drafting lets that tree
+beat the chain of its depth on this host: its verify costs more than its extra tokens bring.
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ def main(argv: list[str] | None = None) -> None:
                       for t, c in zip(runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]) if c["accepted_per_round"]]
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
+        fixed_runs = runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]
+        row["fixed_tree_over_chain_tok_s"] = _spread([t["tok_s"] / c["tok_s"] for t, c in zip(*fixed_runs)],
+                                                     pooled(fixed_runs[0], "tokens", "seconds")
+                                                     / pooled(fixed_runs[1], "tokens", "seconds"))
+        row["drafting_free_ceiling"] = _spread([drafting_free_ceiling(t, c) for t, c in zip(*fixed_runs)],
+                                               drafting_free_ceiling(*map(_summed, fixed_runs)))
         adaptive_names = ("adaptive tree", "adaptive chain", AGAIN)
         row.update(_trees_against_chains(*([r["tok_s"] for r in runs[name]] for name in adaptive_names),
                                          *(pooled(runs[name], "tokens", "seconds") for name in adaptive_names)))
@@ -92,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
               f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain {_said(speed)}; "
               f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}; plain {row['plain']['tok_s']:.1f} tok/s",
               flush=True)
+        print(f"  fixed K={args.k} tok/s tree/chain {_said(row['fixed_tree_over_chain_tok_s'])}; the same with the "
+              f"tree drafting at the chain's cost (ceiling) {_said(row['drafting_free_ceiling'])}", flush=True)
         print("  measured / theoretical speedup: " + "; ".join(
             f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
             for n, t in row["theoretical"].items()), flush=True)
@@ -141,6 +154,25 @@ def _spread(ratios: list[float], pooled_ratio: float) -> dict:
 
 def _said(r: dict) -> str:
     return f"x{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}] (pooled x{r['pooled']:.3f})"
+
+
+def drafting_free_ceiling(tree: dict, chain: dict) -> float:
+    """Tree ÷ chain tok/s (interleave_prompts runs of one repeat, the same tokens) were the tree's
+    rounds to cost the chain's drafting and other seconds per round, only their target phase
+    (verify and acceptance) their own: the chain's seconds with its rounds' target seconds
+    replaced by the tree's, and its per-round drafting and bookkeeping taken as many times as the
+    tree has rounds."""
+    c, t = chain["phases"], tree["phases"]
+    per_round = (c["draft"] + c["other"]) / chain["rounds"]
+    seconds = chain["seconds"] + t["target"] - c["target"] + (tree["rounds"] - chain["rounds"]) * per_round
+    return (tree["tokens"] / seconds) / chain["tok_s"]
+
+
+def _summed(runs: list[dict]) -> dict:
+    """The repeats of one variant as one run (for pooled ratios)."""
+    phases = {p: sum(r["phases"][p] for r in runs) for p in runs[0]["phases"]}
+    total = {key: sum(r[key] for r in runs) for key in ("tokens", "seconds", "rounds")}
+    return {**total, "phases": phases, "tok_s": total["tokens"] / total["seconds"]}
 
 
 def theoretical_speedup(llm, shape: dict, plain: dict, k: int) -> dict:

@@ -19,7 +19,10 @@ def test_each_variant_learns_as_if_it_ran_alone(tiny_model):
     specs = {"chains": {**adaptive("ngram", 4), "tree_width": 1}, "trees": {**adaptive("ngram", 4), "tree_width": 3}}
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n"
     params = lambda r: [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]  # noqa: E731
-    interleave_prompts(llm, specs, [prompt], params, 2, "test", learning=learning)
+    runs = interleave_prompts(llm, specs, [prompt], params, 2, "test", learning=learning)
+    for run in runs["trees"] + runs["chains"]:  # each phase's seconds counted, within the decode's wall time
+        assert run["phases"]["prefill"] > 0 and run["phases"]["target"] > 0
+        assert sum(run["phases"].values()) <= run["seconds"]
     assert learning.current in specs
     learning.switch_to("trees")
     trees_state = spec.shapes._sums
