@@ -163,7 +163,7 @@ def drafting_free_ceiling(tree: dict, chain: dict) -> float:
     replaced by the tree's, and its per-round drafting and bookkeeping taken as many times as the
     tree has rounds."""
     c, t = chain["phases"], tree["phases"]
-    per_round = (c["draft"] + c["other"]) / chain["rounds"]
+    per_round = (c["draft"] + c["other"]) / chain["rounds"] if chain["rounds"] else 0.0  # no rounds: a lookup found nothing
     seconds = chain["seconds"] + t["target"] - c["target"] + (tree["rounds"] - chain["rounds"]) * per_round
     return (tree["tokens"] / seconds) / chain["tok_s"]
 
