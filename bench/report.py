@@ -472,7 +472,7 @@ def summary() -> str:
     batches = {f"{label} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
                for b, row_ in r["results"].get("batches", {}).items()}
 
-    def floor(rows: list[dict]) -> str:  # the A/A medians beside a ratio's span, where the runs have them
+    def beside(rows: list[dict]) -> str:  # the A/A medians and the ceilings beside a ratio's span, where the runs have them
         a_a = [x["a_a_chain_over_chain_tok_s"]["median"] for x in rows if "a_a_chain_over_chain_tok_s" in x]
         ceilings = [x["drafting_free_ceiling"]["median"] for x in rows if "drafting_free_ceiling" in x]
         return (f"; A/A {min(a_a):.3f} to {max(a_a):.3f}" if a_a else "") + (
@@ -488,7 +488,7 @@ def summary() -> str:
             (batches, "token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
              lambda v: min(v) >= 0.97, batch_rows)):
         if values:
-            row(target, span(values) + floor(rows_), met(values.values()))
+            row(target, span(values) + beside(rows_), met(values.values()))
     if (r := _load("verification")) is not None:
         for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
             ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()

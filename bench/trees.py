@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> None:
         row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
                                                      "max": max(same_depth)}
         fixed_runs = runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]
+        fixed_tree, fixed_chain = map(_summed, fixed_runs)
         row["fixed_tree_over_chain_tok_s"] = _spread([t["tok_s"] / c["tok_s"] for t, c in zip(*fixed_runs)],
-                                                     pooled(fixed_runs[0], "tokens", "seconds")
-                                                     / pooled(fixed_runs[1], "tokens", "seconds"))
+                                                     fixed_tree["tok_s"] / fixed_chain["tok_s"])
         row["drafting_free_ceiling"] = _spread([drafting_free_ceiling(t, c) for t, c in zip(*fixed_runs)],
-                                               drafting_free_ceiling(*map(_summed, fixed_runs)))
+                                               drafting_free_ceiling(fixed_tree, fixed_chain))
         adaptive_names = ("adaptive tree", "adaptive chain", AGAIN)
         row.update(_trees_against_chains(*([r["tok_s"] for r in runs[name]] for name in adaptive_names),
                                          *(pooled(runs[name], "tokens", "seconds") for name in adaptive_names)))
