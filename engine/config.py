@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -60,13 +62,47 @@ def _check_keys(name: str, given: dict, known) -> None:
         raise ValueError(f"unknown {name} field(s): {unknown}; known: {sorted(known)}")
 
 
+SPECULATION_SWITCH = "use_speculative_decoding"
+
+
+def _records_given(cls):
+    """Keeps the names of the fields a caller gave (`given_fields`), so that one rule can tell a
+    field set by its user from a default."""
+    init, names = cls.__init__, [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        object.__setattr__(self, "given_fields", frozenset(names[:len(args)]) | frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def speculation_switch(switch: bool | None, others: set[str], current: bool = False) -> bool:
+    """The one rule, for every entry point: speculation is on when use_speculative_decoding is
+    true; left out (None), a speculation field given turns it on (else it stays `current`);
+    false with another speculation field given is an error naming those fields."""
+    if switch is None:
+        return True if others else current
+    check_bool(SPECULATION_SWITCH, switch)
+    if not switch and others:
+        raise ValueError(f"use_speculative_decoding is false, so {sorted(others)} would do nothing: turn "
+                         "speculation on (or leave use_speculative_decoding out) or leave them out")
+    return switch
+
+
+@_records_given
 @dataclass
 class SpecConfig:
     """Speculative decoding settings. The same names in `EngineConfig.speculative`, in
     `LLM(...)`'s flat keywords, in `LLMEngine.reconfigure_speculation()` and in serve's
-    `user_config`. One validator for all of them."""
+    `user_config`. One validator for all of them, and one rule: a field given here turns
+    speculation on unless use_speculative_decoding is false, which with any other field given is
+    an error (docs/speculative/methods.md)."""
 
-    use_speculative_decoding: bool = False  # off: plain decoding (LLM() and serve turn it on for the embedded pair)
+    # on or off; left out: on when any other field here is given (LLM() and serve turn it on for the embedded pair)
+    use_speculative_decoding: bool | None = None
     draft_model: str | None = None  # a draft model, or an EAGLE-3 head (speculative_method "eagle")
     speculative_method: SpecMethod = "draft"  # a draft model, prompt lookup, lookup else the model, an EAGLE-3 head, suffix decoding
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
@@ -84,7 +120,12 @@ class SpecConfig:
     suffix_sharing: SuffixSharing = "all"  # whose finished outputs inform a request: all requests', or its tenant's only
 
     def __post_init__(self) -> None:
-        check_bool("use_speculative_decoding", self.use_speculative_decoding)
+        self._check_values()
+        others = set(getattr(self, "given_fields", ())) - {SPECULATION_SWITCH}
+        self.use_speculative_decoding = speculation_switch(self.use_speculative_decoding, others)
+        self._check_needs(others if self.use_speculative_decoding else set())
+
+    def _check_values(self) -> None:
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise ValueError(f"draft_model must be a non-empty path or model id, got {self.draft_model!r}")
         check_choice("speculative_method", self.speculative_method, get_args(SpecMethod))
@@ -101,8 +142,12 @@ class SpecConfig:
         check_choice("suffix_sharing", self.suffix_sharing, get_args(SuffixSharing))
         check_int("tree_width", self.tree_width, 1, 8)
         check_int("tree_tokens", self.tree_tokens, 1, 64)
+
+    def _check_needs(self, turned_on_by: set[str]) -> None:
+        """On, the method must have what it needs: a draft model or head for draft, hybrid, eagle."""
         if self.use_speculative_decoding and self.needs_draft_model and not self.draft_model:
-            raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model)")
+            by = f" ({sorted(turned_on_by)} given, which turns speculation on)" if turned_on_by else ""
+            raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model){by}")
 
     @property
     def needs_draft_model(self) -> bool:
@@ -112,10 +157,24 @@ class SpecConfig:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def given(self) -> dict:
+        """The fields its user gave, by name (rebuilding from these re-applies the same rule)."""
+        return {name: getattr(self, name) for name in self.given_fields}
+
     def updated(self, changes: dict) -> SpecConfig:
-        """A validated copy with `changes` applied (any field but draft_model, loaded at start-up)."""
+        """A validated copy with `changes` applied (any field but draft_model, loaded at start-up),
+        under the same rule: a field given while off turns speculation on."""
         _check_keys("speculation", changes, self.field_names() - {"draft_model"})
-        return dataclasses.replace(self, **changes)
+        others = set(changes) - {SPECULATION_SWITCH}
+        new = copy.copy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        new._check_values()
+        new.use_speculative_decoding = speculation_switch(changes.get(SPECULATION_SWITCH), others,
+                                                          self.use_speculative_decoding)
+        new._check_needs(others if new.use_speculative_decoding and not self.use_speculative_decoding else set())
+        object.__setattr__(new, "given_fields", self.given_fields | set(changes))
+        return new
 
 
 @dataclass(frozen=True)
@@ -257,6 +316,8 @@ def with_embedded_defaults(kwargs: dict) -> dict:
     spec_fields = SpecConfig.field_names()
     given = {**_as_dict(kwargs.get("speculative") or {}),
              **{k: v for k, v in kwargs.items() if k in spec_fields}}  # LLM's flat keys too
+    if given.get(SPECULATION_SWITCH) is False:  # off: none of the embedded pair's speculation defaults
+        return {**{k: v for k, v in kwargs.items() if k not in spec_fields}, "speculative": given, "model": DEFAULT_MODEL}
     method = given.get("speculative_method", "eagle")
     spec = {"draft_model": DEFAULT_DRAFT_MODEL if method == "draft" else DEFAULT_HEAD,
             "use_speculative_decoding": True, "speculative_method": method, **given}
@@ -264,7 +325,8 @@ def with_embedded_defaults(kwargs: dict) -> dict:
 
 
 def _as_dict(spec: SpecConfig | dict) -> dict:
-    return dataclasses.asdict(spec) if isinstance(spec, SpecConfig) else dict(spec)
+    """The fields given, of a SpecConfig or a mapping."""
+    return spec.given() if isinstance(spec, SpecConfig) else dict(spec)
 
 
 @dataclass

@@ -129,12 +129,13 @@ class LLMEngine:
         config = self.config
         model_path = resolve_model_path(config.model)
         config.model = str(model_path)
+        target_shape = read_shape(model_path)  # refuses what the forward does not implement, before anything reads it
         tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
         draft_path = None
         if config.use_speculative_decoding and config.speculative.needs_draft_model:
             draft_path = resolve_model_path(config.draft_model)
             config.speculative.draft_model = str(draft_path)
-        shapes = [read_shape(model_path)] + ([] if draft_path is None else [
+        shapes = [target_shape] + ([] if draft_path is None else [
             read_head_shape(draft_path) if is_eagle3(draft_path) else read_shape(draft_path)])
         if draft_path is not None and not is_eagle3(draft_path):  # a head speaks the target's vocabulary by construction
             check_compatible(tokenizer, Tokenizer(draft_path), config.model, config.draft_model)
@@ -276,12 +277,18 @@ class LLMEngine:
         return calibration.run_next()
 
     def reconfigure_speculation(self, **changes) -> SpecConfig:
-        """Applies SpecConfig changes (any field but draft_model) from the next step on; ValueError
-        names a bad field. An engine started without speculation cannot turn it on."""
-        if self.speculation is None and changes.get("use_speculative_decoding"):
-            raise ValueError("speculation was not configured for this engine at start-up")
-        self.config.speculative = self.config.speculative.updated(changes) if self.speculation is None \
-            else self.speculation.reconfigure(changes)
+        """Applies SpecConfig changes (any field but draft_model) from the next step on, under
+        SpecConfig's rule (a field given turns speculation on); ValueError names a bad field. An
+        engine started without speculation has none to turn on: any field but
+        use_speculative_decoding=False is an error naming it."""
+        if self.speculation is None:
+            wanted = sorted(k for k, v in changes.items() if not (k == "use_speculative_decoding" and v is False))
+            if wanted:
+                raise ValueError(f"speculation was not configured for this engine at start-up, so {wanted} cannot "
+                                 "take effect: start it with speculation on")
+            self.config.speculative.updated(changes)  # validated all the same
+            return self.config.speculative
+        self.config.speculative = self.speculation.reconfigure(changes)
         return self.config.speculative
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelPlan
 from engine.kv.protocol import KVView
+from engine.model.config_keys import check_values
 from engine.model.kernels import one_sequence
 from engine.model.loader import read_layer
 from engine.model.token_step import TokenStep
@@ -93,6 +94,8 @@ def read_head_config(path: Path) -> HeadConfig:
                           bool(cfg.get("norm_before_residual", False)),
                           bool(nested.get("norm_before_fc", cfg.get("norm_before_fc"))), bool(cfg.get("fc_norm")),
                           bool(cfg.get("norm_output")))
+    for keys in (cfg, head.layer):  # a quantized or mixture-of-experts head is refused as a model is
+        check_values(keys, f"EAGLE-3 head {path}", skip=("architectures",))
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in head.layer]
     if "vocab_size" not in head.layer and head.draft_vocab_size is None:
         missing.append("vocab_size (or draft_vocab_size)")
@@ -250,6 +253,9 @@ class _HeadTensors:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.raw:
             raise ValueError(f"EAGLE-3 head {self.path}: tensor {name!r} missing")
+        if not self.raw[name].is_floating_point() or self.raw[name].element_size() < 2:  # float8 or integers
+            raise ValueError(f"EAGLE-3 head {self.path}: tensor {name} is stored as {self.raw[name].dtype}: "
+                             "quantized weights are not implemented")
         return self.raw[name].to(device=self.device, dtype=self.dtype)
 
     def layer_prefix(self) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelPlan
+from engine.model.config_keys import check_config
 from engine.model.transformer import LayerWeights, ModelShape, Transformer
 
 EMBEDDED_PREFIX = "embedded:"
@@ -63,8 +64,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+# stored dtypes the forward reads; anything else (float8, integers) is a quantized weight it would misread
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+UNUSED_TENSORS = ("rotary_emb.inv_freq",)  # buffers older checkpoints carry: recomputed from the config
+
+
 class _TensorReader:
-    """Reads named tensors from safetensors files, keeping each file open once."""
+    """Reads named tensors from safetensors files, keeping each file open once, and remembers
+    which it read, so that a tensor the forward never reads is refused (`check_all_read`)."""
 
     def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
         from safetensors import safe_open
@@ -72,6 +79,7 @@ class _TensorReader:
         self.files = files
         self.dtype, self.device = dtype, device
         self._handles = {p: safe_open(str(p), framework="pt") for p in set(files.values())}
+        self.read: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -79,23 +87,59 @@ class _TensorReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise KeyError(f"tensor {name!r} missing from the checkpoint")
+        self.read.add(name)
         return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def check_floats(self, where: Path) -> None:
+        """ValueError naming a tensor stored in a dtype the forward would misread (a quantized weight)."""
+        for name, file in self.files.items():
+            stored = self._handles[file].get_slice(name).get_dtype()
+            if stored not in FLOAT_DTYPES:
+                raise ValueError(f"{where}: tensor {name} is stored as {stored}: quantized weights are not "
+                                 f"implemented (the forward reads {', '.join(FLOAT_DTYPES)})")
+
+    def check_all_read(self, where: Path) -> None:
+        """ValueError naming the tensors the forward did not read: their math would be missing."""
+        unread = sorted(n for n in set(self.files) - self.read if not n.endswith(UNUSED_TENSORS))
+        if unread:
+            raise ValueError(f"{where}: {len(unread)} checkpoint tensor(s) the forward does not read, e.g. "
+                             f"{unread[:4]}: a layer or format it does not implement")
 
 
 def read_shape(path: Path) -> ModelShape:
-    """The model's shape from its config.json (no weights read)."""
-    return ModelShape.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+    """The model's shape from its config.json (no weights read), refusing keys the forward does
+    not implement (engine/model/config_keys.py)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    check_config(cfg, str(path))
+    return ModelShape.from_hf_config(cfg)
 
 
 def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Transformer:
-    """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says."""
+    """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says;
+    ValueError where a tensor is quantized, unread, or at odds with tie_word_embeddings."""
     shape = read_shape(path)
     reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
+    reader.check_floats(path)
     layers = [read_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
     embed = reader.get("model.embed_tokens.weight")
-    tied = shape.tie_word_embeddings or "lm_head.weight" not in reader
-    lm_head = embed if tied else reader.get("lm_head.weight")
-    return Transformer(shape, embed, layers, reader.get("model.norm.weight"), lm_head, max_positions, plan)
+    lm_head = _output_layer(reader, shape, embed, path)
+    norm = reader.get("model.norm.weight")
+    reader.check_all_read(path)
+    return Transformer(shape, embed, layers, norm, lm_head, max_positions, plan)
+
+
+def _output_layer(reader: _TensorReader, shape: ModelShape, embed: torch.Tensor, path: Path) -> torch.Tensor:
+    """lm_head.weight, or the embedding where tie_word_embeddings says so (an lm_head.weight
+    stored beside it must then equal it)."""
+    if not shape.tie_word_embeddings:
+        if "lm_head.weight" not in reader:
+            raise ValueError(f"{path}: tie_word_embeddings is false (or absent, false for this family) but the "
+                             "checkpoint has no lm_head.weight; set it true if the output layer is the embedding")
+        return reader.get("lm_head.weight")
+    if "lm_head.weight" in reader and not torch.equal(reader.get("lm_head.weight"), embed):
+        raise ValueError(f"{path}: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+                         "model.embed_tokens.weight; set it false to use the stored output layer")
+    return embed
 
 
 def read_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:

@@ -21,6 +21,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
+from engine.model.config_keys import FAMILIES
 from engine.model.kernels import one_sequence
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.rope import Rope
@@ -90,7 +91,7 @@ def cpu_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type values this forward runs
+MODEL_TYPES = FAMILIES  # config.json model_type values this forward runs
 
 
 @dataclass(frozen=True)
