@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(out["agents"], indent=1), flush=True)
         if not args.skip_lm_eval:
             runs = {"speculation_on": lm_eval_scores(server.url, work, "on")}
-            live.apply({**spec_on, "use_speculative_decoding": False}, work)
+            live.apply({"use_speculative_decoding": False}, work)
             runs["speculation_off"] = lm_eval_scores(server.url, work, "off")
             live.apply(spec_on, work)
             on, off = runs["speculation_on"], runs["speculation_off"]

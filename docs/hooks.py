@@ -171,6 +171,22 @@ def gen_request(name: str) -> str:
     return _table([(n, f"`{t}`", d, doc or sampling.get(n, "")) for n, t, d, doc in pydantic_fields(cls)])
 
 
+def gen_config_keys() -> str:
+    """engine/model/config_keys.py's table: each config.json key, its status, which of the four
+    families' published configs carry it, and what the forward does with it."""
+    from engine.model.config_keys import FAMILIES, KEYS
+
+    rows = [(k.name, k.status, *("✓" if f in k.families else "" for f in FAMILIES), k.what) for k in KEYS]
+    return _table(rows, head=("key", "status", *FAMILIES, "what the forward does"))
+
+
+def gen_not_served() -> str:
+    """serve_app/protocol.py's NOT_SERVED: each OpenAI field the server does not serve and why."""
+    from serve_app.protocol import NOT_SERVED
+
+    return _table([(name, why) for name, (_, why) in NOT_SERVED.items()], head=("field", "refused because"))
+
+
 # --- the HTTP routes ---------------------------------------------------------------------------
 
 def _api_routes(routes_) -> list:
@@ -301,7 +317,8 @@ def gen_files() -> str:
 
 GENERATORS = {"config": gen_config, "request": gen_request, "routes": gen_routes, "metrics": gen_metrics,
               "panels": gen_panels, "alerts": gen_alerts, "cli": gen_cli, "bench": gen_bench,
-              "include": gen_include, "card": gen_card, "files": gen_files}
+              "include": gen_include, "card": gen_card, "files": gen_files, "config-keys": gen_config_keys,
+              "not-served": gen_not_served}
 
 
 def expand(markdown: str, where: str = "") -> str:

@@ -1,9 +1,10 @@
 """OpenAI-compatible request schemas (pydantic) and their conversion to SamplingParams.
 
-Unknown fields are ignored (as vLLM does), so any OpenAI client works unchanged, except those whose
-silent omission would change what the answer means (`REFUSED`): those are a 400 naming the field.
-Extensions
-beyond the OpenAI API: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and
+Every field of OpenAI's completions and chat-completions request bodies either takes effect or is
+refused with a 400 naming it: `NOT_SERVED` lists the fields accepted only at the value that asks
+for nothing the server does not do (their default, or what it does anyway), and a field in neither
+the schema nor that list is a 400 too (a misspelt `max_token` would otherwise change nothing).
+Extensions beyond the OpenAI API: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and
 spec_length (per-request cap on proposed tokens per round; 0 turns speculation off for it), and
 guided_regex / guided_choice (structured outputs beside OpenAI's `response_format`, as in vLLM).
 """
@@ -21,17 +22,57 @@ from serve_app.tools import Tool, ToolCall, ToolChoice, ToolSet
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat allows 20; completions 5, vLLM 20)
-# fields the server does not serve and must not ignore: what they ask for changes the answer's meaning
-REFUSED = {"functions": "the legacy functions field is not served; use tools",
-           "function_call": "the legacy function_call field is not served; use tool_choice",
-           "suffix": "insertion (suffix) is not served", "best_of": "best_of other than 1 is not served",
-           "audio": "audio output is not served", "modalities": "only text output is served",
-           "prediction": "predicted outputs are not served"}
+
+
+def _absent(value) -> bool:
+    return value in (None, [], {}, "")
+
+
+def _implicit_cache(value) -> bool:
+    return _absent(value) or (isinstance(value, dict) and set(value) <= {"mode", "ttl"}
+                              and value.get("mode") in (None, "implicit") and value.get("ttl") in (None, "30m"))
+
+
+# OpenAI fields the server does not serve: accepted only where the value asks for nothing it does
+# not do; any other value is a 400 naming the field, with the reason
+NOT_SERVED = {
+    "functions": (_absent, "the legacy functions field is not served; use tools"),
+    "function_call": (_absent, "the legacy function_call field is not served; use tool_choice"),
+    "suffix": (_absent, "insertion (suffix) is not served"),
+    "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not served"),
+    "audio": (_absent, "audio output is not served"),
+    "modalities": (lambda v: v in (None, [], ["text"]), "only text output is served"),
+    "prediction": (_absent, "predicted outputs are not served"),
+    "store": (lambda v: v in (None, False), "storing completions is not served"),
+    "metadata": (_absent, "metadata is kept with stored completions, and storing is not served"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "one service tier is served: auto or default"),
+    "prompt_cache_retention": (lambda v: v in (None, "in_memory"),
+                               "the prefix cache is kept in memory only: in_memory is served"),
+    "prompt_cache_options": (_implicit_cache, "the prefix cache is implicit (every full KV block of a prompt): mode "
+                                              "implicit and the default ttl are served"),
+    "reasoning_effort": (_absent, "reasoning effort is not served"),
+    "verbosity": (_absent, "verbosity is not served"),
+    "web_search_options": (_absent, "web search is not served"),
+    "moderation": (_absent, "moderation is not served"),
+}
+
+
+def refuse_unserved(data: dict, known: set[str]) -> None:
+    """400 naming the first field that is neither in the schema (`known`) nor accepted by NOT_SERVED."""
+    for name, value in data.items():
+        if name in NOT_SERVED:
+            accepted, why = NOT_SERVED[name]
+            if not accepted(value):
+                raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+        elif name not in known:
+            raise APIError(400, f"{name}: unknown field (the fields served are listed in docs/reference/http.md)",
+                           param=name, code="unknown_parameter")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False  # a last chunk with the usage and the speculation stats
+    include_obfuscation: bool = False  # each chunk carries `obfuscation`, random characters that vary its size
 
 
 class JSONSchemaFormat(BaseModel):
@@ -62,6 +103,9 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     user: str | None = None  # the end user: with suffix_sharing "tenant", whose earlier answers may inform suffix proposals
+    safety_identifier: str | None = None  # the end user, by OpenAI's newer name: as user (wins over it)
+    prompt_cache_key: str | None = None  # requests sharing it share a suffix cache (suffix_sharing "tenant"; wins over both)
+    service_tier: Literal["auto", "default"] | None = None  # one tier is served; the response says "default"
     # extensions
     top_k: Annotated[int, Field(ge=-1)] = -1  # keep the k most likely tokens; -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
@@ -80,10 +124,7 @@ class _Common(BaseModel):
     @classmethod
     def _refused(cls, data):
         if isinstance(data, dict):
-            for name, why in REFUSED.items():
-                value = data.get(name)
-                if value not in (None, [], {}) and not (name == "best_of" and value == 1):
-                    raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+            refuse_unserved(data, {f.alias or name for name, f in cls.model_fields.items()})
         return data
 
     @field_validator("logit_bias")
@@ -125,7 +166,8 @@ class _Common(BaseModel):
             seed=self.seed, spec_length=self.spec_length, structured_output=self.structured_output(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            logprobs=self.token_logprobs, prompt_logprobs=self.prompt_logprobs, tenant=self.user or None,
+            logprobs=self.token_logprobs, prompt_logprobs=self.prompt_logprobs,
+            tenant=self.prompt_cache_key or self.safety_identifier or self.user or None,
         )
 
     @property
@@ -177,6 +219,10 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def obfuscate(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_obfuscation)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids; one prompt per request
@@ -218,6 +264,10 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]  # only text parts
     text: str  # the part's text
+    prompt_cache_breakpoint: dict | None = None  # a caching hint: every full KV block of a prompt is cached anyway
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ChatMessage(BaseModel):
@@ -226,7 +276,29 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None  # a string, or text parts (joined)
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (as the server returned them)
     tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None  # a tool message: the function's name (optional)
+    name: str | None = None  # the author's name, given to the chat template
+    refusal: str | None = None  # an assistant's refusal (as returned): its content where it has none
+
+    @staticmethod
+    def refuse_unserved(i: int, message) -> None:
+        """400 naming what of messages[i] is not served: another role, audio, function_call, a
+        content part other than text (before the schema, so the answer says why)."""
+        if not isinstance(message, dict):
+            return
+        if message.get("role") not in (*ROLES, None):
+            raise APIError(400, f"messages[{i}].role: {message.get('role')!r} is not served (roles: "
+                                f"{', '.join(ROLES)}; the legacy function role's answers go in tool messages)",
+                           param=f"messages[{i}].role", code="unsupported_parameter")
+        for name in ("audio", "function_call"):
+            if not _absent(message.get(name)):
+                raise APIError(400, f"messages[{i}].{name}: {NOT_SERVED[name][1]}", param=f"messages[{i}].{name}",
+                               code="unsupported_parameter")
+        parts = message.get("content")
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are served, got type "
+                                    f"{kind!r}", param=f"messages[{i}].content[{j}]", code="unsupported_parameter")
 
     def for_template(self) -> dict:
         """The message as chat templates read it."""
@@ -240,7 +312,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -253,6 +325,14 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None  # functions the model may call (at most 128)
     tool_choice: ToolChoice | None = None  # none, auto (the default with tools), required, or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True  # required: more than one call allowed
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_served(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            for i, message in enumerate(data["messages"]):
+                ChatMessage.refuse_unserved(i, message)
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs(self):

@@ -20,11 +20,13 @@ next turn and a shared system prompt go to the replica whose prefix cache holds 
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
 import math
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -139,6 +141,14 @@ def speculation_stats(outs: list[RequestOutput], method: str | None) -> dict:
     }
 
 
+def engine_config(engine: dict | None) -> EngineConfig:
+    """The EngineConfig of a serve config's `engine` mapping: no model is the embedded target and
+    its head with speculation on; torch threads default to the replica's CPUs."""
+    engine = with_embedded_defaults(engine or {})
+    engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
+    return EngineConfig.from_kwargs(**engine)
+
+
 def usage(outs: list[RequestOutput]) -> dict:
     """The prompt counted once (its samples share it), every choice's completion."""
     prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
@@ -184,6 +194,19 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def _chunk_event(body: dict, obfuscate: bool = False) -> str:
+    """A chunk's event; obfuscated: with random characters of random length, so the sizes of the
+    events do not tell the lengths of the tokens (stream_options.include_obfuscation)."""
+    if obfuscate:
+        body = {**body, "obfuscation": secrets.token_urlsafe(secrets.randbelow(24) + 1)}
+    return _event(body)
+
+
+def _tier(req) -> dict:
+    """The service tier the response reports, where the request named one."""
+    return {"service_tier": "default"} if req.service_tier is not None else {}
+
+
 class OpenAIServing:
     """One engine and the OpenAI response bodies built from its outputs: the part of a replica
     both topologies share (the tokenizer lives here: logprobs' token strings, tool calls, echo)."""
@@ -193,9 +216,7 @@ class OpenAIServing:
         if tool_call_format not in ("auto", *FORMATS):
             raise ValueError(f"tool_call_format must be 'auto' or one of {list(FORMATS)}, got {tool_call_format!r}")
         bound_kernel_caches()  # before any model runs in this replica process
-        engine = with_embedded_defaults(engine or {})  # no model: the embedded target and its head, speculation on
-        engine["num_threads"] = _threads_for_replica(engine.get("num_threads"))
-        config = EngineConfig.from_kwargs(**engine)
+        config = engine_config(engine)
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
         self.config = self.engine.config
         self.model_name = served_model_name
@@ -289,7 +310,7 @@ class OpenAIServing:
         self.check_model(req)
         streams = await self._start(req, req.prompt, None, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, **_tier(req)}
 
         def choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -304,7 +325,7 @@ class OpenAIServing:
                 offsets[index] += len(d.text)
                 return choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
 
-            return self._events(streams, base, chunk_choice, req.include_usage)
+            return self._events(streams, base, chunk_choice, req)
         outs = await self._collect_all(streams)
         choices = []
         for index, out in enumerate(outs):
@@ -328,7 +349,7 @@ class OpenAIServing:
                                           self.template_renders_tools)
         streams = await self._start(req, None, messages, self._default_chat_max_tokens(), tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name, **_tier(req)}
         readers = [ToolCallReader(tool_set, self.tool_format) for _ in streams]  # text and tool calls
 
         def finish_reason(index: int, reason: str | None) -> str | None:
@@ -351,7 +372,7 @@ class OpenAIServing:
 
             first = {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None} for i in range(len(streams))]}
-            return self._events(streams, chunk_base, chunk_choice, req.include_usage, first=first)
+            return self._events(streams, chunk_base, chunk_choice, req, first=first)
         outs = await self._collect_all(streams)
         choices = []
         for i, out in enumerate(outs):
@@ -389,10 +410,13 @@ class OpenAIServing:
                 raise r
         return list(results)
 
-    def _events(self, streams: list, base: dict, make_choice, include_usage: bool,
-                first: dict | None = None) -> AsyncIterator[str]:
+    def _events(self, streams: list, base: dict, make_choice, req, first: dict | None = None) -> AsyncIterator[str]:
         """Server-sent events over the choices' streams, interleaved as their deltas come:
-        make_choice(index, delta); the speculation stats (and the usage, when asked) after the last."""
+        make_choice(index, delta); the speculation stats (and the usage, when asked) after the last;
+        each chunk padded with `obfuscation` when asked."""
+        include_usage = req.include_usage
+        _event = functools.partial(_chunk_event, obfuscate=req.obfuscate)
+
         async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
             queue_: asyncio.Queue = asyncio.Queue()
 

@@ -153,6 +153,7 @@ def weights_in_memory(store: Store) -> Iterator[None]:
             self.files, self.dtype, self.device = files, dtype, device
             on_disk = {n: p for n, p in files.items() if str(p) not in store}
             self.disk = disk_reader(on_disk, dtype, device) if on_disk else None
+            self.read: set[str] = set()
 
         def __contains__(self, name: str) -> bool:
             return name in self.files
@@ -163,7 +164,19 @@ def weights_in_memory(store: Store) -> Iterator[None]:
             tensors = store.get(str(self.files[name]))
             if tensors is None:
                 return self.disk.get(name)
+            self.read.add(name)
             return tensors[name].to(device=self.device, dtype=self.dtype)
+
+        def check_floats(self, where: Path) -> None:  # the store holds the floats this module made
+            if self.disk is not None:
+                self.disk.check_floats(where)
+
+        def check_all_read(self, where: Path) -> None:
+            unread = sorted({n for n, p in self.files.items() if str(p) in store} - self.read)
+            if unread:
+                raise ValueError(f"{where}: tensors the forward does not read: {unread[:4]}")
+            if self.disk is not None:
+                self.disk.check_all_read(where)
 
     loader._weight_files, loader._TensorReader = weight_files, Reader
     try:

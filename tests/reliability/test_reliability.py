@@ -260,7 +260,7 @@ def unpreempted_greedy(app, prompts: list[str], max_tokens: int) -> list[str]:
     from engine import LLM, SamplingParams
 
     kwargs = {k: v for k, v in app.engine_kwargs().items() if k not in ("num_kv_blocks", "num_threads")}
-    kwargs.update(use_speculative_decoding=False, max_batch_size=len(prompts))
+    kwargs.update(speculative={"use_speculative_decoding": False}, max_batch_size=len(prompts))
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [o.text for o in llm.generate(prompts, params)]

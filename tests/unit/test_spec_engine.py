@@ -149,7 +149,8 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
     from engine.metrics import StepMetrics
     from tests.helpers import InMemoryRecorder
 
-    llm = spec_llm(tiny_model[0], tiny_draft[0], use_speculative_decoding=speculative)
+    llm = spec_llm(tiny_model[0], tiny_draft[0]) if speculative else \
+        LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=8, block_size=4)
     eng = llm.engine
     rec = InMemoryRecorder()
     metrics = StepMetrics(rec, "m")
