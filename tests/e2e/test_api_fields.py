@@ -170,7 +170,8 @@ def _accepts(ok: dict, bad: dict):
 
 
 def _messages(call, field):
-    assert call.text(messages=[{"role": "user", "content": "class Stack:"}]) != call.text()
+    longer = [{"role": "system", "content": "You write Python."}, *CHAT["messages"]]
+    assert call.ok(messages=longer)["usage"]["prompt_tokens"] > call.ok()["usage"]["prompt_tokens"]
     status, body = call(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
     assert status == 400 and body["error"]["param"] == "messages[0].content[1]"
@@ -182,19 +183,19 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
 
 
 def _tools(call, field):
-    message = call.ok(max_tokens=48, tools=[TOOL], tool_choice="required")["choices"][0]["message"]
+    message = call.ok(max_tokens=48, ignore_eos=False, tools=[TOOL], tool_choice="required")["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "lookup"
 
 
 def _tool_choice(call, field):
     named = {"type": "function", "function": {"name": "lookup"}}
-    message = call.ok(max_tokens=48, tools=[TOOL], tool_choice=named)["choices"][0]["message"]
+    message = call.ok(max_tokens=48, ignore_eos=False, tools=[TOOL], tool_choice=named)["choices"][0]["message"]
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["lookup"]
-    assert "tool_calls" not in call.ok(max_tokens=48, tools=[TOOL], tool_choice="none")["choices"][0]["message"]
+    assert "tool_calls" not in call.ok(max_tokens=48, ignore_eos=False, tools=[TOOL], tool_choice="none")["choices"][0]["message"]
 
 
 def _parallel_tool_calls(call, field):
-    message = call.ok(max_tokens=96, tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+    message = call.ok(max_tokens=96, ignore_eos=False, tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
                       temperature=1.0, seed=4)["choices"][0]["message"]
     assert len(message["tool_calls"]) == 1
 
