@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import per_token_alpha  # noqa: E402
 from bench.workloads import load_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model.eagle3 import is_eagle3  # noqa: E402
@@ -28,11 +29,9 @@ from engine.model.loader import resolve_model_path  # noqa: E402
 
 def alpha(outputs) -> tuple[float, float]:
     """(per-token α, tokens per round) over every round of `outputs`."""
-    accepted = rejected = rounds = 0
-    for o in outputs:
-        for a, k in zip(o.accepted_per_round, o.proposed_per_round):
-            accepted, rejected, rounds = accepted + a, rejected + (a < k), rounds + 1
-    return accepted / max(1, accepted + rejected), (accepted + rounds) / max(1, rounds)
+    accepted = sum(sum(o.accepted_per_round) for o in outputs)
+    rounds = sum(len(o.accepted_per_round) for o in outputs)
+    return per_token_alpha(outputs) or 0.0, (accepted + rounds) / max(1, rounds)
 
 
 def rejections_outside(outputs, vocabulary: set[int]) -> float:

@@ -50,6 +50,17 @@ def interleave(variants: dict[str, Callable[[], dict]], repeats: int, desc: str)
     return runs
 
 
+def per_token_alpha(outputs) -> float | None:
+    """Leviathan et al.'s per-token acceptance over every round of `outputs` (RequestOutputs):
+    accepted ÷ (accepted + rejections), a round ending in a rejection counting one. Not accepted
+    ÷ drafted, which counts the proposals after a rejection, never judged, as failures."""
+    accepted = rejected = 0
+    for o in outputs:
+        for a, k in zip(o.accepted_per_round, o.proposed_per_round):
+            accepted, rejected = accepted + a, rejected + (a < k)
+    return accepted / (accepted + rejected) if accepted + rejected else None
+
+
 def theoretical(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     """Leviathan et al., Thm 3.8: speedup of K proposals at per-token acceptance alpha and cost
     ratio c, a verify pass costing verify_cost decode steps (1: the paper's assumption)."""

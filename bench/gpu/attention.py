@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check
 from engine.model.transformer import CUDA_ATTENTION_BACKENDS, Transformer, attention_branch
 
 # (name, batch, queries per sequence, keys, whether rows differ in length)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import engine.speculative.rejection as rejection
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check
 from bench.gpu.stats import chi_square_pvalue
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from bench.gpu.check import Context
+from bench.common import per_token_alpha
+from bench.gpu.context import Context
 from engine import LLM, SamplingParams
 
 
@@ -22,6 +23,8 @@ def timed_generate(ctx: Context, llm: LLM, prompts: list[list[int]], params: Sam
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
     steps: list[float] = []  # decode-only steps
+    phases = {"draft": 0.0, "target": 0.0, "other": 0.0}  # their seconds by phase
+    ks: list[int] = []  # each decode-only step's K (0: plain)
     ctx.sync()
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -30,6 +33,9 @@ def timed_generate(ctx: Context, llm: LLM, prompts: list[list[int]], params: Sam
         last = engine.last_step
         if last.decode is not None and last.phases.prefill == 0:
             steps.append(time.perf_counter() - t)
+            ks.append(last.decode.k)
+            for phase in phases:
+                phases[phase] += getattr(last.phases, phase)
     ctx.sync()
     seconds = time.perf_counter() - t0
     outs = [engine.get_output(r) for r in ids]
@@ -37,10 +43,15 @@ def timed_generate(ctx: Context, llm: LLM, prompts: list[list[int]], params: Sam
         engine.release(r)
     tokens = sum(len(o.token_ids) for o in outs)
     drafted = sum(o.num_draft_tokens for o in outs)
+    rounds = sum(o.num_spec_rounds for o in outs)
     return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
             "step_ms": 1e3 * statistics.median(steps) if steps else None, "steps": len(steps),
-            "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
-            "first_tokens": outs[0].token_ids[:16]}
+            "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,  # ÷ drafted
+            "alpha": per_token_alpha(outs),  # per token: what Thm 3.8 takes
+            "mean_k": drafted / rounds if rounds else 0.0,  # proposals a round, over rounds that speculated
+            "spec_rounds": rounds, "first_tokens": outs[0].token_ids[:16],
+            "phase_ms_per_step": {p: 1e3 * v / len(steps) for p, v in phases.items()} if steps else None,
+            "k_per_step": {k: ks.count(k) for k in sorted(set(ks))}, "outputs": [o.token_ids for o in outs]}
 
 
 def median_of(runs: list[dict], key: str) -> dict:

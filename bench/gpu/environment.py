@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from bench.gpu.check import Context
+from bench.gpu.context import Context
 
 OPTIONAL = ("transformers", "safetensors", "tokenizers", "triton", "flash_attn", "flashinfer", "xformers", "scipy",
             "llguidance", "ray", "fastapi", "vllm", "sglang")

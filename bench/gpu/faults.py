@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,6 @@
-"""CUDA graphs on ÷ off (section `cuda_graphs`) and attention in place ÷ gather (section
-`paged_attention`) on the Llama-3.2-1B shape in bf16: the same engine with one setting flipped,
-plain and speculative (the 2-layer prefix draft, fixed K = 4), at batch 1, 8 and 32, side by side in
-one run; what the setting cost at load (capture or check time, device memory) and whether the
+"""CUDA graphs on ÷ off (section `cuda_graphs`, through --sections) on the Llama-3.2-1B shape in
+bf16: the same engine with the setting flipped, plain and speculative (the 2-layer prefix draft,
+fixed K = 4), at batch 1, 8 and 32, side by side in one run; what the setting cost at load (capture or check time, device memory) and whether the
 load-time self-check kept it (a fallback is a failed check)."""
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import time
 
 import torch
 
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check
 from bench.gpu.decode import median_of, random_prompts, timed_generate
 from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
 from engine import LLM, SamplingParams
@@ -23,11 +22,6 @@ BATCHES = (1, 8, 32)
 def run_graphs(ctx: Context, out: dict) -> None:
     """Graphs on ÷ off, 32-token prompts."""
     _compare(ctx, out, "cuda_graphs", "on", "off", prompt_len=32)
-
-
-def run_paged(ctx: Context, out: dict) -> None:
-    """In place ÷ gather, long contexts (2,048-token prompts on the GPU): where the gather's traffic counts."""
-    _compare(ctx, out, "paged_attention", "inplace", "gather", prompt_len=ctx.size(2048, 48))
 
 
 def _compare(ctx: Context, out: dict, setting: str, on: str, off: str, prompt_len: int) -> None:

@@ -22,4 +22,10 @@ def markdown(report: dict) -> str:
         for check_name, c in out.get("checks", {}).items():
             if not c["ok"]:
                 lines.append(f"- FAILED: {check_name}: {c.get('detail')}")
+        for goal_name, g in out.get("goals", {}).items():
+            lines.append(f"- goal {'met' if g['met'] else 'NOT met'}: {goal_name} ({_figure(g.get('value'))})")
     return "\n".join(lines) + "\n"
+
+
+def _figure(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import engine.host_sync as host_sync
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check
 from engine import LLM, SamplingParams
 from tests.helpers import make_model, make_tokenizer
 

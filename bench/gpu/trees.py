@@ -1,8 +1,8 @@
-"""Token trees on the device (section `trees`): what a verify pass costs by its width, as a chain
-and as a tree (the ancestor mask), at batch 1 and 8 on the Llama-3.2-1B shape, where a wider pass
-is nearly free while decoding reads the weights: replayed from captured graphs (as the engine
-runs them) and eager; and greedy n-gram trees equal plain decoding (float32, both pools) on the
-device."""
+"""Token trees on the device (section `trees`): at a realistic acceptance (the Llama-3.2-1B shape's
+1-layer prefix pair, bench/gpu/pair.py), adaptive speculation with trees ÷ with chains only at
+batch 1, and block ÷ token verification (sampled, fixed K); what a verify pass costs by its width,
+as a chain and as a tree (the ancestor mask), at batch 1 and 8, replayed from captured graphs (as
+the engine runs them) and eager; and greedy n-gram trees equal plain decoding (float32, both pools)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import time
 
 import torch
 
-from bench.gpu.check import Context, check
+from bench.gpu.context import Context, check, goal
+from bench.gpu.decode import median_of, random_prompts, timed_generate
+from bench.gpu.realistic import K_MAX, build_pair
 from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
 from engine import LLM, SamplingParams
 from engine.model.cuda_graphs import CapturedPasses, PassKind, default_capture, target_pass
@@ -26,7 +28,47 @@ def _tree(nodes: int) -> TokenTree:
     return TokenTree(tuple(range(1, nodes + 1)), tuple((i - 1) // 3 - 1 if i else -1 for i in range(nodes)))
 
 
+TREE = dict(tree_width=3, tree_tokens=16)  # the trees' shape limits (the policy picks within them)
+
+
 def run(ctx: Context, out: dict) -> None:
+    _realistic(ctx, out)
+    ctx.free()
+    _verify_widths(ctx, out)
+
+
+def _realistic(ctx: Context, out: dict) -> None:
+    """Trees ÷ chains (adaptive, greedy, batch 1) and block ÷ token (fixed K = 4, T = 1), on the pair."""
+    config = ctx.size(LLAMA_3_2_1B, SMOKE_1B)
+    new = ctx.size(96, 12)
+    target, draft, store, out["pair"] = build_pair(ctx, config, 1, new, "trees_pair")
+    spec = dict(use_speculative_decoding=True, speculative_method="draft", draft_model=str(draft))
+    with weights_in_memory(store):
+        engines = {name: LLM(**ctx.engine_kwargs(1, 512, model=str(target), dtype=ctx.dtype, **spec, **kw))
+                   for name, kw in (("chains", dict(spec_length=K_MAX)), ("trees", dict(spec_length=K_MAX, **TREE)),
+                                    ("token", dict(spec_length=4, spec_policy="fixed")),
+                                    ("block", dict(spec_length=4, spec_policy="fixed", verification="block")))}
+    store.clear()
+    ctx.free()
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=3)
+    prompts = random_prompts(1, 32, config["vocab_size"], seed=31)
+    for (a, b), params in ((("trees", "chains"), greedy), (("block", "token"), sampled)):
+        runs = {name: [] for name in (a, b)}
+        for _ in range(ctx.size(3, 1) + (0 if ctx.smoke else 1)):  # the first repeat warms up on the GPU
+            for name in (a, b):
+                runs[name].append(timed_generate(ctx, engines[name], prompts, params))
+        runs = {name: r[0 if ctx.smoke else 1:] for name, r in runs.items()}
+        ratio = median_of(runs[a], "tok_s")["median"] / median_of(runs[b], "tok_s")["median"]
+        out[f"{a}_over_{b}"] = {"tok_s": ratio, "alpha": {n: median_of(runs[n], "alpha")["median"] for n in runs},
+                                "mean_k": {n: median_of(runs[n], "mean_k")["median"] for n in runs}}
+        ctx.log(f"{a} / {b}: {ratio:.2f}x ({out[f'{a}_over_{b}']})")
+    goal(out, "trees ÷ chains >= 1.05 at batch 1 (adaptive, greedy, realistic pair)",
+         out["trees_over_chains"]["tok_s"] >= 1.05, out["trees_over_chains"]["tok_s"])
+    del engines
+
+
+def _verify_widths(ctx: Context, out: dict) -> None:
     config = ctx.size(LLAMA_3_2_1B, SMOKE_1B)
     work = ctx.work / "trees"
     hf = hf_model(config, getattr(torch, ctx.dtype), ctx.device)
@@ -77,7 +119,9 @@ def run(ctx: Context, out: dict) -> None:
         model.graphs = engine_graphs
     check(out, "every timed pass replayed a graph where graphs were on",
           replays == len(batches) * len(WIDTHS) * 2 * (repeats + 1), {"replays": replays})
-    out["summary"] = _summary(out["verify_ms_graphs"], "graphs") + _summary(out["verify_ms_eager"], "eager")
+    out["summary"] = [f"{name.replace('_', ' ')}: {out[name]['tok_s']:.2f}x (alpha {out[name]['alpha']}, mean K "
+                      f"{out[name]['mean_k']})" for name in ("trees_over_chains", "block_over_token")]
+    out["summary"] += _summary(out["verify_ms_graphs"], "graphs") + _summary(out["verify_ms_eager"], "eager")
     del llm, model, graphs
     ctx.free()
     _parity(ctx, out, work)
