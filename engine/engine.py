@@ -234,19 +234,32 @@ class LLMEngine:
         layers = head.aux_layers if head is not None else ()  # the target's features the head reads
         common = dict(max_batch=c.max_batch_size, max_seq_len=c.max_seq_len, capture=capture)
         reports = {}
-        self.model.graphs, reports["target"] = capture_checked(
+        self.model.graphs, reports["target"] = self._capture_role("target", self.model, lambda: capture_checked(
             "target", self.model, self.kv.target, target_pass(self.model, layers),
-            [PassKind(w) for w in widths] + trees, layers=layers, **common)
+            [PassKind(w) for w in widths] + trees, layers=layers, **common))
         if head is not None:  # its own steps feed back its state; a round's first pass reads target features
             kinds = [PassKind(1, head.shape.hidden_size)] + [PassKind(w, head.feature_width) for w in widths[1:]] \
                 + [PassKind(k.width, head.shape.hidden_size, tree=True) for k in trees]
-            head.graphs, reports["draft"] = capture_checked("EAGLE-3 head", head, self.kv.draft, head_pass(head),
-                                                            kinds, **common)
+            head.graphs, reports["draft"] = self._capture_role("draft", head, lambda: capture_checked(
+                "EAGLE-3 head", head, self.kv.draft, head_pass(head), kinds, **common))
         elif self.draft_model is not None:
-            self.draft_model.graphs, reports["draft"] = capture_checked(
-                "draft", self.draft_model, self.kv.draft, target_pass(self.draft_model, ()),
-                [PassKind(w) for w in widths] + trees, **common)
+            draft = self.draft_model
+            draft.graphs, reports["draft"] = self._capture_role("draft", draft, lambda: capture_checked(
+                "draft", draft, self.kv.draft, target_pass(draft, ()), [PassKind(w) for w in widths] + trees,
+                **common))
         return reports
+
+    def _capture_role(self, role: str, model, capture):
+        """capture() of one model's graphs; where it fails reading its pool in place, the model
+        gathers instead and is captured again: in place is dropped, never the graphs."""
+        graphs, report = capture()
+        if report.fallback is not None and model.paged is not None:
+            log.warning("paged_attention: the %s gathers its keys: its graphs did not capture in place (%s)",
+                        role, report.fallback)
+            self.paged_attention[role] = f"gather: graph capture failed in place: {report.fallback}"
+            model.paged = None
+            graphs, report = capture()
+        return graphs, report
 
     def _build_speculation(self, defer_calibration: bool) -> SpeculativeDecoder:
         costs = MeasuredCosts()

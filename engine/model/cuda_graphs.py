@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -242,6 +243,7 @@ class CaptureReport:
     seconds: float = 0.0
     bytes: int = 0
     fallback: str | None = None
+    traceback: str | None = None  # where a capture that raised raised
 
 
 def capture_checked(name: str, model: Transformer, pool: CachePool, fn: PassFn, kinds: list[PassKind],
@@ -258,6 +260,8 @@ def capture_checked(name: str, model: Transformer, pool: CachePool, fn: PassFn, 
         problem = self_check(graphs, model, pool)
     except Exception as e:  # any failure to capture or replay: this model stays eager
         problem = f"capture failed: {type(e).__name__}: {e}"
+        report.traceback = traceback.format_exc()[-3000:]
+        log.warning("cuda_graphs: capturing the %s raised:\n%s", name, report.traceback)
     report.seconds, report.bytes = time.perf_counter() - t0, _device_bytes(device) - before
     if problem is not None:
         log.warning("cuda_graphs: the %s runs eager: %s", name, problem)

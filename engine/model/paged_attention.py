@@ -61,7 +61,7 @@ def paged_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_num
         def visible(b, h, q_idx, kv_idx):  # key row kv_idx (one of b's blocks) is at or before query q_idx
             return row_position[kv_idx] <= positions[b, q_idx]
     else:  # eager flex_attention applies the mask_mod to every key of the pool: each sequence's own, densely
-        owned = _owned_rows(kv_num_blocks, kv_indices, block_size)  # [B, rows]
+        owned = _owned_rows(kv_num_blocks, kv_indices, block_size, keys.shape[2] // block_size)  # [B, rows]
 
         def visible(b, h, q_idx, kv_idx):
             return owned[b, kv_idx] & (row_position[kv_idx] <= positions[b, q_idx])
@@ -71,13 +71,13 @@ def paged_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_num
                           kernel_options=kernel_options(block_size) if q.is_cuda else None)
 
 
-def _owned_rows(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int) -> torch.Tensor:
+def _owned_rows(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_size: int, pool_blocks: int) -> torch.Tensor:
     """[B, rows] whether each storage row lies in one of the blocks the mask lists for sequence b."""
-    B, nb = kv_indices.shape[0], kv_indices.shape[-1]
+    B, columns = kv_indices.shape[0], kv_indices.shape[-1]
     device = kv_indices.device
-    listed = torch.arange(nb, device=device)[None] < kv_num_blocks[:, 0, 0, None]  # [B, nb] columns in use
-    owned = torch.zeros(B, nb, dtype=torch.bool, device=device)  # [B, nb] by physical block
-    rows = torch.arange(B, device=device)[:, None].expand(B, nb)
+    listed = torch.arange(columns, device=device)[None] < kv_num_blocks[:, 0, 0, None]  # [B, columns] in use
+    owned = torch.zeros(B, pool_blocks, dtype=torch.bool, device=device)  # [B, pool blocks] by physical block
+    rows = torch.arange(B, device=device)[:, None].expand(B, columns)
     owned[rows[listed], kv_indices[:, 0, 0].long()[listed]] = True
     return owned.repeat_interleave(block_size, dim=1)
 
@@ -94,13 +94,20 @@ def kernel_options(block_size: int) -> dict:
 class PagedAttention:
     """In-place attention over one pool's storage [layers, 2, kv_heads, rows + 1, head_dim]."""
 
-    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int, flex: Callable | None = None):
-        """flex: paged_flex, or a compiled form of it (None: compiled on CUDA, eager elsewhere)."""
+    def __init__(self, storage: torch.Tensor, block_size: int, max_queries: int, flex: Callable | None = None,
+                 pool_columns: bool | None = None):
+        """flex(scale): paged_flex for that softmax scale, or a compiled form of it (None: compiled
+        on CUDA, eager elsewhere).
+        pool_columns: the block mask has a column per block of the pool, not per block a pass's
+        keys span (None: on CPU, where inductor's kernel asserts it; on CUDA the mask would grow
+        with max_batch_size squared)."""
         self.storage = storage  # the pool's [layers, 2, kv_heads, rows + 1, head_dim]
         self.block_size = block_size
         self.num_blocks = (storage.shape[3] - 1) // block_size
         self.max_queries = max_queries  # passes of at most this many queries a sequence read in place (decode, verify)
-        self._flex = flex or (_compiled_flex(block_size) if storage.device.type == "cuda" else paged_flex)
+        self.pool_columns = storage.device.type == "cpu" if pool_columns is None else pool_columns
+        self._flex = flex or (functools.partial(_compiled_flex, block_size) if storage.device.type == "cuda"
+                              else lambda scale: paged_flex)
 
     def takes(self, queries: int, view: KVView) -> bool:
         """Whether a pass of `queries` tokens a sequence over `view` reads in place (else it gathers)."""
@@ -127,28 +134,30 @@ class PagedAttention:
         else:
             row_position[view.read_slice] = torch.arange(view.read_slice.stop - view.read_slice.start, device=device,
                                                          dtype=torch.int32)
-        row_position[rows] = NOT_HELD
+        row_position[rows:].fill_(NOT_HELD)  # padded keys wrote the scratch row's; fill_: no host scalar copied over
         counts = (positions.amax(dim=1) // bs + 1).clamp(max=M).to(torch.int32)  # [B] blocks up to the last query
         q_blocks = -(-T // Q_BLOCK)
         kv_num_blocks = counts[:, None, None].expand(B, 1, q_blocks).contiguous()  # [B, 1, q_blocks]
-        # every block of the pool has a column (inductor's CPU kernel asserts it), the sequence's own first
-        kv_indices = torch.zeros(B, 1, q_blocks, nb, dtype=torch.int32, device=device)  # [B, 1, q_blocks, nb]
-        kv_indices[..., :min(M, nb)] = table[:, None, None, :nb].clamp(max=nb - 1).to(torch.int32)
+        # a column per block the pass's keys span (its key bucket), or per block of the pool, its own first
+        columns = nb if self.pool_columns else M
+        kv_indices = torch.zeros(B, 1, q_blocks, columns, dtype=torch.int32, device=device)  # [B, 1, q_blocks, columns]
+        kv_indices[..., :min(M, columns)] = table[:, None, None, :columns].clamp(max=nb - 1).to(torch.int32)
         return PagedMask(kv_num_blocks, kv_indices, row_position, positions)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: PagedMask, scale: float) -> torch.Tensor:
         """q [B, heads, T, D] over one layer's pool kv [2, kv_heads, rows + 1, D] -> [B, heads, T, D]."""
         rows = self.num_blocks * self.block_size  # the scratch row past them is never a key
         keys, values = kv[0, :, :rows].unsqueeze(0), kv[1, :, :rows].unsqueeze(0)  # [1, kv_heads, rows, D]
-        return self._flex(q, keys, values, *mask, self.block_size, scale)
+        return self._flex(scale)(q, keys, values, *mask, self.block_size, scale)
 
 
 @functools.cache
-def _compiled_flex(block_size: int) -> Callable:
-    """paged_flex compiled once per process and block size, with dynamic shapes: a pass's batch and
-    width change every step, and a kernel per shape would soon pass dynamo's recompile limit. The
-    block size is a constant of the trace (the kernel's key tile)."""
-    def flex(q, keys, values, kv_num_blocks, kv_indices, row_position, positions, _block_size, scale):
+def _compiled_flex(block_size: int, scale: float) -> Callable:
+    """paged_flex compiled once per process, block size and softmax scale, with dynamic shapes: a
+    pass's batch and width change every step, and a kernel per shape would soon pass dynamo's
+    recompile limit. The block size (the kernel's key tile) and the scale are constants of the
+    trace, not arguments a dynamic trace would make symbolic."""
+    def flex(q, keys, values, kv_num_blocks, kv_indices, row_position, positions, _block_size, _scale):
         return paged_flex(q, keys, values, kv_num_blocks, kv_indices, row_position, positions, block_size, scale)
     return torch.compile(flex, dynamic=True)
 

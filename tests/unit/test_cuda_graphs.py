@@ -204,6 +204,46 @@ def test_a_capture_that_raises_or_a_replay_that_differs_leaves_the_model_eager(t
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
 
 
+class CaptureMarking:
+    """The emulation, with `capturing` set while a body is recorded."""
+
+    capturing = False
+
+    def __call__(self, body):
+        CaptureMarking.capturing = True
+        try:
+            body()
+        finally:
+            CaptureMarking.capturing = False
+        return body
+
+
+def test_a_capture_that_fails_in_place_keeps_the_graphs_and_gathers(tiny_model, reference, monkeypatch, caplog):
+    """In place passes the load-time check but raises inside capture: the model gathers and its
+    graphs are captured again (before, every graph was dropped); the warning keeps the traceback."""
+    from engine.model.paged_attention import PagedAttention
+
+    attend = PagedAttention.attend
+
+    def fails_when_captured(self, *args):
+        if CaptureMarking.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return attend(self, *args)
+
+    monkeypatch.setattr(PagedAttention, "attend", fails_when_captured)
+    config = EngineConfig.from_kwargs(model=str(tiny_model[0]), cuda_graphs="on", paged_attention="inplace", **COMMON)
+    with caplog.at_level(logging.WARNING):
+        engine = LLMEngine(config, graph_capture=CaptureMarking())
+    assert engine.cuda_graphs["target"].graphs == 3 and engine.cuda_graphs["target"].fallback is None
+    assert engine.model.paged is None
+    assert engine.paged_attention["target"].startswith("gather: graph capture failed in place: capture failed: "
+                                                       "RuntimeError: operation not permitted")
+    assert any("Traceback" in r.getMessage() and "fails_when_captured" in r.getMessage() for r in caplog.records)
+    llm = LLM.__new__(LLM)
+    llm.config, llm.engine = config, engine
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference and engine.model.graphs.replays > 0
+
+
 def test_plain_greedy_with_graphs_equals_eager(tiny_model, reference):
     llm = LLM(model=str(tiny_model[0]), cuda_graphs="on", **COMMON)
     assert llm.engine.cuda_graphs["target"].graphs == 3 and llm.engine.cuda_graphs["target"].fallback is None

@@ -103,7 +103,7 @@ def test_compiled_flex_attention_reads_in_place_as_the_eager_one():
     generator = torch.Generator().manual_seed(1)
     pool = _pool(kv_heads=2, block_size=16)
     eager = PagedAttention(pool.storage, 16, max_queries=16)
-    compiled = PagedAttention(pool.storage, 16, max_queries=16, flex=_compiled_flex(16))  # the engine's, on CUDA
+    compiled = PagedAttention(pool.storage, 16, max_queries=16, flex=lambda scale: _compiled_flex(16, scale))  # the engine's, on CUDA
     slots = [pool.allocate_slot([])[0] for _ in range(3)]
     logical = {}
     for chunks in ([20, 5, 33], [9, 17, 1]):
@@ -171,3 +171,53 @@ def test_the_kernel_tile_divides_the_pool_block_or_the_pool_is_refused():
     assert kernel_options(2048) == {"BLOCK_N": 64}
     with pytest.raises(ValueError, match="block_size that is a multiple of 16, not 2124"):
         kernel_options(2124)  # a slotted pool's one block of max_seq_len tokens
+
+
+def test_the_mask_makes_no_tensor_of_a_python_number_and_spans_only_the_passes_blocks():
+    """Built on the meta device (standing in for CUDA): no op makes a tensor of a Python number, as
+    `row_position[rows] = NOT_HELD` did (a scalar tensor allocated and copied every pass, inside
+    graph capture too). With pool_columns off (CUDA's default) the block mask has a column per
+    block the keys span, not per block of the pool: its size no longer grows with max_batch_size
+    squared."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.scalar_tensor.default, torch.ops.aten.lift_fresh.default):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    block, pool_blocks, keys = 4, 64, 12  # a pass over 3 blocks of a 64-block pool
+    storage = torch.empty(1, 2, 2, pool_blocks * block + 1, D, device="meta")
+    paged = PagedAttention(storage, block, max_queries=16, flex=lambda scale: None, pool_columns=False)
+    view = SimpleNamespace(read_rows=torch.zeros(2, keys, dtype=torch.long, device="meta"), read_slice=None)
+    positions = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    with ScalarTensors() as mode:
+        mask = paged.mask(view, positions)
+    assert mode.seen == []
+    assert mask.kv_indices.shape == (2, 1, 1, keys // block)
+    assert PagedAttention(storage, block, 16, flex=lambda scale: None, pool_columns=True).mask(
+        view, positions).kv_indices.shape[-1] == pool_blocks
+
+
+@pytest.mark.parametrize("pool_columns", [False, True])
+def test_in_place_is_exact_with_either_column_layout(pool_columns):
+    generator = torch.Generator().manual_seed(3)
+    pool = _pool(kv_heads=2)
+    paged = PagedAttention(pool.storage, pool.block_size, max_queries=16, pool_columns=pool_columns)
+    slots = [pool.allocate_slot([])[0] for _ in range(3)]
+    logical = {}
+    for step in range(3):
+        _append(pool, slots, [2 + step, 5, 1 + step], logical, generator)
+    view, positions = _append(pool, slots, [3, 1, 2], logical, generator)
+    q = torch.randn(3, 4, 3, D, generator=generator)
+    got = paged.attend(q, pool.storage[0], paged.mask(view, positions), D ** -0.5)
+    want = _reference(q, slots, [3, 1, 2], logical, positions)
+    for b, c in enumerate([3, 1, 2]):
+        torch.testing.assert_close(got[b, :, :c].double(), want[b, :, :c], rtol=1e-5, atol=1e-5)
