@@ -129,7 +129,7 @@ class InProcess:
         import asyncio
 
         from bench.in_process import run_load
-        from engine.config import SamplingParams
+        from engine.sampling_params import SamplingParams
 
         asyncio.run(self.engine.call(lambda engine: engine.reconfigure_speculation(**user_config)))
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)

@@ -30,8 +30,8 @@ SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
         "returns": {"enum": ["int", "str", "None", "list", "dict", "bool"]}},
     "required": ["name", "args", "returns"]}}
 SPECULATION = {"plain": PLAIN, "draft adaptive": adaptive("draft"), "hybrid adaptive": adaptive("hybrid")}
-GRAMMAR_CALLS = [("engine.runner", "mask_rows"), ("engine.speculative.draft", "mask_rows"),
-                 ("engine.speculative.drafting", "_walk"),
+GRAMMAR_CALLS = [("engine.runner", "mask_rows"), ("engine.speculative.proposers.draft_model", "mask_rows"),
+                 ("engine.speculative.proposers.drafting", "_walk"),
                  ("engine.speculative.step", "cut_proposals"), ("engine.speculative.step", "mask_logits")]
 
 

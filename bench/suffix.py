@@ -85,7 +85,7 @@ def warm(llm, prompts, params) -> object:
 def proposal_times(llm, cache, prompts: list[str], params) -> dict:
     """Microseconds per proposal (depth 16, 24 nodes, width 3): ours and arctic-inference's, each
     request's context grown token by token over its own answer."""
-    from engine.speculative.suffix import DraftLimits, SuffixProposer
+    from engine.speculative.proposers.suffix import DraftLimits, SuffixProposer
 
     tokenizer = llm.engine.tokenizer
     llm.engine.reconfigure_speculation(**adaptive("suffix", K_MAX))

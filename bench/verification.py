@@ -36,7 +36,7 @@ class ExpectedAcceptance:
         self.key = (name, repeat)
 
     def install(self) -> None:
-        import engine.speculative.rejection as rejection
+        import engine.speculative.verify.chain as rejection
 
         for name in ("verify", "verify_block"):
             real = getattr(rejection, name)
@@ -47,7 +47,7 @@ class ExpectedAcceptance:
             setattr(rejection, name, wrapped)
 
     def observe(self, p, q, draft, num_proposed) -> None:
-        from engine.speculative.rejection import acceptance_ratios, block_acceptance
+        from engine.speculative.verify.chain import acceptance_ratios, block_acceptance
 
         t0 = time.perf_counter()
         s = self.sums.setdefault(self.key, dict.fromkeys(("token", "block", "rounds", "seconds"), 0.0))

@@ -1,5 +1,6 @@
-"""Validated configuration: `EngineConfig` (with `SpecConfig` and the forward plan inside) and
-`SamplingParams`; every error is a `ValueError` naming the field and what it accepts.
+"""Validated configuration: `EngineConfig`, with `SpecConfig` and the forward plan inside (a
+request's `SamplingParams`: sampling_params.py); every error is a `ValueError` naming the field
+and what it accepts.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from engine.structured_output import StructuredOutput
-
 DEFAULT_MODEL = "embedded:target"
 DEFAULT_HEAD = "embedded:eagle3"  # the embedded target's EAGLE-3 head: its default proposer
 DEFAULT_DRAFT_MODEL = "embedded:draft"  # its draft model, for speculative_method "draft"
 
 KVBackend = Literal["slotted", "paged"]
-SpecMethod = Literal["draft", "ngram", "hybrid", "eagle", "suffix"]
+# speculative_method names -> whether the method proposes with the draft model or head; the
+# proposer registry (speculative/proposers/registry.py) adds the methods registered there
+SPEC_METHODS: dict[str, bool] = {"draft": True, "ngram": False, "hybrid": True, "eagle": True, "suffix": False}
 Lookup = Literal["ngram", "suffix"]  # the model-free proposers
 SuffixSharing = Literal["all", "tenant"]
 SpecPolicyMode = Literal["fixed", "adaptive"]
@@ -48,7 +49,7 @@ def check_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
-def _check_number(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
+def check_number(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value > hi or value < lo or (lo_open and value == lo):
@@ -104,7 +105,9 @@ class SpecConfig:
     # on or off; left out: on when any other field here is given (LLM() and serve turn it on for the embedded pair)
     use_speculative_decoding: bool | None = None
     draft_model: str | None = None  # a draft model, or an EAGLE-3 head (speculative_method "eagle")
-    speculative_method: SpecMethod = "draft"  # a draft model, prompt lookup, lookup else the model, an EAGLE-3 head, suffix decoding
+    # draft (a draft model), ngram (prompt lookup), hybrid (a lookup, else the model), eagle (an EAGLE-3 head),
+    # suffix (suffix decoding), or a method registered with register_proposer
+    speculative_method: str = "draft"
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
     spec_policy: SpecPolicyMode = "adaptive"  # adaptive: K from measured costs each step (0 = plain); fixed: spec_length
     spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
@@ -128,7 +131,7 @@ class SpecConfig:
     def _check_values(self) -> None:
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise ValueError(f"draft_model must be a non-empty path or model id, got {self.draft_model!r}")
-        check_choice("speculative_method", self.speculative_method, get_args(SpecMethod))
+        check_choice("speculative_method", self.speculative_method, SPEC_METHODS)
         check_int("spec_length", self.spec_length, 1, 64)
         check_choice("spec_policy", self.spec_policy, get_args(SpecPolicyMode))
         check_int("spec_disable_batch_size", self.spec_disable_batch_size, 1, optional=True)
@@ -151,7 +154,7 @@ class SpecConfig:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.speculative_method in ("draft", "hybrid", "eagle")
+        return SPEC_METHODS.get(self.speculative_method, False)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -260,7 +263,7 @@ class EngineConfig:
         check_choice("kv_cache_backend", self.kv_cache_backend, get_args(KVBackend))
         check_int("block_size", self.block_size, 1, 1024)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
-        self.kv_cache_memory_fraction = _check_number("kv_cache_memory_fraction", self.kv_cache_memory_fraction,
+        self.kv_cache_memory_fraction = check_number("kv_cache_memory_fraction", self.kv_cache_memory_fraction,
                                                       0.0, 1.0, lo_open=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -327,92 +330,3 @@ def with_embedded_defaults(kwargs: dict) -> dict:
 def _as_dict(spec: SpecConfig | dict) -> dict:
     """The fields given, of a SpecConfig or a mapping."""
     return spec.given() if isinstance(spec, SpecConfig) else dict(spec)
-
-
-@dataclass
-class SamplingParams:
-    """How one request is sampled and when it stops. temperature 0: greedy; top_k -1 (or 0), top_p 1,
-    min_p 0 and repetition_penalty 1 (CTRL-style: a seen token's logit divided by it when positive,
-    multiplied when not) each disable their filter."""
-
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = -1  # keep the k most likely tokens; -1 or 0: off
-    top_p: float = 1.0  # keep the most likely tokens up to this total probability; 1: off
-    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability; 0: off
-    repetition_penalty: float = 1.0  # CTRL-style, on tokens already seen; 1: off
-    max_tokens: int = 16  # most tokens generated
-    stop: list[str] | str | None = None  # strings that end generation (not returned)
-    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end generation
-    ignore_eos: bool = False  # keep generating past the end-of-sequence token
-    seed: int | None = None  # the request's random stream: same seed, same tokens, alone or in any batch
-    spec_length: int | None = None  # per-request cap on proposed tokens per round; 0 = no speculation
-    structured_output: StructuredOutput | None = None  # a grammar the output must follow (engine/grammar.py)
-    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the output holds
-    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, -100..100)
-    logprobs: int | None = None  # each output token's logprob and this many top alternatives (0..20)
-    prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top alternatives
-    tenant: str | None = None  # whose earlier outputs may inform this one's suffix proposals (suffix_sharing "tenant")
-
-    def __post_init__(self) -> None:
-        self.temperature = _check_number("temperature", self.temperature, 0.0, 100.0)
-        check_int("top_k", self.top_k, -1)
-        self.top_p = _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
-        check_int("max_tokens", self.max_tokens, 0)
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt scored, nothing generated)")
-        self._check_stops()
-        check_bool("ignore_eos", self.ignore_eos)
-        check_int("seed", self.seed, 0, 2**63 - 1, optional=True)
-        check_int("spec_length", self.spec_length, 0, 64, optional=True)
-        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
-        if self.structured_output is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured_output (a complete document ends at EOS)")
-        self.presence_penalty = _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self._check_logit_bias()
-        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
-        check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
-        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
-            raise ValueError(f"tenant must be a non-empty string or None, got {self.tenant!r}")
-
-    def _check_logit_bias(self) -> None:
-        if self.logit_bias is None:
-            return
-        if not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}")
-        checked = {}
-        for token, bias in self.logit_bias.items():
-            check_int("logit_bias key", token, 0)
-            checked[token] = _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
-        self.logit_bias = checked or None
-
-    def _check_stops(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        for tid in self.stop_token_ids:
-            check_int("stop_token_ids[]", tid, 0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether a penalty or a bias changes the logits before temperature."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.logit_bias is not None
-
-    @property
-    def needs_probs(self) -> bool:
-        """Whether sampling this request needs the adjusted distribution, not just an argmax."""
-        return not self.greedy or self.adjusts_logits

@@ -14,8 +14,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from engine.model.tokenizer import Tokenizer
 from engine.structured_output import StructuredOutput
+from engine.tokenizer import Tokenizer
 
 CACHED_GRAMMARS = 256  # compiled grammars kept per engine (least recently used dropped)
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: free whitespace lets a small model pad forever
@@ -193,7 +193,7 @@ def cut_tree(matcher: GrammarMatcher, tree, vocab_size: int):
     its root and each kept node: what the grammar allows next there. A drawn tree's forbidden
     child stays, as a leaf its parent's mask rejects (its later siblings were drawn with it taken
     out of q: acceptance must try it, and reject it, before them). The matcher is left as it was."""
-    from engine.speculative.tree import TokenTree
+    from engine.token_tree import TokenTree
 
     tokens: list[int] = []
     parents: list[int] = []

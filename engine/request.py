@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from engine.config import SamplingParams
 from engine.grammar import GrammarMatcher
 from engine.logprobs import TokenLogprob
-from engine.model.tokenizer import IncrementalText
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalText
 from engine.uniforms import RandomStream
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -18,7 +18,7 @@ from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
 
 if TYPE_CHECKING:
-    from engine.speculative.tree import TokenTree
+    from engine.token_tree import TokenTree
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import host_sync
-from engine.config import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.uniforms import RandomStream, draw_uniforms
 
 

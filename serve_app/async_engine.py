@@ -15,11 +15,12 @@ import traceback
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig
 from engine.engine import LLMEngine, Prompt
 from engine.faults import is_device_fault
 from engine.logprobs import TokenLogprob
 from engine.request import FinishReason, RequestOutput, StepOutput
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("serve_app.async_engine")
 

@@ -18,7 +18,8 @@ import time
 import types
 import typing
 
-from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.config import EngineConfig, SpecConfig
+from engine.sampling_params import SamplingParams
 
 _DEFAULT_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef"]
 _ALIASES = {"use_speculative_decoding": "--speculative-decoding"}

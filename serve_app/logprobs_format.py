@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from engine.logprobs import TokenLogprob
-from engine.model.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 FLOOR = -9999.0
 

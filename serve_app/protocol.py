@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.config import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from serve_app.errors import APIError
 from serve_app.tools import Tool, ToolCall, ToolChoice, ToolSet

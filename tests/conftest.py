@@ -14,7 +14,7 @@ def session_calibration_cache(tmp_path_factory):
     a measurement within the run (a warm start), and no run depends on timings an earlier one left."""
     directory = tmp_path_factory.mktemp("costs")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("engine.speculative.calibration.cache_dir", lambda: directory)
+        mp.setattr("engine.speculative.policy.calibration.cache_dir", lambda: directory)
         yield directory
 
 

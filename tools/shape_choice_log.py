@@ -34,7 +34,7 @@ def main() -> None:
     from bench.common import adaptive, generate_each
     from bench.workloads import load_prompts
     from engine import LLM, SamplingParams
-    from engine.speculative import shape_choice
+    from engine.speculative.policy import shape_choice
 
     rounds: list[tuple[bool, int, float]] = []  # (tree?, tokens, seconds) of each observed round
     observe = shape_choice.ShapeChoice.observe

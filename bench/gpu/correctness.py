@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import engine.speculative.rejection as rejection
+import engine.speculative.verify.chain as rejection
 from bench.gpu.context import Context, check
 from bench.gpu.stats import chi_square_pvalue
 from engine import LLM, SamplingParams

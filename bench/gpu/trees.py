@@ -18,7 +18,7 @@ from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, 
 from engine import LLM, SamplingParams
 from engine.model.cuda_graphs import CapturedPasses, PassKind, default_capture, target_pass
 from engine.model.passes import fill_slots, forward_chunks, padded_length, pool_for
-from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree
 
 WIDTHS = (1, 5, 9, 17)  # tokens per sequence in a verify pass (root + nodes)
 

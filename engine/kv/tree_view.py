@@ -1,5 +1,5 @@
 """A pass over token trees: a pool's view turned so that each tree node attends to the context
-and its own ancestors only, at the position of its depth (engine/speculative/tree.py).
+and its own ancestors only, at the position of its depth (engine/token_tree.py).
 
 A tree's columns are its root (column 0) and its nodes (column i + 1: node i), their K/V at
 consecutive positions from the root's. A verify pass writes every column (the nodes where a chain
@@ -10,15 +10,11 @@ after the ones earlier passes wrote (`first`: the column its chunk starts at).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine import host_sync
 from engine.kv.protocol import KVView
-
-if TYPE_CHECKING:
-    from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree, unpack_bits
 
 
 def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], trees: list[TokenTree | None],
@@ -58,12 +54,3 @@ def tree_view(view: KVView, starts: list[int], chunk_lens: list[int], trees: lis
     view.needs_mask = True
     view.causal_tail = False
     return view
-
-
-def unpack_bits(rows: list[int], columns: int) -> torch.Tensor:
-    """[len(rows), columns] uint8 on the host: bit j of rows[i] at [i, j] (one pass over bytes, not
-    an op per bit)."""
-    width = (columns + 7) // 8
-    packed = torch.frombuffer(bytearray(b"".join(r.to_bytes(width, "little") for r in rows)), dtype=torch.uint8)
-    bits = packed.view(len(rows), width, 1) >> torch.arange(8, dtype=torch.uint8) & 1  # [rows, width, 8]
-    return bits.view(len(rows), 8 * width)[:, :columns]

@@ -15,7 +15,7 @@ from engine.kv.tree_view import tree_view
 from engine.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from engine.speculative.tree import TokenTree
+    from engine.token_tree import TokenTree
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
 PAD_MULTIPLE = 32  # wider ones are padded to a multiple of this (docs/performance-notes.md#prefill-padding)

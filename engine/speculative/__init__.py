@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers, exact acceptance, the adaptive policy and the step pipeline."""
+"""Speculative decoding: proposers/ (what to guess), policy/ (how much to guess), verify/ (exact
+acceptance), and the round that runs them, step.py (plan -> propose -> verify -> accept -> commit)."""

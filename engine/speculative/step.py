@@ -16,17 +16,16 @@ from engine.grammar import cut_proposals, mask_logits
 from engine.kv import KVManager
 from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
-from engine.speculative.calibration import Calibration
-from engine.speculative.costs import MeasuredCosts
-from engine.speculative.eagle import EagleProposer
-from engine.speculative.policy import AcceptanceEstimates, Choice, SpecPolicy
-from engine.speculative.proposer import Proposal, Proposer
-from engine.speculative.proposers import build_proposer, lookup_of
-from engine.speculative.rejection import accept
-from engine.speculative.shape_choice import ShapeChoice
-from engine.speculative.suffix import SuffixCache
-from engine.speculative.tree_round import accept_trees, grammar_masks, takes_trees, tree_logprobs
-from engine.speculative.tree_width import RankAcceptance
+from engine.speculative.policy.calibration import Calibration
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
+from engine.speculative.policy.shape_choice import ShapeChoice
+from engine.speculative.policy.tree_width import RankAcceptance
+from engine.speculative.proposers.base import Proposal
+from engine.speculative.proposers.registry import ProposerSources, build_proposer
+from engine.speculative.proposers.suffix import SuffixCache
+from engine.speculative.verify.chain import accept
+from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
 
@@ -44,18 +43,17 @@ class RoundPlan:
 
 
 class SpeculativeDecoder:
-    def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, draft: Proposer | None,
+    def __init__(self, runner: ModelRunner, kv: KVManager, settings: SpecConfig, sources: ProposerSources,
                  costs: MeasuredCosts):
+        """sources: what proposers are built from (the draft model or head, the suffix cache...)."""
         self.runner = runner
         self.kv = kv
-        self.draft = draft
+        self.sources = sources
         self.costs = costs
         self.policy = SpecPolicy(costs, settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
-        self.suffix_cache = SuffixCache(settings.suffix_cache_tokens)  # the replica's finished outputs (suffix decoding)
-        self.proposer = build_proposer(settings, draft, runner.model.shape.vocab_size, runner.model.device,
-                                       self.suffix_cache)
+        self.proposer = build_proposer(settings, sources)
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
         self.ranks = RankAcceptance()  # adaptive: a tree's width by its sibling ranks' measured acceptance
@@ -66,20 +64,28 @@ class SpeculativeDecoder:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
         settings = self.settings.updated(changes)
         self.suffix_cache.evict(settings.suffix_cache_tokens)
-        self.proposer = build_proposer(settings, self.draft, self.runner.model.shape.vocab_size,
-                                       self.runner.model.device, self.suffix_cache)
+        self.proposer = build_proposer(settings, self.sources)
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.settings = settings
         self._last_round_tokens = None
         self._capture_features()
         return settings
 
+    @property
+    def suffix_cache(self) -> SuffixCache:
+        """The replica's finished outputs (suffix decoding), kept across reconfigurations."""
+        return self.sources.suffix_cache
+
+    @suffix_cache.setter
+    def suffix_cache(self, cache: SuffixCache) -> None:
+        self.sources.suffix_cache = cache
+        self.proposer = build_proposer(self.settings, self.sources)
+
     def _capture_features(self) -> None:
-        """The target's passes keep the features an EAGLE-3 head reads while one may propose."""
-        uses_head = isinstance(self.draft, EagleProposer) and self.settings.use_speculative_decoding \
-            and self.settings.speculative_method in ("eagle", "hybrid")
-        self.runner.capture = self.draft.head.aux_layers if uses_head else ()
-        if not uses_head and self.kv.features is not None:
+        """The target's passes keep the features the proposer reads (an EAGLE-3 head's), if any."""
+        layers = self.proposer.target_features if self.settings.use_speculative_decoding else ()
+        self.runner.capture = layers
+        if not layers and self.kv.features is not None:
             self.kv.features.clear()
 
     def tokens_per_round(self) -> int:
@@ -98,9 +104,8 @@ class SpeculativeDecoder:
     def forget(self, request: Request) -> None:
         """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
         self.acceptance.forget(request.request_id)
-        lookup = lookup_of(self.proposer)
-        if hasattr(lookup, "learn"):
-            lookup.learn(request)
+        if self.proposer.learns:
+            self.proposer.learn(request)
 
     def observe_step(self, decoded: DecodeResult, phases: PhaseSeconds) -> None:
         """A decode-only step's time outside its model passes, by its (B, K) (not a probe's): the
@@ -118,7 +123,7 @@ class SpeculativeDecoder:
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         # a K probe measures a chain of another K, and its rate is no shape's
-        trees = self.settings.tree_width > 1 and hasattr(self.proposer, "propose_trees") and takes_trees(reqs) \
+        trees = self.settings.tree_width > 1 and self.proposer.drafts_trees and takes_trees(reqs) \
             and plan.reason != "k_probe"
         if trees and self._take_trees(reqs):
             nodes, width = self._tree_shape(reqs, plan.k)

@@ -137,9 +137,9 @@ def test_a_cold_server_start_measures_the_largest_batch_in_its_first_idle_moment
     it next waits for work (each `call` runs on the loop between iterations)."""
     import threading
 
-    import engine.speculative.calibration as calibration_module
+    import engine.speculative.policy.calibration as calibration_module
 
-    monkeypatch.setattr("engine.speculative.calibration.cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("engine.speculative.policy.calibration.cache_dir", lambda: tmp_path)
     measured = []  # (batch, thread)
     original = calibration_module.calibrate_batch
 

@@ -10,16 +10,16 @@ import logging
 
 import pytest
 
-import engine.speculative.costs as costs_module
+import engine.speculative.policy.measure as measure_module
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from engine.speculative.calibration import Calibration
+from engine.speculative.policy.calibration import Calibration
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     directory = tmp_path / "cache" / "costs"
-    monkeypatch.setattr("engine.speculative.calibration.cache_dir", lambda: directory)
+    monkeypatch.setattr("engine.speculative.policy.calibration.cache_dir", lambda: directory)
     return directory
 
 
@@ -27,13 +27,13 @@ def cache(tmp_path, monkeypatch):
 def passes(monkeypatch):
     """Counts calibration passes (each timed forward pass calibration runs)."""
     count = [0]
-    original = costs_module.time_pass
+    original = measure_module.time_pass
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(costs_module, "time_pass", counted)
+    monkeypatch.setattr(measure_module, "time_pass", counted)
     return count
 
 
@@ -95,13 +95,13 @@ def test_a_start_after_a_cold_start_cut_short_measures_only_what_is_missing(tiny
                                                                            monkeypatch):
     adaptive(tiny_model, tiny_draft, defer=True)  # batch 1 measured and written; batch 4 never
     calls = []
-    original = costs_module.calibrate_batch
+    original = measure_module.calibrate_batch
 
     def recording(costs, target, draft, max_tokens, batch, *rest):
         calls.append(batch)
         return original(costs, target, draft, max_tokens, batch, *rest)
 
-    monkeypatch.setattr("engine.speculative.calibration.calibrate_batch", recording)
+    monkeypatch.setattr("engine.speculative.policy.calibration.calibrate_batch", recording)
     again = adaptive(tiny_model, tiny_draft).speculation.calibration
     assert calls == [4] and again.source == "cached" and not again.pending
 
@@ -132,7 +132,7 @@ def test_an_unusable_cache_is_measured_again_with_a_warning(tiny_model, tiny_dra
         damage = json.dumps(data)
     first.path.write_text(damage)
     passes[0] = 0
-    with caplog.at_level(logging.WARNING, logger="engine.speculative.calibration"):
+    with caplog.at_level(logging.WARNING, logger="engine.speculative.policy.calibration"):
         again = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
     assert again.source == "measured" and passes[0] > 0
     assert any("unusable" in r.message for r in caplog.records)
@@ -163,8 +163,8 @@ def test_a_failed_measurement_is_logged_and_never_guessed_past(tiny_model, tiny_
     def broken(*args, **kwargs):
         raise RuntimeError("no room for the calibration's sequences")
 
-    monkeypatch.setattr("engine.speculative.calibration.calibrate_batch", broken)
-    with caplog.at_level(logging.WARNING, logger="engine.speculative.calibration"):
+    monkeypatch.setattr("engine.speculative.policy.calibration.calibrate_batch", broken)
+    with caplog.at_level(logging.WARNING, logger="engine.speculative.policy.calibration"):
         assert engine.run_idle_work()
     assert calibration.failed == [4] and not calibration.pending and calibration.needs(2) and not calibration.needs(1)
     assert any("failed" in r.message for r in caplog.records)

@@ -26,7 +26,7 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
-from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree
 from tests.helpers import make_eagle3_head
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "class Point:\n    def __init__(self, x, y):",

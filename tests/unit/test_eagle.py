@@ -588,7 +588,7 @@ def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row
     the unconstrained row drafts as usual."""
     from types import SimpleNamespace
 
-    from engine.speculative.drafting import draft_tokens
+    from engine.speculative.proposers.drafting import draft_tokens
     from engine.uniforms import RandomStream
 
     logits = torch.full((2, 64), float("-inf"))  # [N, V]
@@ -629,8 +629,8 @@ def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(t
     round's first pass (priced by width), not a long catch-up the policy charges on top. Only the
     prompt is caught up on apart. (The head runs as usual; its tokens are swapped for the target's
     own greedy ones so every proposal is accepted.)"""
-    from engine.speculative.policy import Choice
-    from engine.speculative.proposer import Proposal
+    from engine.speculative.policy.k_choice import Choice
+    from engine.speculative.proposers.base import Proposal
 
     llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
               speculative_method="eagle", spec_policy="adaptive", spec_length=5, dtype="float32",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import SamplingParams
 from engine.kv import KVManager, PagedKVPool
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.uniforms import RandomStream
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import engine.speculative.step as step_module
-import engine.speculative.tree_round as tree_round
+import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
 from engine.kv import KVManager
 from tests.helpers import make_eagle3_head, make_model

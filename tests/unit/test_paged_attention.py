@@ -155,7 +155,7 @@ def test_an_in_place_kernel_that_fails_or_differs_leaves_the_gather(tiny_model, 
             raise RuntimeError("no kernel for these inputs")
         return torch.zeros_like(q)
     monkeypatch.setattr(PagedAttention, "attend", broken)
-    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="engine.startup"):
         llm = LLM(model=str(tiny_model[0]), paged_attention="inplace", **COMMON)
     why = llm.engine.paged_attention["target"]
     assert why.startswith("gather: ") and ("no kernel" if fault == "raises" else "differs") in why

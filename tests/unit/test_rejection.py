@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from engine.speculative.rejection import Acceptance, block_acceptance, verify, verify_block, verify_greedy
+from engine.speculative.verify.chain import Acceptance, block_acceptance, verify, verify_block, verify_greedy
 from tests.helpers import chi2_sequences, continue_with, toy_lm
 
 

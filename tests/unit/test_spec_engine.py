@@ -210,7 +210,7 @@ def test_free_tokens_is_the_min_of_both_pools(tiny_model, tiny_draft):
 def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_model, tiny_draft):
     """A probe (one speculative step after a run of plain ones) drafts for the single request
     the draft lags least behind, so it never costs a draft catch-up over the whole batch."""
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy.k_choice import Choice
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
@@ -231,7 +231,7 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
 def _priced(costs, verify_per_token: float) -> None:
     """Target pass times at batch 1..4, T = 1..5: 0.2 s a pass, 0.1 s a row for one token, plus
     verify_per_token a row for each further token."""
-    from engine.speculative.costs import TimingTable
+    from engine.speculative.policy.costs import TimingTable
 
     costs.target = TimingTable()
     for b in range(1, 5):
@@ -290,7 +290,7 @@ def test_a_verify_pass_split_in_groups_gives_every_row_the_logits_of_one_pass(ti
 
 
 def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft):
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy.k_choice import Choice
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
@@ -312,7 +312,7 @@ def test_a_plain_probe_decodes_the_whole_step_plainly_and_measures_the_plain_pas
     is counted under its own reason, refreshes plain decoding's pass time and step overhead,
     and the rounds after it stay exact."""
     from engine.metrics import StepMetrics
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy.k_choice import Choice
     from tests.helpers import InMemoryRecorder
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -342,7 +342,7 @@ def test_the_proposers_time_outside_its_passes_counts_in_the_steps_other_time(ti
     """What proposing costs beyond the draft passes it times (inputs, the first token's read,
     bookkeeping) goes into the step's time outside its passes for (B, K), which the policy adds to
     that K's price; a plain step after it records its own time outside the passes alone."""
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy.k_choice import Choice
 
     eng = spec_llm(tiny_model[0], tiny_draft[0], spec_length=3).engine
     costs = eng.speculation.costs
@@ -367,7 +367,7 @@ def test_the_proposers_time_outside_its_passes_counts_in_the_steps_other_time(ti
 def test_draft_reports_its_lazy_prefill_first_pass_and_steps_apart(tiny_model, tiny_draft):
     """The policy's draft-step cost must not absorb the draft's lazy prompt prefill: the draft
     reports the long catch-up apart, and a steady round has none, only a first pass and steps."""
-    from engine.speculative.draft import DraftModelProposer
+    from engine.speculative.proposers.draft_model import DraftModelProposer
 
     llm = spec_llm(tiny_model[0], tiny_draft[0])
     eng = llm.engine

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit, trusted_line
-from engine.speculative.ngram import ngram_propose
-from engine.speculative.policy import (
+from engine.speculative.policy.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit, trusted_line
+from engine.speculative.policy.k_choice import (
     AcceptanceByPosition,
     SpecPolicy,
     expected_tokens,
     expected_tokens_table,
     first_pass_widths,
 )
+from engine.speculative.proposers.ngram import ngram_propose
 
 
 class MemoryBoundCosts:

@@ -20,13 +20,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine.speculative.rejection as accept_module
+import engine.speculative.verify.chain as accept_module
 from engine import LLM, SamplingParams
 from engine.model.kernels import one_sequence
 from engine.model.token_step import TokenStep
 from engine.sampling import Adjustments, SamplingRows, adjusted_probs
-from engine.speculative.proposer import Proposal
-from engine.speculative.rejection import Acceptance, verify
+from engine.speculative.proposers.base import Proposal, Proposer
+from engine.speculative.verify.chain import Acceptance, verify
 from tests.helpers import FAMILIES, make_eagle3_head, make_model
 
 VOCAB = 16
@@ -186,7 +186,7 @@ def test_teeth_block_verification_with_a_wrong_correction_is_detected(pair, monk
     assert min(chi2_pvalue(tokens[:, 1], m2), chi2_pvalue(tokens[:, 2], m3)) < 1e-3
 
 
-class EvenTokensDraft:
+class EvenTokensDraft(Proposer):
     """A proposer behind the Proposer seam whose q is zero on every odd token: the draft model's
     distribution restricted to the even ids and renormalised (what a reduced draft vocabulary,
     EAGLE-3's, gives), so every odd token the target emits must come from norm(max(0, p - q))."""
@@ -196,7 +196,7 @@ class EvenTokensDraft:
     catch_up = "own"
 
     def __init__(self, engine):
-        self.inner = engine.speculation.draft
+        self.inner = engine.speculation.sources.model_proposer()
         self.long_catch_up = self.inner.long_catch_up
         self.generator = torch.Generator().manual_seed(0)
 

@@ -20,8 +20,8 @@ from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
 from engine.grammar import GrammarCompiler, GrammarError, cut_proposals
-from engine.model.tokenizer import Tokenizer
 from engine.structured_output import StructuredOutput
+from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -333,7 +333,7 @@ def test_a_forbidden_drawn_child_stays_as_a_leaf_its_parent_rejects(tok_dir):
     root's mask (its later sibling "0" was drawn with it taken out of q), the q rows follow their
     nodes; on a chosen tree "a" is cut."""
     from engine.grammar import cut_tree
-    from engine.speculative.tree import TokenTree
+    from engine.token_tree import TokenTree
 
     tokenizer = Tokenizer(tok_dir)
     compiler = GrammarCompiler(tokenizer, len(tokenizer.hf))

@@ -9,12 +9,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+import engine.speculative.proposers.suffix as suffix
 import engine.speculative.step as step_module
-import engine.speculative.suffix as suffix
-import engine.speculative.tree_round as tree_round
+import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
 from engine.config import SpecConfig
-from engine.speculative.suffix import MIN_PROB, DraftLimits, SuffixCache, SuffixProposer, best_draft, own_text_draft
+from engine.speculative.proposers.suffix import (
+    MIN_PROB,
+    DraftLimits,
+    SuffixCache,
+    SuffixProposer,
+    best_draft,
+    own_text_draft,
+)
 from tests.unit.test_spec_statistical import (
     CONFIGS,
     PROMPT,

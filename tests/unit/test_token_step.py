@@ -141,7 +141,7 @@ def test_sampled_drafting_in_one_call_draws_from_the_torch_forwards_distribution
     """TokenStep.draft at a temperature: each step's q is softmax(logits / T) of the torch forward
     fed the same tokens, and its token is q's inverse CDF at the row's uniform; a row at
     temperature 0 takes the argmax with a one-hot q."""
-    from engine.speculative.drafting import token_step_loop
+    from engine.speculative.proposers.drafting import token_step_loop
 
     make_model(tmp_path, tok_dir, seed=4)
     reference = load_model(tmp_path, ModelPlan("float32"), "cpu", 256)
@@ -187,7 +187,7 @@ def _tree_passes(model, backend: str) -> list[torch.Tensor]:
     """Two sequences prefilled, then tree passes as drafting and verifying make them: a whole tree
     and a chain side by side, a tree's newest nodes after its earlier ones (tree_from), and a
     tree beside a padded one-token row. Returns each pass's logits of every position."""
-    from engine.speculative.tree import TokenTree
+    from engine.token_tree import TokenTree
 
     pool = pool_for(model, backend, max_slots=4, max_seq_len=128)
     torch.manual_seed(2)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
+from engine.speculative.verify.tree import accept_greedy, accept_sampled
+from engine.token_tree import TokenTree
 from tests.helpers import chi2_sequences, continue_with, toy_lm
 
 V, LENGTH = 3, 4  # toy vocabulary; sequences compared over the first 4 tokens (81 cells)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.grammar import GrammarCompiler
-from engine.model.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.tools import Tool, ToolCallReader, ToolSet, render_messages, tool_format

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import _Growing, draft_trees
+from engine.speculative.proposers.tree_drafting import _Growing, draft_trees
+from engine.token_tree import TokenTree
 from engine.uniforms import RandomStream
 from tests.helpers import make_eagle3_head
 
@@ -241,7 +241,7 @@ def _drawn_rounds(n: int, seed: int, keep=None) -> list[tuple]:
     the root's children expanded, 2 and 1 children) and accepted against a toy target, each
     output continued by sampling the target to 4 tokens. keep: a wrong rule choosing the tree's
     nodes (the teeth)."""
-    from engine.speculative.tree import accept_sampled
+    from engine.speculative.verify.tree import accept_sampled
     from tests.helpers import continue_with, toy_lm
 
     target, proposer = toy_lm(1, 3, 4, 0.5), toy_lm(2, 3, 4, 0.5)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 import engine.speculative.step as step_module
-import engine.speculative.tree_round as tree_round
+import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
-from engine.speculative.proposer import Proposal
-from engine.speculative.tree import TokenTree
+from engine.speculative.proposers.base import Proposal, Proposer
+from engine.token_tree import TokenTree
 from tests.unit.test_spec_statistical import CONFIGS, chi2_pvalue, exact_marginals, make_pair, sample_speculative
 from tests.unit.test_token_tree import _no_residual
 
@@ -82,15 +82,13 @@ def test_a_live_switch_between_trees_and_chains_keeps_greedy_output(tiny_model, 
     assert branching["trees"] > 0
 
 
-class FixedTrees:
+class FixedTrees(Proposer):
     """A proposer behind the seam whose every round is the same chosen tree (point masses): the
     two likeliest second tokens, the two likeliest third tokens under the first of them, one
     under the second; `propose` (chains) is the wrapped draft's."""
 
     name = "fixed_tree"
-    runs_model = False
-    catch_up = "own"
-    long_catch_up = 4
+    drafts_trees = True
 
     def __init__(self, engine, tree: TokenTree):
         self.inner = engine.speculation.proposer
@@ -101,9 +99,6 @@ class FixedTrees:
 
     def propose_trees(self, requests, depths, budgets, width):
         return [self.tree if d >= self.tree.depth and b >= len(self.tree) else None for d, b in zip(depths, budgets)]
-
-    def lag(self, requests):
-        return [0] * len(requests)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +140,7 @@ def test_teeth_a_tree_rule_without_the_residual_is_detected(pair, monkeypatch):
 
 def _choice_tree(tok_dir) -> tuple[TokenTree, int]:
     """Branches of the choice grammar's strings, and a forbidden one ("a", cut before the pass)."""
-    from engine.model.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     one, zero, a = (Tokenizer(tok_dir).hf.convert_tokens_to_ids(c) for c in "10a")
     #      root: "1" ("0", "1"), "0" ("1"), "a" ("1")
@@ -211,9 +206,9 @@ def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slowe
     back only as shape_choice's probes (one decision in PROBE_EVERY), with the same greedy output."""
     from collections import Counter
 
-    from engine.speculative import shape_choice
-    from engine.speculative.costs import batch_bucket
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy import shape_choice
+    from engine.speculative.policy.costs import batch_bucket
+    from engine.speculative.policy.k_choice import Choice
 
     rounds: Counter = Counter()  # (batch bucket, tree?) -> rounds
     real_observe = shape_choice.ShapeChoice.observe
@@ -239,7 +234,7 @@ def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slowe
 
 
 def test_shape_choice_takes_the_faster_shape_and_probes_the_other_ever_less_often():
-    from engine.speculative.shape_choice import PROBE_EVERY, ShapeChoice
+    from engine.speculative.policy.shape_choice import PROBE_EVERY, ShapeChoice
 
     choice = ShapeChoice()
     assert choice.take_trees(False, 4)  # nothing measured: a tree first
@@ -274,7 +269,7 @@ def test_shape_choice_judges_probes_against_the_text_of_their_time(tree_factor, 
     """The losing shape measured at 0.8x (or the winner at 1.25x) the other everywhere: a hard stretch
     of text, halving every rate, switches nothing, though the loser's stale rate is then the higher;
     only its scheduled probes run. Judged by the two recent rates instead, shapes switch there."""
-    from engine.speculative.shape_choice import ShapeChoice
+    from engine.speculative.policy.shape_choice import ShapeChoice
 
     def run(choice) -> tuple[int, int]:
         easy = _shapes_taken(choice, [1.0] * 400, tree_factor)
@@ -298,7 +293,7 @@ def test_shape_choice_judges_probes_against_the_text_of_their_time(tree_factor, 
 
 
 def test_tree_width_keeps_the_sibling_ranks_whose_acceptance_pays_for_their_node():
-    from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
+    from engine.speculative.policy.tree_width import EXPLORE_EVERY, RankAcceptance
 
     ranks = RankAcceptance()
     greedy, sampled = [False], [True]
@@ -321,7 +316,7 @@ def test_tree_width_keeps_the_sibling_ranks_whose_acceptance_pays_for_their_node
 
 
 def test_tree_width_counts_each_row_by_its_own_kind_and_a_mixed_batch_takes_the_wider():
-    from engine.speculative.tree_width import EXPLORE_EVERY, RankAcceptance
+    from engine.speculative.policy.tree_width import EXPLORE_EVERY, RankAcceptance
 
     ranks = RankAcceptance()
     tree = TokenTree((1, 2, 3), (-1, -1, -1))  # root: three children, ranks 0-2
@@ -338,7 +333,7 @@ def test_tree_width_counts_each_row_by_its_own_kind_and_a_mixed_batch_takes_the_
 
 def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy_output(tiny_model, reference,
                                                                                       branching, monkeypatch):
-    from engine.speculative.tree_width import RankAcceptance
+    from engine.speculative.policy.tree_width import RankAcceptance
 
     monkeypatch.setattr(RankAcceptance, "width", lambda self, *args: 1)
     monkeypatch.setattr(step_module.SpeculativeDecoder, "_take_trees", lambda self, reqs: True)
@@ -352,7 +347,7 @@ def test_a_tree_round_narrowed_to_width_one_runs_as_a_chain_with_the_same_greedy
 def test_a_k_probe_round_runs_as_a_chain_kept_out_of_the_shape_rates(tiny_model, reference, monkeypatch):
     """Under trees, a round the policy takes at another K to measure it ("k_probe") is a chain of
     that K, and the shape choice does not count it; the greedy output stays plain's."""
-    from engine.speculative.policy import Choice
+    from engine.speculative.policy.k_choice import Choice
 
     turn = iter(range(10**6))
     monkeypatch.setattr(step_module.SpeculativeDecoder, "_adaptive_choice",

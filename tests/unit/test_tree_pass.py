@@ -14,7 +14,7 @@ from engine.config import ModelPlan
 from engine.kv import make_pool
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
-from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree
 
 #      root
 #     /    \

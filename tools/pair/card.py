@@ -139,7 +139,7 @@ def measure_and_save(models: Path, prompts: list[str]) -> dict:
 
 def _theory(f: dict, k: int = 5) -> float:
     """Expected speedup (Leviathan et al., Thm 3.8) from a figure's per-token alpha and c."""
-    from engine.speculative.policy import expected_tokens
+    from engine.speculative.policy.k_choice import expected_tokens
 
     return expected_tokens(f["alpha_per_token"], k) / (k * f["c"] + 1)
 

@@ -13,7 +13,7 @@ own kind; a batch holding both takes the wider of their widths.
 
 from __future__ import annotations
 
-from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree
 
 DECAY = 0.99  # per tree round: the weight the earlier rounds keep
 EXPLORE_EVERY = 8  # tree rounds between rounds at the configured width

@@ -12,6 +12,7 @@ import torch
 
 from engine import host_sync
 from engine.request import Request
+from engine.token_tree import TokenTree
 
 LONG_CATCH_UP = 4  # a draft model more than this many tokens behind feeds them in a prefill-like pass
 
@@ -60,17 +61,48 @@ def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -
     return q
 
 
-class Proposer(Protocol):
-    name: str
-    runs_model: bool  # proposing runs model passes (the policy prices them); False: a lookup
-    catch_up: CatchUp  # what its first pass of a round feeds (for a lookup: "own", never priced)
+class Proposer:
+    """Anything that proposes: a model-free lookup or a model's drafts. A proposer declares what
+    it does beyond `propose` by its class attributes, and the round reads those, never its type:
+    - drafts_trees: `propose_trees` gives token trees (else every round is a chain);
+    - learns: `learn` stores a finished request's output for later proposals (suffix decoding);
+    - target_features: the target layers whose inputs it reads (an EAGLE-3 head's): the target's
+      passes keep them while it proposes."""
+
+    name: str = "proposer"
+    runs_model: bool = False  # proposing runs model passes (the policy prices them); False: a lookup
+    catch_up: CatchUp = "own"  # what its first pass of a round feeds (for a lookup: "own", never priced)
     # rows with more tokens than this to catch up on are fed in prefill-like passes before the
     # round's first pass, priced apart (the policy's catch_up_tokens); fewer is a steady round
-    long_catch_up: int
+    long_catch_up: int = LONG_CATCH_UP
+    drafts_trees: bool = False
+    learns: bool = False
+    target_features: tuple[int, ...] = ()
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         """Up to ks[i] tokens for requests[i] (ks[i] may be 0); q [N, K, V] when with_q."""
+        raise NotImplementedError
+
+    def propose_trees(self, requests: list[Request], depths: list[int], budgets: list[int],
+                      width: int) -> list[TokenTree | None]:
+        """A tree for each request, of depth at most depths[i], budgets[i] nodes, `width` children
+        a node (drafts_trees)."""
+        raise NotImplementedError(f"the {self.name} proposer drafts no trees")
+
+    def learn(self, request: Request) -> None:
+        """A finished request's output informs later proposals (learns)."""
+        raise NotImplementedError(f"the {self.name} proposer learns nothing")
 
     def lag(self, requests: list[Request]) -> list[int]:
         """Tokens each request's proposer state must catch up on before it can propose (0 for
         a stateless proposer)."""
+        return [0] * len(requests)
+
+
+class CostObserver(Protocol):
+    """Where proposers and the step report what their passes took."""
+
+    def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None: ...
+    def observe_draft_first(self, batch: int, width: int, seconds: float) -> None: ...
+    def observe_draft_steps(self, batch: int, steps: int, seconds: float) -> None: ...
+    def observe_catch_up(self, tokens: int, seconds: float) -> None: ...

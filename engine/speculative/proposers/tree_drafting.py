@@ -29,7 +29,7 @@ from engine import host_sync
 from engine.grammar import GrammarMatcher, mask_logits, new_bitmask, unpack_bitmask
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, inverse_cdf
-from engine.speculative.tree import TokenTree
+from engine.token_tree import TokenTree
 from engine.uniforms import draw_uniforms
 
 # rows (indices into the batch) still growing, each one's tree of the nodes fed so far (this

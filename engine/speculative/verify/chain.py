@@ -36,7 +36,7 @@ from engine import host_sync
 from engine.logprobs import log_distribution, most_wanted, row_logprob, table
 from engine.request import Request
 from engine.sampling import Adjustments, SamplingRows, adjusted_probs, inverse_cdf
-from engine.speculative.proposer import Proposal
+from engine.speculative.proposers.base import Proposal
 from engine.uniforms import draw_uniforms
 
 

@@ -1,5 +1,5 @@
-"""A proposal as a token tree, and exact acceptance over it (SpecInfer's multi-draft recursive
-rejection sampling; the seeds' notes `003_…`, "iterative speculative sampling").
+"""A proposal as a token tree, and the bit packing of its ancestor mask (the engine's bottom floor:
+kv/, model/, grammar and speculative/ read it; its exact acceptance is speculative/verify/tree.py).
 
 Terms, for one request in one round:
 - root: the request's last emitted token; node i (0..n-1) a proposed token `tokens[i]` whose
@@ -7,20 +7,8 @@ Terms, for one request in one round:
   tree whose node i has parent i - 1; siblings are tried in their order.
 - depth(i): 1 for the root's children. A verify pass feeds the root and the n nodes, node i at
   position (the root's) + depth(i), attending to the context, the root and its own ancestors.
-- p[0]: the target's distribution after the root; p[i + 1]: after node i.
 - q (a drawn tree's): q[0] the distribution the root's children were drawn from, q[i + 1] node
-  i's children's. A node's children are draws without replacement in sibling order, so child c's
-  proposal q_c is that q with the earlier siblings' tokens taken out, renormalised. A tree without
-  q has chosen children (top-k, n-gram branches): each child's q_c is a point mass on its token.
-- accepting: from the root down, the children of the current node are tried in order against r,
-  the node's p with every rejected sibling's q_c taken out: child c is accepted with probability
-  min(1, r(x_c) / q_c(x_c)), else r <- norm(max(0, r - q_c)). The first accepted child becomes the
-  current node. The walk ends at a leaf (the bonus token, drawn from its p) or when every child is
-  rejected (the recovered token, drawn from r). Each step is recursive rejection sampling of one
-  token with a proposal per sibling (exact for draws without replacement: a sibling is drawn from
-  q_c given the ones before it), so every emitted token follows the target exactly.
-- greedy: follow the child whose token is the target's argmax; the final token is the argmax
-  where no child matches.
+  i's children's; None: chosen children (top-k, n-gram branches).
 """
 
 from __future__ import annotations
@@ -29,8 +17,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
-
-from engine.kv.tree_view import unpack_bits
 
 
 @dataclass(frozen=True)
@@ -126,54 +112,10 @@ class TokenTree:
         return mask.to(device) if device is not None else mask
 
 
-
-def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:
-    """target_argmax: the argmax of p[0..n] -> (the accepted nodes, root to last; the final token)."""
-    node, path = -1, []
-    while True:
-        best = target_argmax[node + 1]
-        nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == best), None)
-        if nxt is None:
-            return path, best
-        path.append(nxt)
-        node = nxt
-
-
-def accept_sampled(tree: TokenTree, p: torch.Tensor, uniforms: list[float]) -> tuple[list[int], torch.Tensor]:
-    """p [n + 1, V] (root, then each node), uniforms: n + 1 draws in [0, 1) (one per child tried,
-    in order; the rest unused) -> (the accepted nodes, root to last; the distribution [V] the final
-    token is drawn from). The children's proposals come from tree.q (None: point masses)."""
-    node, path, used = -1, [], 0
-    residual = p[0]
-    while True:
-        kids = tree.children[node + 1]
-        if not kids:
-            return path, residual  # a leaf: the bonus token from its p (no sibling tried)
-        accepted = None
-        proposal = tree.children_q(node + 1)  # [V] or None; tried siblings go below
-        proposal = None if proposal is None else proposal.to(residual.dtype)
-        for c in kids:
-            x = tree.tokens[c]
-            q_c = None if proposal is None else proposal / proposal.sum()
-            q_x = float(q_c[x]) if q_c is not None else 1.0
-            ratio = min(1.0, float(residual[x]) / q_x) if q_x > 0 else 0.0
-            hit = uniforms[used] < ratio
-            used += 1
-            if hit:
-                accepted = c
-                break
-            if q_c is None:
-                left = residual.clone()
-                left[x] = 0.0
-            else:
-                left = (residual - q_c).clamp_min(0)
-                proposal = proposal.clone()
-                proposal[x] = 0.0
-            mass = float(left.sum())
-            # no mass left only through rounding, when r equalled q: r itself is then exact
-            residual = left / mass if mass > 0 else residual
-        if accepted is None:
-            return path, residual
-        path.append(accepted)
-        node = accepted
-        residual = p[node + 1]
+def unpack_bits(rows: list[int], columns: int) -> torch.Tensor:
+    """[len(rows), columns] uint8 on the host: bit j of rows[i] at [i, j] (one pass over bytes, not
+    an op per bit)."""
+    width = (columns + 7) // 8
+    packed = torch.frombuffer(bytearray(b"".join(r.to_bytes(width, "little") for r in rows)), dtype=torch.uint8)
+    bits = packed.view(len(rows), width, 1) >> torch.arange(8, dtype=torch.uint8) & 1  # [rows, width, 8]
+    return bits.view(len(rows), 8 * width)[:, :columns]

@@ -24,16 +24,22 @@ from engine.kv import KVManager
 from engine.model.eagle3 import Eagle3Head
 from engine.model.passes import at_last, pass_inputs, put_rows, replayed
 from engine.request import Request
-from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop, trees_for_rows
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal
-from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import draft_trees_then_drop
+from engine.speculative.proposers.base import LONG_CATCH_UP, CostObserver, Proposal, Proposer
+from engine.speculative.proposers.drafting import (
+    catch_up_rows,
+    draft_tokens,
+    propose_rows,
+    token_step_loop,
+    trees_for_rows,
+)
+from engine.speculative.proposers.tree_drafting import draft_trees_then_drop
+from engine.token_tree import TokenTree
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     name = "eagle"
     runs_model = True
+    drafts_trees = True
     catch_up = "round"
 
     def __init__(self, head: Eagle3Head, kv: KVManager, observer: CostObserver):
@@ -52,6 +58,10 @@ class EagleProposer:
     @property
     def features(self):
         return self.kv.features
+
+    @property
+    def target_features(self) -> tuple[int, ...]:
+        return self.head.aux_layers
 
     def lag(self, requests: list[Request]) -> list[int]:
         return [self.features.pending(r.request_id) for r in requests]

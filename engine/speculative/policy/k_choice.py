@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.speculative.costs import MeasuredCosts
-from engine.speculative.proposer import CatchUp
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.proposers.base import CatchUp
 
 Reason = Literal["policy", "probe", "plain_probe", "k_probe", "fixed", "disabled_batch_size", "length_guard"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.request import Request
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal, one_hot_q
-from engine.speculative.tree import TokenTree
+from engine.speculative.proposers.base import LONG_CATCH_UP, Proposal, Proposer, one_hot_q
+from engine.token_tree import TokenTree
 
 SEPARATOR = -1  # before every stored text: no match or continuation crosses from one into the next
 MIN_MATCH = 2  # a match is at least a bigram (the index's key)
@@ -264,9 +264,11 @@ class SuffixCache:
         return sum(t.nbytes for t in self._scopes.values())
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     name = "suffix"
     runs_model = False
+    drafts_trees = True
+    learns = True
     catch_up = "own"
     long_catch_up = LONG_CATCH_UP  # a lookup never catches up
 

@@ -11,8 +11,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal, one_hot_q
-from engine.speculative.tree import TokenTree
+from engine.speculative.proposers.base import LONG_CATCH_UP, Proposal, Proposer, one_hot_q
+from engine.token_tree import TokenTree
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int,
@@ -76,9 +76,10 @@ def ngram_tree(tokens: list[int], depth: int, max_nodes: int, width: int, max_n:
     return TokenTree(tuple(nodes), tuple(parents))
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     name = "ngram"
     runs_model = False
+    drafts_trees = True
     catch_up = "own"
     long_catch_up = LONG_CATCH_UP  # a lookup never catches up
 

@@ -15,14 +15,19 @@ import torch.nn.functional as F
 
 from engine.kv import KVManager
 from engine.model.passes import forward_chunks, put_rows
-from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.request import Request
-from engine.speculative.costs import CostObserver
-from engine.speculative.drafting import catch_up_rows, draft_tokens, propose_rows, token_step_loop, trees_for_rows
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal
-from engine.speculative.tree import TokenTree
-from engine.speculative.tree_drafting import draft_trees_then_drop
+from engine.speculative.proposers.base import LONG_CATCH_UP, CostObserver, Proposal, Proposer
+from engine.speculative.proposers.drafting import (
+    catch_up_rows,
+    draft_tokens,
+    propose_rows,
+    token_step_loop,
+    trees_for_rows,
+)
+from engine.speculative.proposers.tree_drafting import draft_trees_then_drop
+from engine.token_tree import TokenTree
+from engine.tokenizer import Tokenizer
 
 
 def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -40,9 +45,10 @@ def check_compatible(target_tok: Tokenizer, draft_tok: Tokenizer, target_name: s
                          + "; ".join(problems))
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     name = "draft"
     runs_model = True
+    drafts_trees = True
     catch_up = "own"
 
     def __init__(self, model: Transformer, kv: KVManager, observer: CostObserver, vocab_size: int):

@@ -4,12 +4,12 @@ pass), the model proposer for the rows it left empty; chains or token trees alik
 from __future__ import annotations
 
 from engine.request import Request
-from engine.speculative.drafting import trees_for_rows
-from engine.speculative.proposer import Proposal, Proposer
-from engine.speculative.tree import TokenTree
+from engine.speculative.proposers.base import Proposal, Proposer
+from engine.speculative.proposers.drafting import trees_for_rows
+from engine.token_tree import TokenTree
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     name = "hybrid"
     runs_model = True
 
@@ -17,6 +17,12 @@ class HybridProposer:
         self.lookup = lookup
         self.model = model
         self.catch_up = model.catch_up
+        self.drafts_trees = lookup.drafts_trees and model.drafts_trees
+        self.learns = lookup.learns
+        self.target_features = model.target_features
+
+    def learn(self, request: Request) -> None:
+        self.lookup.learn(request)
 
     def propose(self, requests: list[Request], ks: list[int], with_q: bool) -> Proposal:
         found = self.lookup.propose(requests, ks, with_q)

@@ -25,7 +25,8 @@ from engine.faults import is_device_fault
 from engine.kv import CachePool
 from engine.model.kernels import one_sequence
 from engine.model.transformer import Transformer
-from engine.speculative.costs import CALIBRATION_CONTEXT, MeasuredCosts, calibrate_batch
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.measure import CALIBRATION_CONTEXT, calibrate_batch
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,7 @@ from engine.model.passes import pass_inputs, width_groups
 from engine.model.transformer import Transformer
 from engine.request import Request
 from engine.sampling import Adjustments, SamplingRows, adjusted_probs, draw
-from engine.speculative.costs import CostObserver
-from engine.speculative.proposer import LONG_CATCH_UP, Proposal
+from engine.speculative.proposers.base import LONG_CATCH_UP, CostObserver, Proposal
 from engine.uniforms import draw_uniforms
 
 # rows still drafting (indices into the batch), their last tokens -> their next logits [len(rows), V]

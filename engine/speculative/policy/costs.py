@@ -1,25 +1,19 @@
 """Measured forward-pass times, for the adaptive policy: exponential moving averages per
-(batch size, tokens per sequence), interpolated between the sizes measured; `calibrate_batch` fills
-them for one batch size (at start-up: batch 1, and the largest batch when it is first needed). A round's further one-token draft steps are timed together,
+(batch size, tokens per sequence), interpolated between the sizes measured; measure.py fills
+them for one batch size (at start-up: batch 1, and the largest batch when it is first needed). A
+round's further one-token draft steps are timed together,
 by how many (the call that runs them has a fixed cost of its own). A decode step's time outside
 its passes (sampling, acceptance, bookkeeping: it grows with B x (K + 1) logits; and the
 proposer's own work beyond the draft passes it times) is measured per (batch size, K) too. The
-tables snapshot to JSON and restore from it (a start-up's cached calibration, speculative/calibration.py).
+tables snapshot to JSON and restore from it (a start-up's cached calibration, calibration.py).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import math
-import statistics
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from typing import Protocol
-
-from engine.kv import CachePool
-from engine.model.passes import fill_slots, time_pass
-from engine.model.transformer import Transformer
+from collections.abc import Sequence
 
 
 def smoothed(old: float | None, new: float, smoothing: float) -> float:
@@ -160,15 +154,6 @@ def _slope(mx: float, my: float, mxx: float, mxy: float) -> float | None:
     return max(0.0, (mxy - mx * my) / spread) if spread > 1e-9 * max(mxx, 1e-12) else None
 
 
-class CostObserver(Protocol):
-    """Where proposers and the step report what their passes took."""
-
-    def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None: ...
-    def observe_draft_first(self, batch: int, width: int, seconds: float) -> None: ...
-    def observe_draft_steps(self, batch: int, steps: int, seconds: float) -> None: ...
-    def observe_catch_up(self, tokens: int, seconds: float) -> None: ...
-
-
 class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by (B, width)
     (it catches up on the tokens the proposer has not seen, `width` for the longest row, and
@@ -285,62 +270,3 @@ def line_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     mx, my = sx / total, sy / total
     slope = _slope(mx, my, sxx / total, sxy / total) or 0.0
     return [my + slope * (x - mx) for x in range(len(values))]
-
-
-CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's share as in a typical context
-
-
-def calibrate(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
-              max_tokens: int, max_batch: int, repeats: int = 3) -> None:
-    """calibrate_batch at batch 1 and max_batch (the estimates interpolate between them)."""
-    for batch in sorted({1, max_batch}):
-        calibrate_batch(costs, target, draft, max_tokens, batch, repeats)
-
-
-def calibrate_batch(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
-                    max_tokens: int, batch: int, repeats: int = 3) -> int:
-    """Times, at `batch` sequences over CALIBRATION_CONTEXT keys each (fewer where the pools are
-    smaller), target passes of 1..max_tokens tokens per sequence and draft passes (a round's first,
-    catching up on 1, 2 and max_tokens tokens, and a one-token step, which prices a round's
-    1..max_tokens - 1 further steps until they are measured). Each model's sequences are filled
-    once; each shape runs once untimed first (one-off costs a policy must not mistake for the
-    steady cost) and the median of `repeats` is recorded. Returns the passes run."""
-    pools = [target[1]] + ([draft[1]] if draft is not None else [])
-    context = max(1, min([CALIBRATION_CONTEXT] + [_room(pool, batch) - max_tokens for pool in pools]))
-    passes = 0
-    with _filled(*target, batch, context) as slots:
-        for t in range(1, max_tokens + 1):
-            costs.observe_target(batch, t, _median_pass(*target, slots, t, context, repeats, all_logits=t > 1))
-            passes += repeats + 1
-    if draft is not None:
-        with _filled(*draft, batch, context) as slots:
-            for width in sorted({1, 2, max_tokens}):
-                costs.observe_draft_first(batch, width, _median_pass(*draft, slots, width, context, repeats))
-            step = _median_pass(*draft, slots, 1, context, repeats)
-            passes += 4 * (repeats + 1)
-        for n in range(1, max_tokens):
-            costs.observe_draft_steps(batch, n, n * step)
-    return passes
-
-
-def _room(pool: CachePool, batch: int) -> int:
-    """Tokens each of `batch` new sequences can hold in `pool`."""
-    shared = pool.free_token_capacity()
-    return pool.max_seq_len if shared is None else min(pool.max_seq_len, shared // batch)
-
-
-@contextlib.contextmanager
-def _filled(model: Transformer, pool: CachePool, batch: int, context: int) -> Iterator[list[int]]:
-    """`batch` slots of `pool` holding `context` tokens each, freed after."""
-    slots = fill_slots(model, pool, batch, context)
-    try:
-        yield slots
-    finally:
-        for s in slots:
-            pool.free_slot(s)
-
-
-def _median_pass(model: Transformer, pool: CachePool, slots: list[int], tokens: int, context: int, repeats: int,
-                 all_logits: bool = False) -> float:
-    time_pass(model, pool, slots, tokens, context, all_logits)  # warms up, untimed
-    return statistics.median(time_pass(model, pool, slots, tokens, context, all_logits) for _ in range(repeats))

@@ -21,7 +21,7 @@ one, would switch shapes for no gain.
 
 from __future__ import annotations
 
-from engine.speculative.costs import batch_bucket
+from engine.speculative.policy.costs import batch_bucket
 
 PROBE_EVERY = 16  # decisions before the first probe of the losing shape
 PROBE_MAX = 256  # the longest gap between probes while they keep confirming the choice

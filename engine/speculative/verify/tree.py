@@ -1,5 +1,23 @@
-"""A speculative round over token trees: which batches may take one, and exact acceptance of a
-batch's trees from one verify pass (engine/speculative/tree.py; the pass: kv/tree_view.py)."""
+"""Exact acceptance over token trees (engine/token_tree.py; the pass: kv/tree_view.py): which
+batches may take trees, and a batch's trees accepted from one verify pass, by SpecInfer's
+multi-draft recursive rejection sampling (the seeds' notes `003_…`, "iterative speculative
+sampling").
+
+Terms, for one request in one round (a tree's root, nodes, depths and q as in token_tree.py):
+- p[0]: the target's distribution after the root; p[i + 1]: after node i.
+- A node's children are draws without replacement in sibling order, so child c's proposal q_c is
+  its parent's q with the earlier siblings' tokens taken out, renormalised; a tree without q has
+  chosen children: each child's q_c is a point mass on its token.
+- accepting: from the root down, the children of the current node are tried in order against r,
+  the node's p with every rejected sibling's q_c taken out: child c is accepted with probability
+  min(1, r(x_c) / q_c(x_c)), else r <- norm(max(0, r - q_c)). The first accepted child becomes the
+  current node. The walk ends at a leaf (the bonus token, drawn from its p) or when every child is
+  rejected (the recovered token, drawn from r). Each step is recursive rejection sampling of one
+  token with a proposal per sibling (exact for draws without replacement: a sibling is drawn from
+  q_c given the ones before it), so every emitted token follows the target exactly.
+- greedy: follow the child whose token is the target's argmax; the final token is the argmax
+  where no child matches.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +28,7 @@ from engine.grammar import cut_tree
 from engine.logprobs import log_distribution, most_wanted, row_logprob, table
 from engine.request import Request
 from engine.sampling import SamplingRows, adjusted_probs, inverse_cdf
-from engine.speculative.tree import TokenTree, accept_greedy, accept_sampled
+from engine.token_tree import TokenTree
 from engine.uniforms import draw_uniforms
 
 NO_TREE = TokenTree((), ())
@@ -104,3 +122,55 @@ def accept_trees(reqs: list[Request], trees: list[TokenTree | None], logits: tor
     picks = inverse_cdf(torch.stack(finals), torch.tensor([u[len(t)] for t, u in zip(trees, u_host)],
                                                           dtype=torch.float64))  # [N]
     return paths, picks.tolist()
+
+
+def accept_greedy(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:
+    """target_argmax: the argmax of p[0..n] -> (the accepted nodes, root to last; the final token)."""
+    node, path = -1, []
+    while True:
+        best = target_argmax[node + 1]
+        nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return path, best
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tree: TokenTree, p: torch.Tensor, uniforms: list[float]) -> tuple[list[int], torch.Tensor]:
+    """p [n + 1, V] (root, then each node), uniforms: n + 1 draws in [0, 1) (one per child tried,
+    in order; the rest unused) -> (the accepted nodes, root to last; the distribution [V] the final
+    token is drawn from). The children's proposals come from tree.q (None: point masses)."""
+    node, path, used = -1, [], 0
+    residual = p[0]
+    while True:
+        kids = tree.children[node + 1]
+        if not kids:
+            return path, residual  # a leaf: the bonus token from its p (no sibling tried)
+        accepted = None
+        proposal = tree.children_q(node + 1)  # [V] or None; tried siblings go below
+        proposal = None if proposal is None else proposal.to(residual.dtype)
+        for c in kids:
+            x = tree.tokens[c]
+            q_c = None if proposal is None else proposal / proposal.sum()
+            q_x = float(q_c[x]) if q_c is not None else 1.0
+            ratio = min(1.0, float(residual[x]) / q_x) if q_x > 0 else 0.0
+            hit = uniforms[used] < ratio
+            used += 1
+            if hit:
+                accepted = c
+                break
+            if q_c is None:
+                left = residual.clone()
+                left[x] = 0.0
+            else:
+                left = (residual - q_c).clamp_min(0)
+                proposal = proposal.clone()
+                proposal[x] = 0.0
+            mass = float(left.sum())
+            # no mass left only through rounding, when r equalled q: r itself is then exact
+            residual = left / mass if mass > 0 else residual
+        if accepted is None:
+            return path, residual
+        path.append(accepted)
+        node = accepted
+        residual = p[node + 1]
