@@ -172,12 +172,15 @@ def gen_request(name: str) -> str:
 
 
 def gen_config_keys() -> str:
-    """engine/model/config_keys.py's table: each config.json key, its status, which of the four
-    families' published configs carry it, and what the forward does with it."""
-    from engine.model.config_keys import FAMILIES, KEYS
+    """engine/model/config_keys.py's table and each family's own keys: each config.json key, its
+    status, which families' published configs carry it, and what the forward does with it."""
+    from engine.model.config_keys import KEYS
+    from engine.model.families import FAMILIES
 
-    rows = [(k.name, k.status, *("✓" if f in k.families else "" for f in FAMILIES), k.what) for k in KEYS]
-    return _table(rows, head=("key", "status", *FAMILIES, "what the forward does"))
+    names = list(FAMILIES)
+    own = [k for f in FAMILIES.values() for k in f.keys]
+    rows = [(k.name, k.status, *("✓" if f in k.families else "" for f in names), k.what) for k in (*KEYS, *own)]
+    return _table(rows, head=("key", "status", *names, "what the forward does"))
 
 
 def gen_not_served() -> str:

@@ -15,7 +15,7 @@ from engine import startup
 from engine.config import EngineConfig, SpecConfig
 from engine.faults import is_device_fault
 from engine.grammar import GrammarCompiler, GrammarMatcher
-from engine.kv.sizing import free_memory
+from engine.kv_sizing import free_memory
 from engine.logprobs import TokenLogprob
 from engine.model.cuda_graphs import Capture
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult

@@ -15,7 +15,8 @@ import torch
 from engine.config import EngineConfig
 from engine.kv import KVManager
 from engine.kv.features import MAX_PENDING, FeatureCache
-from engine.kv.sizing import activation_bytes, default_max_seq_len, kv_bytes_per_token, pool_blocks
+from engine.kv_sizing import activation_bytes, default_max_seq_len, kv_bytes_per_token, pool_blocks
+from engine.model.attention import FEW_QUERY_ROWS
 from engine.model.cuda_graphs import (
     Capture,
     CaptureReport,
@@ -32,7 +33,7 @@ from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
 from engine.model.plan import device_memory, load_planned, load_planned_head, summary
-from engine.model.transformer import FEW_QUERY_ROWS, Transformer
+from engine.model.transformer import Transformer
 from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts

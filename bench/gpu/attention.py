@@ -14,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.gpu.context import Context, check
-from engine.model.transformer import CUDA_ATTENTION_BACKENDS, Transformer, attention_branch
+from engine.model.attention import CUDA_ATTENTION_BACKENDS, attention_branch
+from engine.model.transformer import Transformer
 
 # (name, batch, queries per sequence, keys, whether rows differ in length)
 SHAPES = [("prefill 512, fresh", 1, 512, 512, False), ("prefill chunk 512 after 1536", 1, 512, 2048, False),

@@ -1,18 +1,16 @@
-"""What the forward does with each `config.json` key of the dense families it loads: computes it
+"""What the forward does with each `config.json` key of the families it loads: computes it
 (implemented), refuses the checkpoint where the value asks for math it does not compute
 (refused), or has no use for it (irrelevant: training, generation defaults, metadata). A key in
-none of the tables is logged as unread. docs/models/config-keys.md is generated from `KEYS`.
+none of the tables is logged as unread (families.check_config). docs/models/config-keys.md is
+generated from `KEYS` and each family's own keys.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type values this forward runs
+FOUR = ("llama", "mistral", "qwen2", "qwen3")  # the families whose published configs the table describes
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -28,7 +26,7 @@ class Key:
     name: str
     status: str  # "implemented", "refused" or "irrelevant"
     what: str  # what the forward does with it, or why it refuses
-    families: tuple[str, ...] = FAMILIES  # the families whose published configs carry it
+    families: tuple[str, ...] = FOUR  # the families whose published configs carry it
     refuse: Callable[[object, dict], str | None] = lambda value, cfg: None
 
 
@@ -164,28 +162,21 @@ COMMON_METADATA = frozenset({
 })
 
 
-def check_config(cfg: dict, where: str = "") -> None:
-    """Refuses a config.json whose family or keys ask for math the forward does not compute
-    (ValueError naming the key and its value); logs the keys no table knows."""
-    at = f"{where}: " if where else ""
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{at}unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
-    check_values(cfg, where)
-    unknown = sorted(set(cfg) - set(BY_NAME) - COMMON_METADATA)
-    if unknown:
-        log.warning("%sconfig.json keys the forward does not read: %s; if one changes the model's math, the "
-                    "output differs from transformers'", at, unknown)
-
-
-def check_values(cfg: dict, where: str = "", skip: tuple[str, ...] = ()) -> None:
-    """ValueError naming the first key (not in `skip`) whose value the forward refuses."""
+def check_values(cfg: dict, where: str = "", skip: tuple[str, ...] = (), keys: dict[str, Key] | None = None) -> None:
+    """ValueError naming the first key (not in `skip`) whose value the forward refuses (`keys`:
+    by name, default the common table)."""
+    keys = BY_NAME if keys is None else keys
     for name, value in cfg.items():
-        key = BY_NAME.get(name)
+        key = keys.get(name)
         why = key.refuse(value, cfg) if key is not None and name not in skip else None
         if why is not None:
             raise ValueError(f"{where + ': ' if where else ''}config.json {name}={_short(value)} is refused: {why} "
                              f"(docs/models/config-keys.md)")
+
+
+def unread_keys(cfg: dict, keys: dict[str, Key]) -> list[str]:
+    """The config.json keys no table knows (logged: if one changes the math, the output differs)."""
+    return sorted(set(cfg) - set(keys) - COMMON_METADATA)
 
 
 def _short(value) -> str:

@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from engine.config import ModelPlan
 from engine.kv.protocol import KVView
 from engine.model.config_keys import check_values
+from engine.model.families import read_dense_layer, shape_of
 from engine.model.kernels import one_sequence
-from engine.model.loader import read_layer
+from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
-from engine.model.transformer import LayerWeights, ModelShape, Transformer
+from engine.model.transformer import Transformer
 
 
 def is_eagle3(path: Path) -> bool:
@@ -72,7 +73,7 @@ class HeadConfig:
         """The head's shape: its layers, its output over the draft vocabulary."""
         layer = {**self.layer, "num_hidden_layers": self.layer.get("num_hidden_layers", 1), "tie_word_embeddings": False,
                  "vocab_size": self.draft_vocab_size or self.layer["vocab_size"]}
-        return ModelShape.from_hf_config(layer)
+        return shape_of(layer)
 
 
 def read_head_config(path: Path) -> HeadConfig:
@@ -296,7 +297,8 @@ def load_eagle3(path: Path, target: Transformer, max_positions: int, token_step:
     hidden, vocab, draft_vocab = shape.hidden_size, target.shape.vocab_size, shape.vocab_size
     device = target.device
     prefix = w.layer_prefix()
-    layers = [read_layer(w, shape, prefix)] + [read_layer(w, shape, f"layers.{i}.") for i in range(1, shape.num_layers)]
+    layers = [read_dense_layer(w, shape, prefix)] + [read_dense_layer(w, shape, f"layers.{i}.")
+                                                     for i in range(1, shape.num_layers)]
     fc = w.get("fc.weight")
     if layers[0].qkv.shape[1] != 2 * hidden or fc.shape != (hidden, 3 * target.shape.hidden_size) \
             or any(lw.qkv.shape[1] != hidden for lw in layers[1:]):

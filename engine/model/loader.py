@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelPlan
-from engine.model.config_keys import check_config
-from engine.model.transformer import LayerWeights, ModelShape, Transformer
+from engine.model.families import check_config, family_of, shape_of
+from engine.model.shape import ModelShape
+from engine.model.transformer import Transformer
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -107,11 +108,11 @@ class _TensorReader:
 
 
 def read_shape(path: Path) -> ModelShape:
-    """The model's shape from its config.json (no weights read), refusing keys the forward does
-    not implement (engine/model/config_keys.py)."""
+    """The model's shape from its config.json (no weights read), refusing a family or keys the
+    forward does not implement (families.py, config_keys.py)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     check_config(cfg, str(path))
-    return ModelShape.from_hf_config(cfg)
+    return shape_of(cfg)
 
 
 def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Transformer:
@@ -120,6 +121,7 @@ def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> 
     shape = read_shape(path)
     reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
     reader.check_floats(path)
+    read_layer = family_of(shape.model_type).read_layer
     layers = [read_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
     embed = reader.get("model.embed_tokens.weight")
     lm_head = _output_layer(reader, shape, embed, path)
@@ -140,25 +142,3 @@ def _output_layer(reader: _TensorReader, shape: ModelShape, embed: torch.Tensor,
         raise ValueError(f"{path}: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
                          "model.embed_tokens.weight; set it false to use the stored output layer")
     return embed
-
-
-def read_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
-    """One layer's tensors (HF names under `pre`, from `reader`: get(name) and `name in reader`),
-    q/k/v and gate/up fused."""
-    attn = pre + "self_attn."
-    weights = LayerWeights(
-        attn_norm=reader.get(pre + "input_layernorm.weight"),
-        qkv=torch.cat([reader.get(attn + f"{n}_proj.weight") for n in "qkv"]),
-        o=reader.get(attn + "o_proj.weight"),
-        mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-        down=reader.get(pre + "mlp.down_proj.weight"),
-    )
-    if shape.qkv_bias:
-        weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])
-    if shape.o_bias:
-        weights.o_bias = reader.get(attn + "o_proj.bias")
-    if shape.qk_norm:  # one row per head: the query heads' rows, then the key heads'
-        weights.qk_norm = torch.cat([reader.get(attn + "q_norm.weight").expand(shape.num_heads, -1),
-                                     reader.get(attn + "k_norm.weight").expand(shape.num_kv_heads, -1)])
-    return weights

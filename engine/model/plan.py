@@ -27,8 +27,9 @@ from engine.config import ModelPlan
 from engine.model.kernels import one_sequence
 from engine.model.loader import load_model, read_shape
 from engine.model.passes import fill_slots, pool_for, time_pass
+from engine.model.shape import ModelShape
 from engine.model.token_step import TOKEN_STEP_ROWS, TokenStep
-from engine.model.transformer import ModelShape, Transformer, cpu_packs
+from engine.model.transformer import Transformer, cpu_packs
 
 log = logging.getLogger(__name__)
 

@@ -1,75 +1,39 @@
-"""The decoder-only transformer of the Llama, Mistral, Qwen2 and Qwen3 families, written against our
-KV-cache views: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or untied embeddings, and the
-few per-family options of `ModelShape`. One functional code path serves prefill, decode, chunked
-prefill and the verify pass; q/k/v and gate/up are fused so a layer is four matmuls; which kernels
-a pass takes is the model's `ModelPlan`.
+"""The decoder-only transformer of the registered families (families.py), written against our
+KV-cache views: RMSNorm, RoPE, grouped-query attention, the family's MLP, tied or untied
+embeddings, and the per-family options of `ModelShape`. One functional code path serves prefill,
+decode, chunked prefill and the verify pass; q/k/v and gate/up are fused so a layer is four
+matmuls; which kernels a pass takes is the model's `ModelPlan`; which attention code, attention.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.nn.attention import sdpa_kernel
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
-from engine.model.config_keys import FAMILIES
+from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
+from engine.model.families import family_of
 from engine.model.kernels import one_sequence
 from engine.model.paged_attention import PagedAttention, PagedMask
-from engine.model.rope import Rope
+from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
 
-if TYPE_CHECKING:
-    from engine.model.cuda_graphs import CapturedPasses
-
-CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
-FEW_QUERY_ROWS = 16  # attention passes of at most this many query rows (decode, verify) count as few
-# relied on (torch 2.11 CUDA, sdp_utils.cpp and nn/attention/bias.py): flash takes enable_gqa, no mask, is_causal only
-# at T == L, and CausalBias lower-right at any T <= L; memory-efficient takes a mask and lower-right but no GQA
-_CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
 
 
-def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
-                     flash_gqa: bool = False) -> str:
-    """Which attention code a pass of B rows of T queries over L keys (H query heads, Hkv KV
-    heads) takes on `device_type`; mask: "none" (every key visible), "causal_tail" (each row's
-    queries are exactly its last T keys: lower-right causal) or "general" (any boolean mask);
-    flash_gqa: flash attention takes these inputs with GQA (half precision, head_dim, GPU).
+class CapturedPassesLike(Protocol):
+    """A model's captured passes (cuda_graphs.CapturedPasses), as passes.py replays them."""
 
-    Branches: "sdpa" (SDPA, the boolean mask if any, GQA by enable_gqa); "grouped" (explicit
-    matmuls, the query heads of a KV head stacked as rows: no copy of K/V); "sdpa_causal" (SDPA
-    with is_causal or causal_lower_right, no mask tensor, GQA by enable_gqa); "sdpa_causal_expanded"
-    and "sdpa_expanded" (the same, and the boolean mask, with K/V repeated to every query head, so
-    the memory-efficient kernel takes them). Every branch computes the same attention; on CUDA the
-    rule keeps masked GQA passes off the math kernel, whose scores are [B, heads, T, L] float32.
-    """
-    few = T <= FEW_QUERY_ROWS
-    if device_type != "cuda":
-        return "sdpa" if B == 1 or not few else "grouped"
-    gqa = H != Hkv
-    if mask == "causal_tail" and T <= L:
-        if not gqa or flash_gqa:
-            return "sdpa_causal"
-        return "grouped" if few else "sdpa_causal_expanded"
-    if mask == "none" or not gqa:  # no mask: flash takes GQA; MHA: memory-efficient takes the mask
-        return "sdpa" if B == 1 or not few else "grouped"
-    return "grouped" if few else "sdpa_expanded"
+    layers: tuple[int, ...]
 
-
-@functools.lru_cache(maxsize=256)
-def _lower_right(T: int, L: int) -> CausalBias:
-    """The lower-right causal bias of T queries over L keys (no tensor until a kernel needs one)."""
-    return causal_lower_right(T, L)
-
+    def run(self, ids, positions, view, extra): ...
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
@@ -91,107 +55,6 @@ def cpu_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-MODEL_TYPES = FAMILIES  # config.json model_type values this forward runs
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A checkpoint's dimensions and the options that tell its family apart: q/k/v biases (Qwen2),
-    per-head q/k RMSNorm (Qwen3), a sliding window (Mistral; the engine keeps sequences within it)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: Rope
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-
-    @property
-    def max_sequence(self) -> int:
-        """The longest sequence the forward computes exactly: the model's positions, or its sliding
-        window where shorter (within it, sliding-window attention is full attention)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelShape:
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
-        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
-            raise ValueError(f"{model_type}: only a bias-free SiLU-gated MLP is supported (hidden_act "
-                             f"{cfg.get('hidden_act')!r}, mlp_bias {cfg.get('mlp_bias')!r})")
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        attention_bias = bool(cfg.get("attention_bias"))  # Llama, Mistral, Qwen3: on q, k, v and o
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=Rope.from_hf_config(cfg, head_dim),
-            max_position_embeddings=_positions(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(cfg, model_type),
-        )
-
-
-def _positions(cfg: dict) -> int:
-    """Positions the model is meant for: yarn scaling stretches the original ones by its factor
-    (Qwen2.5 keeps max_position_embeddings at 32,768 and reaches 131,072 with factor 4)."""
-    positions = cfg.get("max_position_embeddings", 2048)
-    yarn = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if yarn.get("rope_type", yarn.get("type")) == "yarn" and yarn.get("factor"):
-        original = yarn.get("original_max_position_embeddings") or positions
-        positions = max(positions, int(yarn["factor"] * original))
-    return positions
-
-
-def _sliding_window(cfg: dict, model_type: str) -> int | None:
-    """The window of the layers that attend over one (None: every layer attends to all keys)."""
-    window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3"):  # only when switched on, and only in layers past max_window_layers
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
-            for i in range(cfg["num_hidden_layers"])]
-        if not cfg.get("use_sliding_window") or "sliding_attention" not in layer_types:
-            return None
-    return int(window) if window else None
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer's weights."""
-
-    attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
-    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
-    o_bias: torch.Tensor | None = None  # [hidden]
-    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q's norm per query head, then k's
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if t is not None]
-
-
 class OneSequencePath(NamedTuple):
     """What a target's passes over one sequence of at most ONE_SEQUENCE_MAX_TOKENS tokens multiply
     with: per-layer weights packed for the column-block kernel (norms shared), the kernel, the
@@ -208,7 +71,7 @@ class Transformer:
     attention_rule: str | None = None  # whose attention_branch rule to follow: "cpu", "cuda" (None: the device's)
     flash_gqa: bool | None = None  # flash attention takes this model's GQA inputs (None: probed at first use)
     last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
-    graphs: CapturedPasses | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
+    graphs: CapturedPassesLike | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
     paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
@@ -225,6 +88,7 @@ class Transformer:
         self.device = embed.device
         self.cos, self.sin = shape.rope.tables(max_positions, self.dtype, self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
+        self._mlp = family_of(shape.model_type).mlp  # (normed input, layer weights, linear) -> output
         self.num_parameters = sum(t.numel() for t in self._weights())
         self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
@@ -312,7 +176,7 @@ class Transformer:
             if T == L:
                 return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=gqa)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=_lower_right(T, L), scale=self.scale,
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=lower_right(T, L), scale=self.scale,
                                                   enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
 
@@ -453,6 +317,5 @@ class Transformer:
         return out if lw.o_bias is None else out.add_(lw.o_bias)
 
     def _mlp_block(self, h: torch.Tensor, lw: LayerWeights, linear: Callable) -> torch.Tensor:
-        """The SwiGLU MLP of the residual stream h [B, T, hidden] (its norm included)."""
-        gate, up = linear(self._rms_norm(h, lw.mlp_norm), lw.gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
-        return linear(F.silu(gate) * up, lw.down)
+        """The family's MLP of the residual stream h [B, T, hidden] (its norm included)."""
+        return self._mlp(self._rms_norm(h, lw.mlp_norm), lw, linear)

@@ -11,9 +11,10 @@ import torch
 from engine.config import ModelPlan
 from engine.kv import make_pool, protocol
 from engine.model import transformer as transformer_module
+from engine.model.attention import attention_branch
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
-from engine.model.transformer import Transformer, attention_branch
+from engine.model.transformer import Transformer
 from tests.helpers import make_model
 
 GENERAL = ("sdpa", "grouped", "sdpa_expanded")  # branches that take any boolean mask

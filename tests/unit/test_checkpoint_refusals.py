@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM
-from engine.model.config_keys import KEYS, check_config
+from engine.model.config_keys import KEYS
+from engine.model.families import check_config
 from tests.helpers import FAMILIES, make_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -179,10 +180,10 @@ def test_the_published_configs_keys_are_all_known(caplog):
 
     for family in FAMILIES:
         cfg = AutoConfig.for_model(family).to_dict()
-        with caplog.at_level(logging.WARNING, logger="engine.model.config_keys"):
+        with caplog.at_level(logging.WARNING, logger="engine.model.families"):
             check_config(cfg, family)
         assert "does not read" not in caplog.text, (family, caplog.text)
-    with caplog.at_level(logging.WARNING, logger="engine.model.config_keys"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.families"):
         check_config({"model_type": "llama", "embedding_scale": 2.0})
     assert "['embedding_scale']" in caplog.text
 

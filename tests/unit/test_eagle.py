@@ -607,7 +607,7 @@ def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir)
     reserve are set aside."""
     from engine import EngineConfig, LLMEngine
     from engine.kv.features import MAX_PENDING
-    from engine.kv.sizing import activation_bytes, kv_bytes_per_token
+    from engine.kv_sizing import activation_bytes, kv_bytes_per_token
 
     def engine(free: int) -> LLMEngine:
         config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(head_dir), dtype="float32",

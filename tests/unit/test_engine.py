@@ -301,7 +301,7 @@ def test_prefill_groups_pad_no_row_past_twice_its_length():
 def test_max_seq_len_defaults_to_the_models_positions_within_a_memory_share(tiny_model):
     """A model with 512 positions gets max_seq_len 512 (not a constant that would refuse it);
     on a device with too little memory for max_batch_size such sequences' KV, it is lowered."""
-    from engine.kv.sizing import KV_MEMORY_SHARE, default_max_seq_len
+    from engine.kv_sizing import KV_MEMORY_SHARE, default_max_seq_len
     from engine.model.loader import read_shape
 
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_batch_size=4)
@@ -325,7 +325,7 @@ def test_kv_pools_are_sized_from_the_free_memory_both_models_counted(tiny_model,
     memory, less the activation reserve, holds for every model's KV (at most max_batch_size full
     sequences); an explicit num_kv_blocks wins; too little memory for one sequence is a ValueError
     saying so."""
-    from engine.kv.sizing import activation_bytes, kv_bytes_per_token
+    from engine.kv_sizing import activation_bytes, kv_bytes_per_token
     from engine.model.loader import read_shape
 
     target, draft = read_shape(tiny_model[0]), read_shape(tiny_draft[0])

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from engine.kv.sizing import activation_bytes, kv_bytes_per_token, pool_blocks
+from engine.kv_sizing import activation_bytes, kv_bytes_per_token, pool_blocks
 from engine.model.rope import Rope
-from engine.model.transformer import ModelShape
+from engine.model.shape import ModelShape
 
 
 def shape(vocab: int = 128256, hidden: int = 4096, intermediate: int = 14336, layers: int = 32,

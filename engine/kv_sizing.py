@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from engine.model.transformer import ModelShape
+from engine.model.shape import ModelShape
 
 KV_MEMORY_SHARE = 0.25  # the default max_seq_len keeps max_batch_size full sequences' KV within this share
 ACTIVATION_SAFETY = 1.5  # the activation reserve over the tensors it counts: allocator rounding, uncounted temporaries

@@ -1,0 +1,57 @@
+"""A checkpoint's dimensions and per-family options (`ModelShape`, read from config.json by
+families.py) and one decoder layer's weights (`LayerWeights`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.rope import Rope
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A checkpoint's dimensions and the options that tell its family apart: q/k/v biases (Qwen2),
+    per-head q/k RMSNorm (Qwen3), a sliding window (Mistral; the engine keeps sequences within it)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: Rope
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"  # its family (families.py): which MLP and which tensors
+
+    @property
+    def max_sequence(self) -> int:
+        """The longest sequence the forward computes exactly: the model's positions, or its sliding
+        window where shorter (within it, sliding-window attention is full attention)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q's norm per query head, then k's
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if t is not None]
