@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-lm-eval", action="store_true")
     ap.add_argument("--skip-agents", action="store_true")
     args = ap.parse_args(argv)
+    from bench.local_server import local_server
     from bench.serve import LiveServer
-    from serve_app.local_run import local_server
 
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     out: dict = {}

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-batching-ms", type=float, nargs="+", default=[0.0, 20.0],
                     help="the engine deployment's stream batching intervals the hop part compares")
     args = ap.parse_args(argv)
-    from serve_app.local_run import local_server
+    from bench.local_server import local_server
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))
     raw: dict[str, list[dict]] = {name: [] for name in VARIANTS}

@@ -97,7 +97,7 @@ class LiveServer:
 
     def apply(self, user_config: dict, work: Path) -> None:
         """Deploys `user_config` live and waits (bounded) until the replica reports it."""
-        from serve_app.local_run import ray_env, serve_bin
+        from bench.local_server import ray_env, serve_bin
 
         cfg = json.loads(json.dumps(self.server.config))
         cfg["applications"][0]["deployments"][0]["user_config"] = user_config
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec-length", type=int, help="the adaptive mode's spec_length (default: serve_config.yaml's)")
     ap.set_defaults(repeats=2)
     args = ap.parse_args(argv)
-    from serve_app.local_run import local_server
+    from bench.local_server import local_server
 
     cfg = yaml.safe_load(args.config.read_text())
     app, deployment = cfg["applications"][0], cfg["applications"][0]["deployments"][0]

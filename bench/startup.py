@@ -57,7 +57,7 @@ def time_llm(tree: Path, cache: Path) -> dict:
 
 def time_serve(tree: Path, cache: Path, work: Path) -> dict:
     """Seconds from `serve run` to the first answered completion."""
-    from serve_app.local_run import free_port, ray_env, ray_stop, serve_bin, stop_serve_run
+    from bench.local_server import free_port, ray_env, ray_stop, serve_bin, stop_serve_run
 
     config = yaml.safe_load((tree / "serve_config.yaml").read_text())
     port = free_port()

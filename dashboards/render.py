@@ -91,9 +91,9 @@ def record(out: str) -> int:
 
     import yaml
 
+    from bench.local_server import REPO, local_server
     from bench.serve import WORKERS_ENV, guidellm_command
     from bench.workloads import load_prompts
-    from serve_app.local_run import REPO, local_server
 
     work = Path(tempfile.mkdtemp(prefix="dashboard-"))
     data = work / "prompts.jsonl"

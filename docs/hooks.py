@@ -151,7 +151,7 @@ def _table(rows, head=("field", "type", "default", "description")) -> str:
 
 
 CONFIG_CLASSES = {"EngineConfig": "engine.config", "SpecConfig": "engine.config", "ModelPlan": "engine.config",
-                  "SamplingParams": "engine.config"}
+                  "SamplingParams": "engine.sampling_params"}
 REQUEST_MODELS = ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions",
                   "ResponseFormat", "JSONSchemaFormat")
 
@@ -165,7 +165,7 @@ def gen_request(name: str) -> str:
     if name not in REQUEST_MODELS:
         raise ValueError(f"unknown request model {name!r}")
     cls = getattr(importlib.import_module("serve_app.protocol"), name)
-    from engine.config import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     sampling = {n: doc for n, _, _, doc in dataclass_fields(SamplingParams)}  # same name, same meaning
     return _table([(n, f"`{t}`", d, doc or sampling.get(n, "")) for n, t, d, doc in pydantic_fields(cls)])
@@ -207,11 +207,11 @@ def _api_routes(routes_) -> list:
 def routes() -> list[tuple[str, str, str]]:
     """(method, path, first paragraph of the handler's docstring) for every route the server
     answers, FastAPI's own /docs and /openapi.json left out."""
-    from serve_app.server import app
+    from serve_app.deployments import app  # its routes are declared with the deployments
 
     out = []
     for route in _api_routes(app.routes):
-        if route.endpoint.__module__ != "serve_app.server":
+        if route.endpoint.__module__ != "serve_app.deployments":
             continue
         doc = inspect.getdoc(route.endpoint) or ""
         for method in sorted(route.methods - {"HEAD"}):

@@ -24,8 +24,8 @@ import httpx
 import pytest
 import yaml
 
+from bench.local_server import REPO, free_port, local_server, ray_env, serve_bin  # noqa: F401 (re-exported)
 from engine.config import with_embedded_defaults
-from serve_app.local_run import REPO, free_port, local_server, ray_env, serve_bin  # noqa: F401 (re-exported)
 
 API_KEY = "e2e-secret-key"
 START_TIMEOUT_S = 300

@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 
-from serve_app.local_run import REPO, ray_env, serve_bin
+from bench.local_server import REPO, ray_env, serve_bin
 from tests.serve_fixture import API_KEY
 
 APP = "specserve-ingress"

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.local_run import REPO, free_port, ray_env, serve_bin
+from bench.local_server import REPO, free_port, ray_env, serve_bin
 
 RAY = str(Path(sys.executable).parent / "ray")
 PROMPT = "def merge_sorted(a, b):\n"

@@ -12,7 +12,7 @@ import yaml
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, SpecConfig, with_embedded_defaults
-from serve_app.server import engine_config
+from serve_app.openai_serving import engine_config
 from tests.serve_fixture import REPO
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -120,7 +120,7 @@ def test_a_negative_interval_is_refused():
 
 @pytest.mark.parametrize("bad", [-5, "20", True, 5000])
 def test_the_engine_deployment_refuses_a_bad_interval_before_loading_anything(bad):
-    from serve_app.server import EngineServer
+    from serve_app.deployments import EngineServer
 
     with pytest.raises(ValueError, match="stream_batching_interval_ms"):
         EngineServer.func_or_class(stream_batching_interval_ms=bad)

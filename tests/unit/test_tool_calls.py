@@ -13,7 +13,7 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.tools import Tool, ToolCallReader, ToolSet, render_messages, tool_format
+from serve_app.tool_calls import Tool, ToolCallReader, ToolSet, render_messages, tool_format
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
