@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import make_model, make_tokenizer
+from tests.helpers import make_eagle3_head, make_model, make_tokenizer
 
 torch.set_num_threads(2)
 
@@ -39,6 +39,19 @@ def tiny_draft(tmp_path_factory, tok_dir):
     path = tmp_path_factory.mktemp("tiny_draft")
     hf = make_model(path, tok_dir, seed=6, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)  # seed: some proposals accepted
     return path, hf
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory, tiny_model):
+    """An EAGLE-3 head for tiny_model (its 3 target layers' features: 0, 1, 1) that guesses the
+    token two back (some proposals accepted), over a draft vocabulary of two ids in three."""
+    import json
+
+    path = tmp_path_factory.mktemp("eagle3")
+    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
+    make_eagle3_head(path, tiny_model[0], seed=3, aux=[0, 1, 1], draft_vocab=[i for i in range(vocab) if i % 3 != 2],
+                     two_back=tiny_model[1].model.embed_tokens.weight.detach())
+    return path
 
 
 # One real `serve run serve_config.yaml` for the e2e and reliability suites (started on first use).

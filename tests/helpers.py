@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]  # the repository
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
@@ -23,6 +25,13 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096, max_window_layers=2),
     "qwen3": dict(model_type="qwen3", head_dim=16),
 }
+
+
+def greedy(max_tokens: int = 24):
+    """Greedy sampling params for max_tokens tokens, past EOS (a random model's output length is its own)."""
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def make_tokenizer(path: Path, vocab_size: int = 320):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.config import with_embedded_defaults
 from engine.metrics import StepMetrics
-from tests.helpers import InMemoryRecorder
+from tests.helpers import REPO, InMemoryRecorder, greedy
 
 PROMPTS = [
     "def add(a, b):",
@@ -29,15 +27,12 @@ def make_llm(path, **kw):
     return LLM(**base)
 
 
-def greedy(n=20):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 def test_greedy_tokens_do_not_depend_on_the_batch(tiny_model, backend):
     llm = make_llm(tiny_model[0], kv_cache_backend=backend)
-    alone = [llm.generate(p, greedy())[0].token_ids for p in PROMPTS]
-    batched = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    alone = [llm.generate(p, greedy(20))[0].token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in llm.generate(PROMPTS, greedy(20))]
     assert batched == alone
 
 
@@ -55,9 +50,9 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(tiny_model):
 
 
 def test_chunked_prefill_and_small_budget_give_the_same_tokens(tiny_model):
-    ref = [o.token_ids for o in make_llm(tiny_model[0]).generate(PROMPTS, greedy())]
+    ref = [o.token_ids for o in make_llm(tiny_model[0]).generate(PROMPTS, greedy(20))]
     chunked = make_llm(tiny_model[0], max_num_batched_tokens=7)
-    assert [o.token_ids for o in chunked.generate(PROMPTS, greedy())] == ref
+    assert [o.token_ids for o in chunked.generate(PROMPTS, greedy(20))] == ref
 
 
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
@@ -223,15 +218,15 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
     llm = make_llm(tiny_model[0])
     eng = llm.engine
     with pytest.raises(ValueError, match="empty"):
-        eng.add_request("", greedy())
+        eng.add_request("", greedy(20))
     with pytest.raises(ValueError, match="empty"):
-        eng.add_request([], greedy())
+        eng.add_request([], greedy(20))
     with pytest.raises(ValueError, match="token ids"):
-        eng.add_request([1, 10**6], greedy())
+        eng.add_request([1, 10**6], greedy(20))
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.add_request("x", SamplingParams(max_tokens=1000))
     with pytest.raises(ValueError, match="prompt is not valid Unicode"):  # a lone surrogate ("\\ud800" in JSON)
-        eng.add_request("def f\ud800", greedy())
+        eng.add_request("def f\ud800", greedy(20))
     with pytest.raises(ValueError, match=r"messages\[1\].content is not valid Unicode"):
         eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "user", "content": "\udfff"}])
     with pytest.raises(ValueError, match="unknown EngineConfig"):
@@ -252,7 +247,7 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
     # a bad request does not disturb the ones already queued
     ok = eng.add_request(PROMPTS[0], greedy(5))
     with pytest.raises(ValueError):
-        eng.add_request([-1], greedy())
+        eng.add_request([-1], greedy(20))
     while eng.has_unfinished_requests():
         eng.step()
     assert len(eng.get_output(ok).token_ids) == 5
@@ -356,7 +351,7 @@ def test_kv_pools_are_sized_from_the_free_memory_both_models_counted(tiny_model,
         EngineConfig(kv_cache_memory_fraction=0.0)
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("serve_config*.yaml")),
+@pytest.mark.parametrize("path", sorted(REPO.glob("serve_config*.yaml")),
                          ids=lambda p: p.name)
 def test_every_shipped_serve_config_is_a_valid_engine_config(path):
     """The served config and the GPU examples (not run here) validate as EngineConfig, and their

@@ -8,6 +8,7 @@ import torch
 
 from engine.speculative.verify.tree import accept_greedy, accept_sampled
 from engine.token_tree import TokenTree
+from tests.exactness import no_residual
 from tests.helpers import chi2_sequences, continue_with, toy_lm
 
 V, LENGTH = 3, 4  # toy vocabulary; sequences compared over the first 4 tokens (81 cells)
@@ -99,26 +100,6 @@ def test_sampled_acceptance_on_trees_is_exact(tree_of):
     assert chi2_sequences(_round(tree_of, target, proposer, 12000, seed=3), target, V, LENGTH) > 1e-3
 
 
-def _no_residual(tree, p, uniforms):
-    """A wrong tree rule: every sibling tried against the node's p, rejected siblings not taken out."""
-    node, path, used = -1, [], 0
-    while True:
-        kids = tree.children[node + 1]
-        accepted = None
-        for c in kids:
-            x = tree.tokens[c]
-            q_x = float(tree.children_q(node + 1)[x]) if tree.q is not None else 1.0
-            hit = uniforms[used] < min(1.0, float(p[node + 1][x]) / q_x)
-            used += 1
-            if hit:
-                accepted = c
-                break
-        if accepted is None:
-            return path, p[node + 1]
-        path.append(accepted)
-        node = accepted
-
-
 def _siblings_left_in(tree, p, uniforms):
     """A wrong rule for drawn trees: the residual as accept_sampled takes it, but every sibling's
     proposal the node's whole q, as if siblings were independent draws (earlier ones not taken out)."""
@@ -147,7 +128,7 @@ def _siblings_left_in(tree, p, uniforms):
 @pytest.mark.parametrize("tree_of", [drawn_tree, chosen_tree])
 def test_teeth_siblings_tried_without_the_residual_are_rejected(tree_of):
     target, proposer = toy_lm(1, V, LENGTH, 0.5), toy_lm(2, V, LENGTH, 0.5)
-    sequences = _round(tree_of, target, proposer, 12000, seed=4, rule=_no_residual)
+    sequences = _round(tree_of, target, proposer, 12000, seed=4, rule=no_residual)
     assert chi2_sequences(sequences, target, V, LENGTH) < 1e-3
 
 

@@ -13,8 +13,6 @@ Significance: each chi-square test rejects at p < 1e-3 (16 tests -> family-wise 
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -24,98 +22,17 @@ import engine.speculative.verify.chain as accept_module
 from engine import LLM, SamplingParams
 from engine.model.kernels import one_sequence
 from engine.model.token_step import TokenStep
-from engine.sampling import Adjustments, SamplingRows, adjusted_probs
+from engine.sampling import Adjustments
 from engine.speculative.proposers.base import Proposal, Proposer
 from engine.speculative.verify.chain import Acceptance, verify
-from tests.helpers import FAMILIES, make_eagle3_head, make_model
-
-VOCAB = 16
-PROMPT = [3, 7, 2, 9, 4]
-N = 3000
-CONFIGS = {
-    "t1": dict(temperature=1.0),
-    "t07_topk": dict(temperature=0.7, top_k=6),
-    "topp": dict(temperature=1.0, top_p=0.8),
-    "rep_penalty": dict(temperature=1.0, repetition_penalty=1.8),
-    "presence_frequency": dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.7),
-    "logit_bias": dict(temperature=1.0, logit_bias={3: 2.5, 8: -4.0, 12: 1.0}),
-}
-
-
-def make_pair(tpath, dpath, tok_dir, model_type: str = "llama"):
-    """A 16-token target of the family and a perturbed copy as draft; returns the HF target."""
-    family = dict(FAMILIES[model_type], head_dim=16)
-    target = make_model(tpath, tok_dir, seed=5, hidden=32, layers=1, heads=2, kv_heads=1,
-                        intermediate=64, vocab_size=VOCAB, **family)
-    draft = make_model(dpath, tok_dir, seed=5, hidden=32, layers=1, heads=2, kv_heads=1,
-                       intermediate=64, vocab_size=VOCAB, **family)
-    torch.manual_seed(11)
-    with torch.no_grad():  # peaked distributions, so a wrong correction is visible
-        target.lm_head.weight.mul_(6.0)
-        draft.lm_head.weight.mul_(6.0)
-        for p in draft.parameters():
-            p.add_(0.5 * p.std() * torch.randn_like(p))
-    target.save_pretrained(tpath, safe_serialization=True)
-    draft.save_pretrained(dpath, safe_serialization=True)
-    return target
+from tests.exactness import CONFIGS, PROMPT, N, chi2_pvalue, exact_marginals, make_pair, sample_speculative
+from tests.helpers import make_eagle3_head
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tok_dir):
     tpath, dpath = tmp_path_factory.mktemp("stat_t"), tmp_path_factory.mktemp("stat_d")
     return tpath, dpath, make_pair(tpath, dpath, tok_dir)
-
-
-def exact_marginals(hf, params: SamplingParams, fourth: bool = False, joint23: bool = False) -> tuple[np.ndarray, ...]:
-    """P(2nd token) and P(3rd token) under plain sampling from the target (and P(4th token), or the
-    joint P(2nd, 3rd) [V, V])."""
-    def probs(prefixes: list[list[int]]) -> torch.Tensor:
-        ids = torch.tensor([PROMPT + p for p in prefixes])
-        with torch.no_grad():
-            logits = hf(input_ids=ids).logits[:, -1].float()
-        rows = SamplingRows.build([params] * len(prefixes), "cpu")
-        adjust = Adjustments.build(rows, [params] * len(prefixes), [PROMPT + p for p in prefixes],
-                                   [list(p) for p in prefixes], VOCAB, "cpu")
-        return adjusted_probs(logits, rows, adjust).double()
-
-    p1 = probs([[]])[0]  # [V]
-    p2_given = probs([[a] for a in range(VOCAB)])  # [V, V]
-    p3_given = probs([[a, b] for a, b in itertools.product(range(VOCAB), repeat=2)]).view(VOCAB, VOCAB, VOCAB)
-    joint12 = p1[:, None] * p2_given  # [V, V]
-    m2 = joint12.sum(0)
-    m3 = (joint12[:, :, None] * p3_given).sum((0, 1))
-    if joint23:
-        return m2.numpy(), m3.numpy(), (joint12[:, :, None] * p3_given).sum(0).numpy()
-    if not fourth:
-        return m2.numpy(), m3.numpy()
-    joint123 = (joint12[:, :, None] * p3_given).reshape(-1)  # [V^3], prefixes in product order
-    p4_given = probs([list(t) for t in itertools.product(range(VOCAB), repeat=3)])  # [V^3, V]
-    m4 = (joint123[:, None] * p4_given).sum(0)
-    return m2.numpy(), m3.numpy(), m4.numpy()
-
-
-def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, max_batch_size=64,
-                       **engine) -> tuple[np.ndarray, float]:
-    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True, spec_policy="fixed",
-              spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=max_batch_size, seed=1, **engine)
-    if proposer is not None:
-        llm.engine.speculation.proposer = proposer(llm.engine)
-    kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}
-    outs = llm.generate([PROMPT] * N, [SamplingParams(**{**kw, "seed": i}) for i in range(N)])
-    tokens = np.array([o.token_ids for o in outs])  # [N, 4]
-    drafted = sum(o.num_draft_tokens for o in outs)
-    return tokens, sum(o.num_accepted_tokens for o in outs) / drafted
-
-
-def chi2_pvalue(observed_tokens: np.ndarray, expected_probs: np.ndarray) -> float:
-    counts = np.bincount(observed_tokens, minlength=VOCAB).astype(float)
-    expected = expected_probs / expected_probs.sum() * len(observed_tokens)
-    big = expected >= 5  # pool rare bins so the chi-square approximation holds
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert counts[expected == 0].sum() == 0, "sampled a token the target gives probability 0"
-    return chisquare(obs[keep], exp[keep]).pvalue
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -290,7 +207,6 @@ def test_penalties_count_the_rounds_proposals(pair, monkeypatch, blind):
     """The presence and frequency penalties at verify position j count proposals t_1..t_j: the rate
     at which the 3rd token repeats the 2nd (a verify round's second position, when its first
     proposal is accepted) follows the target; a target blind to the round's proposals is rejected."""
-    from engine.sampling import Adjustments
 
     if blind:
         grown = Adjustments.grown

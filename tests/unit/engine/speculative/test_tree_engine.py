@@ -11,8 +11,8 @@ import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
 from engine.speculative.proposers.base import Proposal, Proposer
 from engine.token_tree import TokenTree
-from tests.unit.test_spec_statistical import CONFIGS, chi2_pvalue, exact_marginals, make_pair, sample_speculative
-from tests.unit.test_token_tree import _no_residual
+from tests.exactness import CONFIGS, chi2_pvalue, exact_marginals, make_pair, no_residual, sample_speculative
+from tests.helpers import greedy
 
 # prompts whose suffixes occurred before with different continuations: n-gram trees branch
 PROMPTS = [
@@ -23,9 +23,6 @@ PROMPTS = [
     "The cat sat. The dog ran. The cat ran. The",
 ]
 
-
-def greedy(n=24):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +125,7 @@ def test_sampled_trees_match_target_marginals(pair, name):
 
 
 def test_teeth_a_tree_rule_without_the_residual_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(tree_round, "accept_sampled", _no_residual)
+    monkeypatch.setattr(tree_round, "accept_sampled", no_residual)
     tpath, dpath, hf = pair
     params = SamplingParams(**CONFIGS["t1"])
     m2, m3 = exact_marginals(hf, params)
@@ -158,14 +155,14 @@ def test_sampled_trees_under_a_grammar_follow_the_masked_target_distribution(tin
     from scipy.stats import chisquare
 
     from engine.structured_output import StructuredOutput
-    from tests.unit.test_structured_output import CHOICES, N, _exact_outcomes
+    from tests.exactness import CHOICES, N, exact_grammar_outcomes
 
     if not masked:
         monkeypatch.setattr(step_module, "mask_logits", lambda logits, masks: logits)
     tpath, hf = tiny_model
     spec = StructuredOutput.choice(CHOICES)
     prompt = [5, 17, 9, 30]
-    expected = _exact_outcomes(hf, tok_dir, prompt, spec, depth=4)
+    expected = exact_grammar_outcomes(hf, tok_dir, prompt, spec, depth=4)
     tree, forbidden = _choice_tree(tok_dir)
     llm = LLM(model=str(tpath), dtype="float32", max_batch_size=64, seed=7, use_speculative_decoding=True,
               speculative_method="ngram", spec_length=2, spec_policy="fixed", tree_width=3, tree_tokens=8)

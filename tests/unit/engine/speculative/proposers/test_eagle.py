@@ -17,7 +17,7 @@ from engine.kv.features import FeatureCache
 from engine.model.eagle3 import is_eagle3, load_eagle3
 from engine.model.loader import load_model
 from engine.model.passes import pass_inputs, pool_for
-from tests.helpers import RecordingObserver, make_eagle3_head
+from tests.helpers import RecordingObserver, greedy, make_eagle3_head
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):",
@@ -30,18 +30,7 @@ PROMPTS = [
 AUX = [0, 1, 1]  # the tiny target has two layers; layer 0's input is the embedding
 
 
-def greedy(n=24):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_model):
-    path = tmp_path_factory.mktemp("eagle3")
-    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
-    embed = tiny_model[1].model.embed_tokens.weight.detach()
-    make_eagle3_head(path, tiny_model[0], seed=3, aux=AUX, draft_vocab=[i for i in range(vocab) if i % 3 != 2],
-                     two_back=embed)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +383,7 @@ def test_target_features_are_the_inputs_of_the_chosen_layers(tiny_model):
     torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
 
 
-def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model, tiny_draft, head_dir):
+def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model, tiny_draft, tiny_head):
     cfg = json.loads((tiny_model[0] / "config.json").read_text())
     small = tmp_path / "small"
     make_eagle3_head(small, tiny_draft[0], aux=AUX)  # hidden 32 vs the target's 64
@@ -407,7 +396,7 @@ def test_heads_that_do_not_fit_the_target_are_clear_errors(tmp_path, tiny_model,
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(model=str(tiny_model[0]), draft_model=str(vocab), use_speculative_decoding=True, speculative_method="eagle")
     with pytest.raises(ValueError, match="EAGLE-3 head"):
-        LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True, speculative_method="draft")
+        LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True, speculative_method="draft")
     with pytest.raises(ValueError, match="speculative_method='eagle'"):
         LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
             speculative_method="eagle")
@@ -493,8 +482,8 @@ def test_the_feature_cache_keeps_contiguous_runs_and_rolls_back():
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("token_step", [False, True], ids=["torch", "token_step"])
-def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, method, policy, token_step):
-    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+def test_eagle_greedy_equals_plain(tiny_model, tiny_head, reference, backend, method, policy, token_step):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
               speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
               enable_prefix_caching=backend == "paged", forward_plan={"draft": {"token_step": token_step}})
@@ -517,8 +506,8 @@ def test_eagle_greedy_equals_plain(tiny_model, head_dir, reference, backend, met
     assert llm.engine.kv.features.pending(batched[0].request_id) == 0
 
 
-def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, head_dir, reference):
-    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, tiny_head, reference):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
               speculative_method="eagle", spec_policy="fixed", spec_length=3, dtype="float32",
               max_seq_len=160, max_batch_size=8)
     engine = llm.engine
@@ -541,9 +530,9 @@ def test_switching_away_from_eagle_and_back_mid_request_stays_exact(tiny_model, 
     assert [outputs[i] for i in ids] == reference
 
 
-def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, head_dir, tmp_path, monkeypatch):
+def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, tiny_head, tmp_path, monkeypatch):
     monkeypatch.setattr("engine.model.plan.cache_dir", lambda: tmp_path)  # nothing cached: measured now
-    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
               speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
     plans = llm.engine.forward_plan
     assert plans["draft"]["source"] == "measured"
@@ -552,11 +541,11 @@ def test_the_heads_plan_is_measured_with_and_without_the_token_step(tiny_model, 
     head = llm.engine.draft_model  # the head loaded is the plan chosen, its width included
     assert head.plan.token_step_rows == plans["draft"]["token_step_rows"]
     assert head.token_step is None or head.token_step.max_rows == plans["draft"]["token_step_rows"]
-    again = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+    again = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
                 speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4)
     assert again.engine.forward_plan["draft"]["source"] == "cached"
     assert again.engine.forward_plan["draft"]["token_step"] == plans["draft"]["token_step"]
-    wide = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+    wide = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
                speculative_method="eagle", dtype="float32", max_seq_len=160, max_batch_size=4,
                forward_plan={"draft": {"dtype": "float32", "token_step": True, "token_step_rows": 16}})
     assert wide.engine.draft_model.token_step.max_rows == 16 and wide.engine.draft_model.token_step.takes(1, 12, None)
@@ -601,7 +590,7 @@ def test_a_grammar_allowing_only_ids_outside_the_draft_vocabulary_stops_that_row
     assert torch.isfinite(q).all() and torch.allclose(q.sum(-1), torch.ones(2, q.shape[1]))
 
 
-def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir):
+def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, tiny_head):
     """With an EAGLE-3 head, the KV pools get the fraction of what is free after the features the
     head may have pending (max_batch_size requests x MAX_PENDING rows x 3H) and the activation
     reserve are set aside."""
@@ -610,7 +599,7 @@ def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir)
     from engine.kv_sizing import activation_bytes, kv_bytes_per_token
 
     def engine(free: int) -> LLMEngine:
-        config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(head_dir), dtype="float32",
+        config = EngineConfig.from_kwargs(model=str(tiny_model[0]), draft_model=str(tiny_head), dtype="float32",
                                           use_speculative_decoding=True, speculative_method="eagle",
                                           max_batch_size=4, max_seq_len=256, block_size=16, forward_plan="torch",
                                           kv_cache_memory_fraction=0.5)
@@ -624,7 +613,7 @@ def test_kv_sizing_sets_aside_the_features_a_head_may_keep(tiny_model, head_dir)
     assert engine(features + reserve + 2 * 40 * 16 * per_token).config.num_kv_blocks == 40
 
 
-def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(tiny_model, head_dir, reference):
+def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(tiny_model, tiny_head, reference):
     """After a round that accepted all its k proposals the head has k + 1 features to feed: its
     round's first pass (priced by width), not a long catch-up the policy charges on top. Only the
     prompt is caught up on apart. (The head runs as usual; its tokens are swapped for the target's
@@ -632,7 +621,7 @@ def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(t
     from engine.speculative.policy.k_choice import Choice
     from engine.speculative.proposers.base import Proposal
 
-    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
               speculative_method="eagle", spec_policy="adaptive", spec_length=5, dtype="float32",
               max_seq_len=160, max_batch_size=4)
     spec = llm.engine.speculation

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from engine.config import ModelPlan
 from engine.model.eagle3 import load_eagle3
 from engine.model.loader import load_model
 from engine.model.passes import pass_inputs, pool_for
+from tests.helpers import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(REPO / "tools"))
 from pair.eagle_head import (  # noqa: E402
     TrainableEagle3Head,
     chosen_layers,

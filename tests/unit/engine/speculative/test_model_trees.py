@@ -6,7 +6,6 @@ target distribution at T = 1, at T = 0.7 with top-k, and under a grammar (chi-sq
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
@@ -16,9 +15,8 @@ import engine.speculative.step as step_module
 import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
 from engine.kv import KVManager
-from tests.helpers import make_eagle3_head, make_model
-from tests.unit.test_spec_statistical import CONFIGS, chi2_pvalue, exact_marginals, make_pair, sample_speculative
-from tests.unit.test_token_tree import _no_residual
+from tests.exactness import CONFIGS, chi2_pvalue, exact_marginals, make_pair, no_residual, sample_speculative
+from tests.helpers import greedy, make_eagle3_head, make_model
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):",
@@ -31,18 +29,7 @@ PROMPTS = [
 AUX = [0, 1, 1]
 
 
-def greedy(n=24):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_model):
-    """test_eagle's head (guesses the token two back: some proposals accepted)."""
-    path = tmp_path_factory.mktemp("trees_eagle3")
-    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
-    make_eagle3_head(path, tiny_model[0], seed=3, aux=AUX, draft_vocab=[i for i in range(vocab) if i % 3 != 2],
-                     two_back=tiny_model[1].model.embed_tokens.weight.detach())
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +72,8 @@ def rounds(monkeypatch):
     return seen
 
 
-def _draft_path(method: str, close_draft, head_dir) -> str:
-    return str(head_dir if method.endswith("eagle") else close_draft)
+def _draft_path(method: str, close_draft, tiny_head) -> str:
+    return str(tiny_head if method.endswith("eagle") else close_draft)
 
 
 METHODS = ["draft", "eagle", "hybrid-eagle", "hybrid-draft"]
@@ -95,11 +82,11 @@ METHODS = ["draft", "eagle", "hybrid-eagle", "hybrid-draft"]
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_model_trees_greedy_equals_plain(tiny_model, close_draft, head_dir, reference, rounds, monkeypatch, backend,
+def test_model_trees_greedy_equals_plain(tiny_model, close_draft, tiny_head, reference, rounds, monkeypatch, backend,
                                          method, policy):
     monkeypatch.setattr(step_module, "TREE_COST_SLACK", 1e9)  # trees in every round the adaptive K allows,
     monkeypatch.setattr(step_module.SpeculativeDecoder, "_take_trees", lambda self, reqs: True)  # whatever they cost
-    llm = LLM(model=str(tiny_model[0]), draft_model=_draft_path(method, close_draft, head_dir),
+    llm = LLM(model=str(tiny_model[0]), draft_model=_draft_path(method, close_draft, tiny_head),
               use_speculative_decoding=True, speculative_method=method.split("-")[0], spec_policy=policy,
               spec_length=4, tree_width=3, tree_tokens=10, dtype="float32", kv_cache_backend=backend, block_size=4,
               max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)
@@ -113,9 +100,9 @@ def test_model_trees_greedy_equals_plain(tiny_model, close_draft, head_dir, refe
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle", "hybrid-eagle"])
-def test_a_live_switch_between_model_trees_and_chains_keeps_greedy_output(tiny_model, close_draft, head_dir,
+def test_a_live_switch_between_model_trees_and_chains_keeps_greedy_output(tiny_model, close_draft, tiny_head,
                                                                          reference, rounds, method):
-    llm = LLM(model=str(tiny_model[0]), draft_model=_draft_path(method, close_draft, head_dir),
+    llm = LLM(model=str(tiny_model[0]), draft_model=_draft_path(method, close_draft, tiny_head),
               use_speculative_decoding=True, speculative_method=method.split("-")[0], spec_policy="fixed",
               spec_length=4, tree_width=3, dtype="float32", max_seq_len=200, max_batch_size=8)
     engine = llm.engine
@@ -129,7 +116,7 @@ def test_a_live_switch_between_model_trees_and_chains_keeps_greedy_output(tiny_m
 
 
 @pytest.mark.parametrize("teeth", [False, True], ids=["accepted_path", "first_rows"])
-def test_after_a_tree_round_the_head_reads_the_accepted_paths_features(tiny_model, head_dir, rounds, monkeypatch,
+def test_after_a_tree_round_the_head_reads_the_accepted_paths_features(tiny_model, tiny_head, rounds, monkeypatch,
                                                                        teeth):
     """Every feature the head is handed equals the target's at that position of the emitted
     sequence (the inputs of its layers, computed by the reference model over the whole output).
@@ -145,7 +132,7 @@ def test_after_a_tree_round_the_head_reads_the_accepted_paths_features(tiny_mode
 
         monkeypatch.setattr(KVManager, "keep_paths", first_rows)
     path, hf = tiny_model
-    llm = LLM(model=str(path), draft_model=str(head_dir), use_speculative_decoding=True, speculative_method="eagle",
+    llm = LLM(model=str(path), draft_model=str(tiny_head), use_speculative_decoding=True, speculative_method="eagle",
               spec_policy="fixed", spec_length=4, tree_width=3, tree_tokens=10, dtype="float32", max_seq_len=200,
               max_batch_size=8)
     features = llm.engine.kv.features
@@ -201,7 +188,7 @@ def test_sampled_model_trees_match_target_marginals(pair, tmp_path, rounds, meth
 
 
 def test_teeth_model_trees_without_the_residual_are_detected(pair, tmp_path, rounds, monkeypatch):
-    monkeypatch.setattr(tree_round, "accept_sampled", _no_residual)
+    monkeypatch.setattr(tree_round, "accept_sampled", no_residual)
     params = SamplingParams(**CONFIGS["t1"])
     m2, m3 = exact_marginals(pair[2], params)
     tokens = _sampled_trees(pair, tmp_path, "draft", params, rounds)
@@ -217,14 +204,14 @@ def test_sampled_model_trees_under_a_grammar_follow_the_masked_target_distributi
     from scipy.stats import chisquare
 
     from engine.structured_output import StructuredOutput
-    from tests.unit.test_structured_output import CHOICES, N, _exact_outcomes
+    from tests.exactness import CHOICES, N, exact_grammar_outcomes
 
     if not masked:
         monkeypatch.setattr(step_module, "mask_logits", lambda logits, masks: logits)
     tpath, hf = tiny_model
     spec = StructuredOutput.choice(CHOICES)
     prompt = [5, 17, 9, 30]
-    expected = _exact_outcomes(hf, tok_dir, prompt, spec, depth=4)
+    expected = exact_grammar_outcomes(hf, tok_dir, prompt, spec, depth=4)
     llm = LLM(model=str(tpath), draft_model=str(tiny_draft[0]), dtype="float32", max_batch_size=64, seed=7,
               use_speculative_decoding=True, speculative_method="draft", spec_length=2, spec_policy="fixed",
               tree_width=3, tree_tokens=6)  # within the grammar even tiny_draft's trees are accepted

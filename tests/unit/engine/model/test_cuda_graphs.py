@@ -6,13 +6,12 @@ plain greedy."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import EngineConfig, ModelPlan
 from engine.engine import LLMEngine
 from engine.model.cuda_graphs import (
@@ -27,21 +26,18 @@ from engine.model.cuda_graphs import (
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
 from engine.token_tree import TokenTree
-from tests.helpers import make_eagle3_head
+from tests.helpers import greedy
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "class Point:\n    def __init__(self, x, y):",
            "import os", "x", "for i in range(10):\n    print(i * i)\n"]
 COMMON = dict(dtype="float32", max_seq_len=160, max_batch_size=4, forward_plan="torch")
 
 
-def greedy(n=16):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     llm = LLM(model=str(tiny_model[0]), **COMMON)
-    return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    return [o.token_ids for o in llm.generate(PROMPTS, greedy(16))]
 
 
 def test_the_setting_is_validated_and_auto_captures_on_cuda_only(tiny_model):
@@ -201,7 +197,7 @@ def test_a_capture_that_raises_or_a_replay_that_differs_leaves_the_model_eager(t
     assert len(warned) == 2 and all(why in r.getMessage() for r in warned)
     llm = LLM.__new__(LLM)
     llm.config, llm.engine = config, engine
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(16))] == reference
 
 
 class CaptureMarking:
@@ -241,14 +237,14 @@ def test_a_capture_that_fails_in_place_keeps_the_graphs_and_gathers(tiny_model, 
     assert any("Traceback" in r.getMessage() and "fails_when_captured" in r.getMessage() for r in caplog.records)
     llm = LLM.__new__(LLM)
     llm.config, llm.engine = config, engine
-    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference and engine.model.graphs.replays > 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(16))] == reference and engine.model.graphs.replays > 0
 
 
 def test_plain_greedy_with_graphs_equals_eager(tiny_model, reference):
     llm = LLM(model=str(tiny_model[0]), cuda_graphs="on", **COMMON)
     assert llm.engine.cuda_graphs["target"].graphs == 3 and llm.engine.cuda_graphs["target"].fallback is None
-    alone = [llm.generate(p, greedy())[0].token_ids for p in PROMPTS]
-    assert alone == reference and [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
+    alone = [llm.generate(p, greedy(16))[0].token_ids for p in PROMPTS]
+    assert alone == reference and [o.token_ids for o in llm.generate(PROMPTS, greedy(16))] == reference
     assert llm.engine.model.graphs.replays > 0
 
 
@@ -256,40 +252,33 @@ def test_speculative_greedy_with_a_draft_model_and_graphs_equals_plain(tiny_mode
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
               speculative_method="draft", spec_policy="fixed", spec_length=3, cuda_graphs="on", **COMMON)
     assert {r: v.graphs for r, v in llm.engine.cuda_graphs.items()} == {"target": 6, "draft": 6}
-    outs = llm.generate(PROMPTS, greedy())
+    outs = llm.generate(PROMPTS, greedy(16))
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_draft_tokens for o in outs) > 0
     assert llm.engine.model.graphs.replays > 0 and llm.engine.draft_model.graphs.replays > 0
 
 
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_model):
-    path = tmp_path_factory.mktemp("eagle3")
-    vocab = json.loads((tiny_model[0] / "config.json").read_text())["vocab_size"]
-    make_eagle3_head(path, tiny_model[0], seed=3, aux=[0, 1, 1], draft_vocab=[i for i in range(vocab) if i % 3 != 2],
-                     two_back=tiny_model[1].model.embed_tokens.weight.detach())
-    return path
 
 
-def test_speculative_greedy_with_an_eagle3_head_and_graphs_equals_plain(tiny_model, head_dir, reference):
-    llm = LLM(model=str(tiny_model[0]), draft_model=str(head_dir), use_speculative_decoding=True,
+def test_speculative_greedy_with_an_eagle3_head_and_graphs_equals_plain(tiny_model, tiny_head, reference):
+    llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_head), use_speculative_decoding=True,
               speculative_method="eagle", spec_policy="fixed", spec_length=3, cuda_graphs="on", **COMMON)
     assert all(r.fallback is None for r in llm.engine.cuda_graphs.values())
     assert llm.engine.model.graphs.layers == llm.engine.draft_model.aux_layers  # the target's graphs keep features
-    outs = llm.generate(PROMPTS, greedy())
+    outs = llm.generate(PROMPTS, greedy(16))
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_accepted_tokens for o in outs) > 0
     assert llm.engine.model.graphs.replays > 0 and llm.engine.draft_model.graphs.replays > 0
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle"])
-def test_speculative_greedy_trees_with_graphs_equal_plain(tiny_model, tiny_draft, head_dir, reference, method):
-    draft = tiny_draft[0] if method == "draft" else head_dir
+def test_speculative_greedy_trees_with_graphs_equal_plain(tiny_model, tiny_draft, tiny_head, reference, method):
+    draft = tiny_draft[0] if method == "draft" else tiny_head
     llm = LLM(model=str(tiny_model[0]), draft_model=str(draft), use_speculative_decoding=True,
               speculative_method=method, spec_policy="fixed", spec_length=3, tree_width=3, tree_tokens=7,
               cuda_graphs="on", **COMMON)
     assert all(r.fallback is None for r in llm.engine.cuda_graphs.values())
-    outs = llm.generate(PROMPTS, greedy())
+    outs = llm.generate(PROMPTS, greedy(16))
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_draft_tokens for o in outs) > 0
     # the verify passes and the drafting passes over the trees' newest nodes replay graphs

@@ -14,6 +14,7 @@ from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.tool_calls import Tool, ToolCallReader, ToolSet, render_messages, tool_format
+from tests.helpers import REPO
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -25,7 +26,7 @@ TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(TIME)]
 @pytest.fixture(scope="module")
 def target_dir() -> Path:
     """The shipped target's tokenizer: its chat template renders no tools."""
-    return Path(__file__).resolve().parents[2] / "models" / "target"
+    return REPO / "models" / "target"
 
 
 def _reader(choice, fmt: str) -> ToolCallReader:

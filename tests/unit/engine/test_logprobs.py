@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.helpers import make_eagle3_head
 
 PROMPTS = [[5, 9, 30, 7, 5, 9, 30, 7, 5, 9], [11, 12, 13, 14, 11, 12], [40, 41, 42]]
 K = 3  # top alternatives asked for
 
 
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_model):
-    path = tmp_path_factory.mktemp("eagle3_logprobs")
-    make_eagle3_head(path, tiny_model[0], seed=3, aux=[0, 1, 1],
-                     two_back=tiny_model[1].model.embed_tokens.weight.detach())
-    return path
 
 
 def reference_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -45,17 +38,17 @@ def assert_matches(hf, out, k: int = K) -> None:
             assert [t for t, _ in entry.top] == top.indices[:k].tolist()
 
 
-def engine(tiny_model, tiny_draft, head_dir, method: str | None, **kw) -> LLM:
+def engine(tiny_model, tiny_draft, tiny_head, method: str | None, **kw) -> LLM:
     spec = {} if method is None else dict(
         use_speculative_decoding=True, speculative_method=method, spec_length=3, spec_policy="fixed",
-        **({} if method == "ngram" else {"draft_model": str(head_dir if method == "eagle" else tiny_draft[0])}))
+        **({} if method == "ngram" else {"draft_model": str(tiny_head if method == "eagle" else tiny_draft[0])}))
     return LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=4, **spec, **kw)
 
 
 @pytest.mark.parametrize("method", [None, "ngram", "draft", "eagle", "hybrid"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_logprobs_are_the_targets_at_every_emitted_position(tiny_model, tiny_draft, head_dir, method, temperature):
-    llm = engine(tiny_model, tiny_draft, head_dir, method)
+def test_logprobs_are_the_targets_at_every_emitted_position(tiny_model, tiny_draft, tiny_head, method, temperature):
+    llm = engine(tiny_model, tiny_draft, tiny_head, method)
     params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=i, logprobs=K)
               for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
@@ -67,7 +60,7 @@ def test_logprobs_are_the_targets_at_every_emitted_position(tiny_model, tiny_dra
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("mode", ["raw", "processed"])
-def test_token_tree_rounds_give_the_targets_logprobs(tiny_model, tiny_draft, head_dir, monkeypatch, temperature, mode):
+def test_token_tree_rounds_give_the_targets_logprobs(tiny_model, tiny_draft, tiny_head, monkeypatch, temperature, mode):
     """n-gram trees (a prompt whose suffix was followed by two continuations): the emitted tokens'
     logprobs come from the root's and the accepted nodes' positions of the tree pass."""
     import engine.speculative.step as step_module
@@ -80,7 +73,7 @@ def test_token_tree_rounds_give_the_targets_logprobs(tiny_model, tiny_draft, hea
         return real(reqs, trees, *args)
 
     monkeypatch.setattr(step_module, "tree_logprobs", spy)
-    llm = engine(tiny_model, tiny_draft, head_dir, "ngram", tree_width=3, tree_tokens=8, logprobs_mode=mode)
+    llm = engine(tiny_model, tiny_draft, tiny_head, "ngram", tree_width=3, tree_tokens=8, logprobs_mode=mode)
     prompts = [[5, 9, 30, 7, 5, 9, 31, 8, 5, 9], *PROMPTS]
     params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=i, logprobs=K)
               for i in range(len(prompts))]
@@ -99,18 +92,18 @@ def test_token_tree_rounds_give_the_targets_logprobs(tiny_model, tiny_draft, hea
                 assert entry.logprob == pytest.approx(float(ref[entry.token_id]), abs=1e-4)
 
 
-def test_speculative_greedy_logprobs_equal_plain_decodings(tiny_model, tiny_draft, head_dir):
+def test_speculative_greedy_logprobs_equal_plain_decodings(tiny_model, tiny_draft, tiny_head):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
-    plain = engine(tiny_model, tiny_draft, head_dir, None).generate(PROMPTS, params)
-    spec = engine(tiny_model, tiny_draft, head_dir, "draft").generate(PROMPTS, params)
+    plain = engine(tiny_model, tiny_draft, tiny_head, None).generate(PROMPTS, params)
+    spec = engine(tiny_model, tiny_draft, tiny_head, "draft").generate(PROMPTS, params)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids
         assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-4)
         assert [[t for t, _ in e.top] for e in a.logprobs] == [[t for t, _ in e.top] for e in b.logprobs]
 
 
-def test_requests_without_logprobs_get_none_and_the_same_tokens(tiny_model, tiny_draft, head_dir):
-    llm = engine(tiny_model, tiny_draft, head_dir, "draft")
+def test_requests_without_logprobs_get_none_and_the_same_tokens(tiny_model, tiny_draft, tiny_head):
+    llm = engine(tiny_model, tiny_draft, tiny_head, "draft")
     with_lp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     without = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     a, b = llm.generate(PROMPTS[:2], [with_lp, without])
@@ -118,8 +111,8 @@ def test_requests_without_logprobs_get_none_and_the_same_tokens(tiny_model, tiny
     assert llm.generate(PROMPTS[1], without)[0].token_ids == b.token_ids
 
 
-def test_processed_logprobs_are_those_of_the_distribution_sampled_from(tiny_model, tiny_draft, head_dir):
-    llm = engine(tiny_model, tiny_draft, head_dir, "draft", logprobs_mode="processed")
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from(tiny_model, tiny_draft, tiny_head):
+    llm = engine(tiny_model, tiny_draft, tiny_head, "draft", logprobs_mode="processed")
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.5, max_tokens=12, ignore_eos=True, seed=3,
                                                   logprobs=1))[0]
     raw = reference_logprobs(tiny_model[1], out.prompt_token_ids, out.token_ids)  # log_softmax(z): z up to a shift
@@ -128,7 +121,7 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from(tiny_mode
         assert entry.logprob == pytest.approx(float(ref[j, entry.token_id]), abs=1e-4)
 
 
-def test_prompt_logprobs_are_transformers_even_after_a_prefix_cache_hit(tiny_model, tiny_draft, head_dir):
+def test_prompt_logprobs_are_transformers_even_after_a_prefix_cache_hit(tiny_model, tiny_draft, tiny_head):
     llm = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, block_size=4, enable_prefix_caching=True)
     prompt = list(range(5, 25))
     ids = torch.tensor([prompt])
@@ -147,8 +140,8 @@ def test_prompt_logprobs_are_transformers_even_after_a_prefix_cache_hit(tiny_mod
         assert out.finish_reason == "length"
 
 
-def test_logit_bias_and_penalties_change_what_is_sampled(tiny_model, tiny_draft, head_dir):
-    llm = engine(tiny_model, tiny_draft, head_dir, "draft")
+def test_logit_bias_and_penalties_change_what_is_sampled(tiny_model, tiny_draft, tiny_head):
+    llm = engine(tiny_model, tiny_draft, tiny_head, "draft")
     base = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
     forced = llm.generate(PROMPTS[0], SamplingParams(**base, logit_bias={77: 100.0}))[0]
     assert set(forced.token_ids) == {77}
@@ -163,7 +156,7 @@ def test_logit_bias_and_penalties_change_what_is_sampled(tiny_model, tiny_draft,
         llm.engine.add_request([1, 2], SamplingParams(logit_bias={10**6: 1.0}))
 
 
-def test_logprobs_cost_no_extra_read_back(tiny_model, tiny_draft, head_dir, monkeypatch):
+def test_logprobs_cost_no_extra_read_back(tiny_model, tiny_draft, tiny_head, monkeypatch):
     import engine.host_sync as host_sync
 
     reads = [0]
@@ -175,7 +168,7 @@ def test_logprobs_cost_no_extra_read_back(tiny_model, tiny_draft, head_dir, monk
 
     monkeypatch.setattr(host_sync, "read", counted)
     for method in (None, "draft"):
-        eng = engine(tiny_model, tiny_draft, head_dir, method).engine
+        eng = engine(tiny_model, tiny_draft, tiny_head, method).engine
         for lp in (None, 2):
             rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                                                               logprobs=lp))
@@ -191,8 +184,8 @@ def test_logprobs_cost_no_extra_read_back(tiny_model, tiny_draft, head_dir, monk
             assert per_step == expected, (method, lp, per_step)
 
 
-def test_logprob_entries_serialise(tiny_model, tiny_draft, head_dir):
-    out = engine(tiny_model, tiny_draft, head_dir, None).generate(PROMPTS[0], SamplingParams(
+def test_logprob_entries_serialise(tiny_model, tiny_draft, tiny_head):
+    out = engine(tiny_model, tiny_draft, tiny_head, None).generate(PROMPTS[0], SamplingParams(
         temperature=0.0, max_tokens=3, logprobs=1))[0]
     assert json.loads(json.dumps([[e.token_id, e.logprob, e.top] for e in out.logprobs]))
 

@@ -24,6 +24,7 @@ from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from tests.exactness import CHOICES, N, exact_grammar_outcomes
 
 SCHEMAS = {
     "nested_object": {"type": "object", "properties": {
@@ -139,40 +140,12 @@ def test_mixed_constrained_and_unconstrained_requests_do_not_leak_into_each_othe
 
 # --- exact distribution under a grammar --------------------------------------------------
 
-CHOICES = ["1", "0", "10", "11", "01", "100"]
-N = 3000
-
-
-def _exact_outcomes(hf, tok_dir, prompt: list[int], spec: StructuredOutput, depth: int) -> dict[tuple, float]:
-    """P(output tokens) when sampling the target at temperature 1 restricted to the grammar and
-    renormalised at each step, by enumerating every allowed path (to EOS or `depth` tokens)."""
-    tokenizer = Tokenizer(tok_dir)
-    matcher = GrammarCompiler(tokenizer, hf.config.vocab_size).matcher(spec)
-    out: dict[tuple, float] = {}
-
-    def walk(prefix: list[int], prob: float) -> None:
-        if len(prefix) == depth or (prefix and prefix[-1] in tokenizer.eos_token_ids):
-            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + prob
-            return
-        allowed = matcher.allowed()
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([prompt + prefix])).logits[0, -1].double()
-        p = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-        for t in allowed.nonzero().flatten().tolist():
-            assert matcher.accept(t)
-            walk(prefix + [t], prob * float(p[t]))
-            matcher.rollback(1)
-
-    walk([], 1.0)
-    return out
-
-
 @pytest.mark.parametrize("speculate", [True, False])
 def test_sampled_constrained_tokens_follow_the_masked_target_distribution(tiny_model, tiny_draft, tok_dir, speculate):
     (tpath, hf), (dpath, _) = tiny_model, tiny_draft
     spec = StructuredOutput.choice(CHOICES)
     prompt = [5, 17, 9, 30]
-    expected = _exact_outcomes(hf, tok_dir, prompt, spec, depth=4)
+    expected = exact_grammar_outcomes(hf, tok_dir, prompt, spec, depth=4)
     kwargs = dict(draft_model=str(dpath), use_speculative_decoding=True, spec_length=2, spec_policy="fixed") \
         if speculate else {}
     llm = LLM(model=str(tpath), dtype="float32", max_batch_size=64, seed=7, **kwargs)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from tests.helpers import greedy
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):",
@@ -17,9 +18,6 @@ PROMPTS = [
     "def f():\n    return 1\n",
 ]
 
-
-def greedy(n=24):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def reference_plan(tiny_model) -> dict:

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import EngineConfig
 from engine.kv import PagedKVPool
 from engine.model.paged_attention import PagedAttention, _compiled_flex, inplace_on, kernel_options
+from tests.helpers import greedy
 
 D = 8
 
@@ -131,20 +132,17 @@ COMMON = dict(dtype="float32", max_seq_len=48, max_batch_size=3, block_size=4, f
 PROMPTS = ["def add(a, b):\n    return a + b\n", "import os", "class Point:\n"]
 
 
-def greedy():
-    return SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
 
 def test_greedy_output_in_place_equals_the_gather_plain_and_speculative(tiny_model, tiny_draft):
-    want = [o.token_ids for o in LLM(model=str(tiny_model[0]), **COMMON).generate(PROMPTS, greedy())]
+    want = [o.token_ids for o in LLM(model=str(tiny_model[0]), **COMMON).generate(PROMPTS, greedy(10))]
     plain = LLM(model=str(tiny_model[0]), paged_attention="inplace", **COMMON)
     assert plain.engine.paged_attention == {"target": "inplace"}
-    assert [o.token_ids for o in plain.generate(PROMPTS, greedy())] == want
+    assert [o.token_ids for o in plain.generate(PROMPTS, greedy(10))] == want
     assert plain.engine.model.last_attention_branches == ("inplace",)
     spec = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
                spec_policy="fixed", spec_length=3, paged_attention="inplace", **COMMON)
     assert spec.engine.paged_attention == {"target": "inplace", "draft": "inplace"}
-    outs = spec.generate(PROMPTS, greedy())
+    outs = spec.generate(PROMPTS, greedy(10))
     assert [o.token_ids for o in outs] == want and sum(o.num_draft_tokens for o in outs) > 0
 
 
@@ -161,7 +159,7 @@ def test_an_in_place_kernel_that_fails_or_differs_leaves_the_gather(tiny_model, 
     assert why.startswith("gather: ") and ("no kernel" if fault == "raises" else "differs") in why
     assert llm.engine.model.paged is None
     assert any("gathers its keys" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert llm.generate(PROMPTS[0], greedy())[0].token_ids  # runs, gathering
+    assert llm.generate(PROMPTS[0], greedy(10))[0].token_ids  # runs, gathering
 
 
 def test_the_kernel_tile_divides_the_pool_block_or_the_pool_is_refused():

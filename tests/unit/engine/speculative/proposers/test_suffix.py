@@ -22,16 +22,16 @@ from engine.speculative.proposers.suffix import (
     best_draft,
     own_text_draft,
 )
-from tests.unit.test_spec_statistical import (
+from tests.exactness import (
     CONFIGS,
     PROMPT,
     chi2_pvalue,
     exact_marginals,
     make_pair,
+    no_residual,
     sample_speculative,
 )
-from tests.unit.test_token_tree import _no_residual
-from tests.unit.test_tree_engine import PROMPTS, branching, greedy, reference  # noqa: F401 (fixtures)
+from tests.unit.engine.speculative.test_tree_engine import PROMPTS, branching, greedy, reference  # noqa: F401 (fixtures)
 
 
 def _cache_with(texts: list[list[int]], max_tokens: int = 10_000, scope: str = "") -> SuffixCache:
@@ -219,7 +219,7 @@ def test_suffix_sampling_matches_target_marginals(pair, branching, name, width):
 
 
 def test_teeth_suffix_trees_without_the_residual_are_detected(pair, monkeypatch):
-    monkeypatch.setattr(tree_round, "accept_sampled", _no_residual)
+    monkeypatch.setattr(tree_round, "accept_sampled", no_residual)
     tpath, dpath, hf = pair
     params = SamplingParams(**CONFIGS["t1"])
     m2, m3 = exact_marginals(hf, params)
