@@ -4,7 +4,6 @@ speculative verify passes) and the sampling that follows them."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,7 @@ from engine.model.passes import forward_chunks, forward_chunks_features, put_row
 from engine.model.transformer import Transformer
 from engine.request import DecodeResult, DecodeStats, Request
 from engine.sampling import greedy_or_sample
-
-if TYPE_CHECKING:
-    from engine.token_tree import TokenTree
+from engine.token_tree import TokenTree
 
 
 class ModelRunner:

@@ -4,7 +4,7 @@ grouped into passes."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -13,9 +13,7 @@ from engine.kv import CachePool, make_pool
 from engine.kv.protocol import KVView, power_of_two_at_least
 from engine.kv.tree_view import tree_view
 from engine.model.transformer import Transformer
-
-if TYPE_CHECKING:
-    from engine.token_tree import TokenTree
+from engine.token_tree import TokenTree
 
 UNPADDED_MAX = 16  # passes up to this wide (decode, verify) keep their exact width
 PAD_MULTIPLE = 32  # wider ones are padded to a multiple of this (docs/performance-notes.md#prefill-padding)

@@ -133,3 +133,23 @@ def test_gpu_examples_compile():
                          ids=[p.relative_to(REPO).as_posix() for p, b in LOCAL if b])
 def test_python_examples_run(page, blocks):
     run(blocks)
+
+
+def test_each_design_decision_cites_a_figure_a_host_and_an_archive_link():
+    from tests.docs.pages import REPO
+
+    text = (REPO / "docs" / "design-decisions.md").read_text()
+    sections = [s for s in text.split("\n## ")[1:]]
+    assert len(sections) >= 7
+    for section in sections:
+        title = section.splitlines()[0]
+        for part in ("**Decision.**", "**Why.**", "**Figure.**", "**Host.**", "**Archive.**"):
+            assert part in section, f"design decision {title!r} lacks {part}"
+        figure = section.split("**Figure.**")[1].split("**Host.**")[0]
+        assert any(c.isdigit() for c in figure), f"{title!r}: its figure has no number"
+        host = section.split("**Host.**")[1].split("**Archive.**")[0]
+        assert any(h in host for h in ("AMD EPYC", "Intel Xeon", "NVIDIA", "Sapphire")), f"{title!r}: no host class"
+        assert "](performance-notes.md#" in section.split("**Archive.**")[1], f"{title!r}: no link into the archive"
+    for topic in ("forward plan", "adaptive policy", "chain or tree", "kv sizing", "graphs", "structured outputs",
+                  "logprobs"):
+        assert any(topic in s.splitlines()[0].lower() for s in sections), f"no design decision on {topic}"

@@ -1,0 +1,72 @@
+"""The model-family registry, and docs/contributing.md's recipe "Add a model family" run as
+written: a family registered from this file alone (no edit to the engine) loads a checkpoint of
+its model_type, with its own options, layer reader and MLP, and refuses its own config keys."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.model.config_keys import Key
+from engine.model.families import FAMILIES, Family, llama_options, read_dense_layer, register_family
+from tests.helpers import greedy
+
+PROMPTS = ["def add(a, b):", "class Point:\n    def"]
+
+
+def doubled_mlp(x, lw, linear):
+    """A toy family's MLP: SwiGLU, output doubled."""
+    gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
+    return 2.0 * linear(F.silu(gate) * up, lw.down)
+
+
+@pytest.fixture(scope="module")
+def toy_family():
+    family = Family("toy_llama", llama_options, read_dense_layer, doubled_mlp,
+                    keys=(Key("toy_scale", "refused", "a toy key: only 1 is implemented",
+                              refuse=lambda v, cfg: None if v in (None, 1) else "only 1 is implemented"),))
+    register_family(family)
+    yield family
+    FAMILIES.pop("toy_llama")
+
+
+def _as_toy(src, dst, **config):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "model_type": "toy_llama", **config}))
+    return dst
+
+
+def test_a_family_registered_from_a_test_loads_with_its_own_pieces(tmp_path, tiny_model, toy_family):
+    """Its MLP doubles Llama's: the same as a Llama checkpoint whose down_proj is doubled."""
+    from safetensors.torch import load_file, save_file
+
+    toy = _as_toy(tiny_model[0], tmp_path / "toy")
+    doubled = tmp_path / "doubled"
+    shutil.copytree(tiny_model[0], doubled)
+    tensors = load_file(doubled / "model.safetensors")
+    save_file({k: v * 2 if k.endswith("down_proj.weight") else v for k, v in tensors.items()},
+              doubled / "model.safetensors", metadata={"format": "pt"})
+    ours = LLM(model=str(toy), dtype="float32", max_seq_len=64)
+    assert ours.engine.model.shape.model_type == "toy_llama"
+    reference = LLM(model=str(doubled), dtype="float32", max_seq_len=64)
+    assert [o.token_ids for o in ours.generate(PROMPTS, greedy(12))] == \
+        [o.token_ids for o in reference.generate(PROMPTS, greedy(12))]
+    llama, toy_model = (LLM(model=str(p), dtype="float32", max_seq_len=64).engine.model for p in (tiny_model[0], toy))
+    assert llama._mlp is not toy_model._mlp  # the family's MLP, not Llama's
+
+
+def test_a_familys_own_config_key_is_refused_by_its_table(tmp_path, tiny_model, toy_family):
+    toy = _as_toy(tiny_model[0], tmp_path / "toy", toy_scale=3)
+    with pytest.raises(ValueError, match=r"config.json toy_scale=3 is refused: only 1 is implemented"):
+        LLM(model=str(toy), dtype="float32", max_seq_len=64)
+
+
+def test_a_model_type_not_registered_names_the_registered_ones(tmp_path, tiny_model):
+    other = _as_toy(tiny_model[0], tmp_path / "other", model_type="gemma2")
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma2' \(supported: llama, mistral, qwen2, qwen3"):
+        LLM(model=str(other), dtype="float32", max_seq_len=64)
