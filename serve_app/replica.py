@@ -38,13 +38,14 @@ def rss_bytes() -> int:
 
 
 def threads_for_replica(requested: int | None) -> int:
-    """Torch threads = the CPUs Ray assigned to this replica (rounded up), unless set."""
+    """Torch threads = the CPUs Ray assigned to this replica (rounded up), unless set; 1 outside a
+    Ray worker (never connecting to a cluster to ask)."""
     if requested:
         return requested
     try:
         import ray
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0) if ray.is_initialized() else 1.0
     except Exception:
         cpus = 1.0
     return max(1, math.ceil(cpus))
