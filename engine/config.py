@@ -27,6 +27,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 LogprobsMode = Literal["raw", "processed"]
 CudaGraphs = Literal["auto", "on", "off"]
 PagedAttentionSetting = Literal["auto", "inplace", "gather"]
+FusedKernels = Literal["auto", "on", "off"]
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 
 
@@ -249,6 +250,9 @@ class EngineConfig:
     # where the load-time check agrees with the gather, or over a gathered copy; "auto" gathers (in place
     # measured slower on an H200, docs/gpu.md)
     paged_attention: PagedAttentionSetting = "auto"
+    # each layer's pointwise work (residual add + RMSNorm, q/k norm + RoPE + KV write, SiLU-and-multiply)
+    # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused.py); "auto": CUDA only
+    fused_kernels: FusedKernels = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
@@ -271,6 +275,7 @@ class EngineConfig:
         check_choice("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
         check_choice("cuda_graphs", self.cuda_graphs, get_args(CudaGraphs))
         check_choice("paged_attention", self.paged_attention, get_args(PagedAttentionSetting))
+        check_choice("fused_kernels", self.fused_kernels, get_args(FusedKernels))
         if isinstance(self.speculative, dict):
             _check_keys("speculative", self.speculative, SpecConfig.field_names())
             self.speculative = SpecConfig(**self.speculative)

@@ -29,6 +29,7 @@ from engine.model.cuda_graphs import (
     tolerance,
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
+from engine.model.fused import check_fused, fused_on
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
@@ -74,6 +75,7 @@ class EngineParts:
     runner: ModelRunner
     forward_plan: dict  # each model's plan (engine/model/plan.py), as stats report it
     paged_attention: dict[str, str]  # model role -> "inplace", or why it gathers ({}: gather)
+    fused_kernels: dict[str, str]  # model role -> "fused", or why it runs eager ({}: off)
     cuda_graphs: dict[str, CaptureReport]  # model role -> what capture did ({}: off)
     speculation: SpeculativeDecoder | None
     seconds: dict[str, float] = field(default_factory=dict)  # each phase's
@@ -115,6 +117,9 @@ class _Startup:
         self.paged_attention = self._read_in_place()  # model role -> "inplace", or why it gathers ({}: gather)
         if self.paged_attention:
             clock.done("paged_attention", "paged_attention: %s", self.paged_attention)
+        self.fused_kernels = self._fuse()  # model role -> "fused", or why eager ({}: off)
+        if self.fused_kernels:
+            clock.done("fused_kernels", "fused_kernels: %s", self.fused_kernels)
         self.cuda_graphs = self._capture_graphs(graph_capture)  # model role -> what capture did ({}: off)
         if self.cuda_graphs:
             clock.done("cuda_graphs", "cuda_graphs: %s", ", ".join(
@@ -127,7 +132,7 @@ class _Startup:
         log.info("engine built in %.1f s (%s)", clock.total(),
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in clock.seconds.items()))
         return EngineParts(self.tokenizer, self.model, self.draft_model, self.kv, self.runner, self.forward_plan,
-                           self.paged_attention, self.cuda_graphs, self.speculation, clock.seconds)
+                           self.paged_attention, self.fused_kernels, self.cuda_graphs, self.speculation, clock.seconds)
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""
@@ -220,6 +225,22 @@ class _Startup:
                 log.warning("paged_attention: the %s gathers its keys: %s", role, problem)
                 model.paged = None
             chosen[role] = "inplace" if problem is None else f"gather: {problem}"
+        return chosen
+
+    def _fuse(self) -> dict[str, str]:
+        """Each model's layers on the fused kernels, where fused_kernels asks for them on this device
+        and a probe agrees with eager; else eager, with a warning (an EAGLE-3 head runs its own step)."""
+        c = self.config
+        if not fused_on(c.fused_kernels, c.device):
+            return {}
+        chosen = {}
+        for role, model, pool in [("target", self.model, self.kv.target), ("draft", self.draft_model, self.kv.draft)]:
+            if model is None or isinstance(model, Eagle3Head):
+                continue
+            problem = check_fused(model, pool, tolerance(model.dtype))
+            if problem is not None:
+                log.warning("fused_kernels: the %s runs eager: %s", role, problem)
+            chosen[role] = "fused" if problem is None else f"eager: {problem}"
         return chosen
 
     def _capture_graphs(self, capture: Capture | None) -> dict[str, CaptureReport]:

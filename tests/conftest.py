@@ -1,9 +1,13 @@
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from tests.helpers import make_eagle3_head, make_model, make_tokenizer
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused kernels run on CPU under Triton's interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import make_eagle3_head, make_model, make_tokenizer  # noqa: E402
 
 torch.set_num_threads(2)
 

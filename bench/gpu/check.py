@@ -42,12 +42,13 @@ class Section:
 
 SECTIONS = (  # the default run's order first: what the next GPU session must answer
     Section("environment", "environment:run", 12, 60, True),
-    Section("correctness", "correctness:run", 55, 120, True),
-    Section("realistic_8b", "realistic:run_8b", 110, 150, True),
+    Section("correctness", "correctness:run", 50, 120, True),
+    Section("step", "step:run", 45, 120, True),
+    Section("realistic_8b", "realistic:run_8b", 100, 150, True),
     Section("paged_attention", "inplace:run", 50, 120, True),
-    Section("realistic_1b", "realistic:run_1b", 65, 150, True),
+    Section("realistic_1b", "realistic:run_1b", 60, 150, True),
     Section("trees", "trees:run", 35, 150, True),
-    Section("suffix", "suffix:run", 35, 150, True),
+    Section("suffix", "suffix:run", 30, 150, True),
     Section("attention", "attention:run", 35, 40, False),
     Section("syncs", "syncs:run", 30, 60, False),
     Section("cuda_graphs", "graphs:run_graphs", 90, 120, False),
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes: the same code on CPU in minutes")
     ap.add_argument("--out", default=str(RESULTS), help="where gpu_<device>.json and .md go (default bench/results)")
     ap.add_argument("--sections", nargs="+", help="these sections, or all (default: the default run's, in order)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 420; smoke 1800)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 440; smoke 1800)")
     ap.add_argument("--budget-scale", type=float, default=1.0,
                     help="multiplies every section's budget (the test suite's slow machines)")
     args = ap.parse_args(argv)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_{device_name(args.device)}" + ("_smoke" if args.smoke else "")
-    budget = args.budget if args.budget is not None else (1800 if args.smoke else 420)
+    budget = args.budget if args.budget is not None else (1800 if args.smoke else 440)
 
     def write(report: dict) -> None:
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))

@@ -74,3 +74,37 @@ def transformers_generate(ctx: Context, hf, prompts: list[list[int]], new_tokens
     tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
             "first_tokens": out[0, ids.shape[1]:ids.shape[1] + 16].tolist()}
+
+
+def busy_share(ctx: Context, llm: LLM, vocab: int, steps: int = 16) -> dict | None:
+    """Kernel time of `steps` batch-1 decode steps over their unprofiled wall time, kernels a step,
+    and the kernels that take the most time (CUDA only)."""
+    if not ctx.device.startswith("cuda"):
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    rid = engine.add_request(random_prompts(1, 32, vocab, seed=99)[0],
+                             SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    while not engine.request(rid).output_token_ids:
+        engine.step()
+    n = steps
+    _, wall = ctx.timed(lambda: [engine.step() for _ in range(n)])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        ctx.sync()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernel_us = sum(e.time_range.elapsed_us() for e in kernels)
+    by_name: dict[str, list[float]] = {}  # kernel name -> [launches, microseconds] over the n steps
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    engine.abort(rid)
+    engine.release(rid)
+    return {"kernel_ms_per_step": kernel_us / 1e3 / n, "wall_ms_per_step": 1e3 * wall / n,
+            "busy_share": kernel_us / 1e6 / wall, "kernels_per_step": len(kernels) / n,
+            "top_kernels": [{"name": name, "per_step": c / n, "us_per_step": us / n} for name, (c, us) in top]}

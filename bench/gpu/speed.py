@@ -15,7 +15,7 @@ import torch
 
 from bench.common import theoretical
 from bench.gpu.context import Context, check
-from bench.gpu.decode import median_of, random_prompts, timed_generate, transformers_generate
+from bench.gpu.decode import busy_share, median_of, random_prompts, timed_generate, transformers_generate
 from bench.gpu.weights import (
     LLAMA_3_2_1B,
     SMOKE_1B,
@@ -80,41 +80,8 @@ def _plain(ctx: Context, out: dict, hf, target, dtype: str, config: dict) -> Non
         out["batch1_bound"] = {"weights_gb": out["weights_gb"], "copy_tb_s": bandwidth, "bound_ms": bound_ms,
                                "step_ms": rows[1]["step_ms"]["median"],
                                "share_of_bound": bound_ms / rows[1]["step_ms"]["median"]}
-    out["busy_share_batch1"] = _busy_share(ctx, llm, config)
+    out["busy_share_batch1"] = busy_share(ctx, llm, config["vocab_size"])
     del llm
-
-
-def _busy_share(ctx: Context, llm: LLM, config: dict) -> dict | None:
-    """Kernel time of batch-1 decode steps over their unprofiled wall time."""
-    if not ctx.device.startswith("cuda"):
-        return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = llm.engine
-    rid = engine.add_request(random_prompts(1, 32, config["vocab_size"], seed=99)[0],
-                             SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    while not engine.request(rid).output_token_ids:
-        engine.step()
-    n = 16
-    _, wall = ctx.timed(lambda: [engine.step() for _ in range(n)])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            engine.step()
-        ctx.sync()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    kernel_us = sum(e.time_range.elapsed_us() for e in kernels)
-    by_name: dict[str, list[float]] = {}  # kernel name -> [launches, microseconds] over the n steps
-    for e in kernels:
-        entry = by_name.setdefault(e.name[:120], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.time_range.elapsed_us()
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
-    engine.abort(rid)
-    engine.release(rid)
-    return {"kernel_ms_per_step": kernel_us / 1e3 / n, "wall_ms_per_step": 1e3 * wall / n,
-            "busy_share": kernel_us / 1e6 / wall, "kernels_per_step": len(kernels) / n,
-            "top_kernels": [{"name": name, "per_step": c / n, "us_per_step": us / n} for name, (c, us) in top]}
 
 
 def _speculative(ctx: Context, out: dict, target, draft, same, dtype: str, config: dict) -> None:

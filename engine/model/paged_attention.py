@@ -25,6 +25,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from engine.kv.protocol import KVView
+from engine.model.probe import compare_on_probe
 
 log = logging.getLogger(__name__)
 
@@ -164,44 +165,12 @@ def _compiled_flex(block_size: int, scale: float) -> Callable:
 
 def check_inplace(model, pool, tolerance: float) -> str | None:
     """Compares the model's passes reading in place with the gather on a probe over `pool`
-    (ragged decode and verify batches, one sequence alone); what differs, or None. The probe's
-    slots are freed after."""
+    (ragged decode and verify batches, one sequence alone); what differs, or None."""
     if pool.storage.is_cuda:
         kernel_options(pool.block_size)  # a block the kernel cannot tile raises, with why
-    paged, vocab = model.paged, model.shape.vocab_size
-    contexts = [3, 21, 40, 9][:pool.max_slots]
-    contexts = [min(n, pool.max_seq_len - 5) for n in contexts]
-    slots = [pool.allocate_slot([])[0] for _ in contexts]
+    paged = model.paged
 
-    def run(rows: list[int], chunks: list[list[int]], inplace: bool) -> torch.Tensor:
-        starts = [pool.seq_len(slots[r]) for r in rows]
-        T = max(len(c) for c in chunks)
-        view = pool.view([slots[r] for r in rows], [len(c) for c in chunks], width=T,
-                         tokens=[c + [0] * (T - len(c)) for c in chunks])
-        model.paged = paged if inplace else None
-        try:
-            return model.forward(view.input_ids, view.position_ids, view, None).float()  # [b, T, V]
-        finally:
-            model.paged = paged
-            for r, n in zip(rows, starts):
-                pool.truncate_to(slots[r], n, keep_storage=True)
-    try:
-        model.paged = None
-        for r, n in enumerate(contexts):  # the contexts, gathered
-            view = pool.view([slots[r]], [n], tokens=[[(7 * r + j) % vocab for j in range(n)]])
-            model.forward(view.input_ids, view.position_ids, view, None)
-        model.paged = paged
-        everyone = list(range(len(slots)))
-        for rows, chunks in [(everyone, [[5]] * len(slots)), ([0], [[6, 7, 8]]),
-                             (everyone, [[(3 * r + j) % vocab for j in range(1 + r % 4)] for r in everyone])]:
-            want, got = run(rows, chunks, False), run(rows, chunks, True)
-            for i, c in enumerate(chunks):
-                w, g = want[i, :len(c)], got[i, :len(c)]
-                worst, scale = (w - g).abs().max().item(), w.abs().max().item()
-                if not worst <= tolerance * max(scale, 1.0):
-                    return f"in place differs from the gather by {worst:.3g} (scale {scale:.3g}), batch {len(rows)}"
-    finally:
-        model.paged = paged
-        for s in slots:
-            pool.free_slot(s)
-    return None
+    def switch(on: bool) -> None:
+        model.paged = paged if on else None
+    problem = compare_on_probe(model, pool, switch, tolerance)
+    return None if problem is None else f"in place differs from the gather {problem}"

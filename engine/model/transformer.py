@@ -20,7 +20,7 @@ from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
 from engine.model.families import family_of
-from engine.model.kernels import one_sequence
+from engine.model.kernels import fused, one_sequence
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
@@ -73,6 +73,7 @@ class Transformer:
     last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
     graphs: CapturedPassesLike | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
     paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
+    fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused.py), set at load
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -280,6 +281,8 @@ class Transformer:
              capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = input_ids.shape
         few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
+        if self.fused and few is None:
+            return self._run_fused(input_ids, position_ids, kv, logits_index, capture)
         layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
@@ -296,6 +299,44 @@ class Transformer:
         h = self._rms_norm(h, self.final_norm)
         logits = linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab]
         return logits, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+
+    def _run_fused(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
+                   logits_index: torch.Tensor | None, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_run with each layer's pointwise work in the fused kernels (kernels/fused.py): the
+        residual add and the norm after it, q/k norm + RoPE + the KV write, SiLU-and-multiply."""
+        B, T = input_ids.shape
+        eps, layers, linear = self.shape.rms_norm_eps, self.layers, self._linear
+        h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
+        _, y = fused.add_rms_norm(h, None, layers[0].attn_norm, eps)  # the first layer's normed input
+        groups = self._attention_inputs(kv, position_ids)
+        captured = {}  # layer -> its input
+        with self._attention_backends():
+            for i, lw in enumerate(layers):
+                if i in capture:
+                    captured[i] = h
+                h, y = fused.add_rms_norm(self._fused_attention(y, lw, kv, i, groups, position_ids), h, lw.mlp_norm, eps)
+                out = linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down)  # [B, T, hidden]
+                after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.final_norm
+                h, y = fused.add_rms_norm(out, h, after, eps)
+        if logits_index is not None:
+            y = y[torch.arange(B, device=y.device), logits_index]  # [B, hidden]
+        logits = linear(y, self.lm_head).float()  # [B, (T,) vocab]
+        return logits, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+
+    def _fused_attention(self, x: torch.Tensor, lw: LayerWeights, kv: KVView, i: int,
+                         groups: list[AttentionGroup] | PagedMask, position_ids: torch.Tensor) -> torch.Tensor:
+        """Self-attention of layer i over its normed input x [B, T, hidden] -> [B, T, hidden], q/k's
+        norm, RoPE and the K/V write in one kernel."""
+        s = self.shape
+        B, T = x.shape[:2]
+        qkv = self._linear(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        q = fused.rope_qk_write(qkv.contiguous(), position_ids, self.cos, self.sin, lw.qk_norm, kv.storage[i],
+                                kv.write_rows, s.num_heads, s.num_kv_heads, s.rms_norm_eps)  # [B, T, heads, D]
+        attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, D]
+        out = self._linear(attn.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim), lw.o)  # [B, T, hidden]
+        return out if lw.o_bias is None else out.add_(lw.o_bias)
 
     def _attention_block(self, x: torch.Tensor, lw: LayerWeights, linear: Callable,
                          rope: tuple[torch.Tensor, torch.Tensor], kv: KVView, i: int,

@@ -17,7 +17,7 @@ from bench.gpu.check import SECTIONS
 from bench.gpu.context import SectionTimeout, time_limit
 from bench.gpu.stats import chi_square_pvalue
 
-DEFAULT = ["environment", "correctness", "realistic_8b", "paged_attention", "realistic_1b", "trees", "suffix"]
+DEFAULT = ["environment", "correctness", "step", "realistic_8b", "paged_attention", "realistic_1b", "trees", "suffix"]
 
 
 def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
@@ -33,6 +33,7 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
         assert sections[name]["pair"]["eps"] > 0 and sections[name]["goals"], name
     assert set(sections["realistic_8b"]["speculative"]) == {"adaptive", "K=2", "K=4", "K=6"}
     assert "largest excess" in sections["realistic_8b"]["cause"]
+    assert set(sections["step"]["1b"]["modes"]) == {"fused off", "fused on"} and sections["step"]["8b"]["bytes_read"]
     assert set(sections["realistic_1b"]["batches"]) == {"1", "4"}
     assert {"block_16", "block_64", "auto"} <= set(sections["paged_attention"])
     assert {"trees_over_chains", "block_over_token", "verify_ms_graphs"} <= set(sections["trees"])
