@@ -76,6 +76,7 @@ class EngineParts:
     forward_plan: dict  # each model's plan (engine/model/plan.py), as stats report it
     paged_attention: dict[str, str]  # model role -> "inplace", or why it gathers ({}: gather)
     fused_kernels: dict[str, str]  # model role -> "fused", or why it runs eager ({}: off)
+    weights: dict[str, dict]  # model role -> {"bytes": on the device, "format": e.g. "int4 group 128 + bfloat16"}
     cuda_graphs: dict[str, CaptureReport]  # model role -> what capture did ({}: off)
     speculation: SpeculativeDecoder | None
     seconds: dict[str, float] = field(default_factory=dict)  # each phase's
@@ -103,8 +104,11 @@ class _Startup:
         self.tokenizer, model_path, draft_path = self._resolve_checkpoints()
         clock.done("checkpoints", "resolved %s (tokenizer, shapes, max_seq_len %d)", model_path, config.max_seq_len)
         self.model, self.draft_model = self._load_models(model_path, draft_path)
-        clock.done("models", "loaded the target%s, each with its forward plan",
-                   " and the draft" if self.draft_model is not None else "")
+        self.weights = {role: {"bytes": m.weight_bytes, "format": m.weight_format}
+                        for role, m in (("target", self.model), ("draft", self.draft_model)) if m is not None}
+        clock.done("models", "loaded the target%s, each with its forward plan; weights: %s",
+                   " and the draft" if self.draft_model is not None else "",
+                   ", ".join(f"{r} {w['bytes'] / 2**20:.1f} MiB ({w['format']})" for r, w in self.weights.items()))
         config.num_kv_blocks = self._kv_blocks(free_memory(config.device))
         pool = functools.partial(pool_for, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
                                  backend=config.kv_cache_backend, block_size=config.block_size,
@@ -132,7 +136,7 @@ class _Startup:
         log.info("engine built in %.1f s (%s)", clock.total(),
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in clock.seconds.items()))
         return EngineParts(self.tokenizer, self.model, self.draft_model, self.kv, self.runner, self.forward_plan,
-                           self.paged_attention, self.fused_kernels, self.cuda_graphs, self.speculation, clock.seconds)
+                           self.paged_attention, self.fused_kernels, self.weights, self.cuda_graphs, self.speculation, clock.seconds)
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""

@@ -167,6 +167,9 @@ def weights_in_memory(store: Store) -> Iterator[None]:
             self.read.add(name)
             return tensors[name].to(device=self.device, dtype=self.dtype)
 
+        def linear(self, module: str) -> torch.Tensor:
+            return self.get(module + ".weight")
+
         def check_floats(self, where: Path) -> None:  # the store holds the floats this module made
             if self.disk is not None:
                 self.disk.check_floats(where)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.model.quant.schemes import scheme_of
+
 FOUR = ("llama", "mistral", "qwen2", "qwen3")  # the families whose published configs the table describes
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -56,8 +58,14 @@ def _architectures(value, cfg) -> str | None:
     return None
 
 
-_QUANTIZED = ("quantized checkpoints are not implemented yet: the engine would read the stored integers or "
-              "float8 values without their scales")
+def _quantization(value, cfg) -> str | None:
+    try:
+        scheme_of({"quantization_config": value})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 _MOE = "mixture-of-experts layers are not implemented for this family (it is loaded as dense)"
 
 KEYS: tuple[Key, ...] = (
@@ -106,9 +114,11 @@ KEYS: tuple[Key, ...] = (
     Key("shared_expert_intermediate_size", "refused", _MOE, families=(), refuse=_refuse_any(_MOE)),
     Key("decoder_sparse_step", "refused", _MOE, families=(), refuse=_refuse_any(_MOE)),
     # quantized weights
-    Key("quantization_config", "refused", _QUANTIZED, families=(), refuse=_refuse_any(_QUANTIZED)),
-    Key("compression_config", "refused", _QUANTIZED + " (compressed-tensors' older key)", families=(),
-        refuse=_refuse_any(_QUANTIZED)),
+    Key("quantization_config", "implemented", "quantized linears in the published layouts: Qwen's FP8, "
+        "compressed-tensors float- and pack-quantized, GPTQ, AWQ (docs/models/quantized.md); others are refused, "
+        "naming the key", families=(), refuse=_quantization),
+    Key("compression_config", "implemented", "compressed-tensors' older name for quantization_config: as it",
+        families=(), refuse=_quantization),
     # other families' variants, refused if a config of ours carries them
     Key("attn_logit_softcapping", "refused", "softcapped attention scores (Gemma 2) are not implemented", families=(),
         refuse=_refuse_any("softcapped attention scores are not implemented")),

@@ -259,6 +259,10 @@ class _HeadTensors:
                              "quantized weights are not implemented")
         return self.raw[name].to(device=self.device, dtype=self.dtype)
 
+    def linear(self, module: str) -> torch.Tensor:
+        """A head's linears are dense."""
+        return self.get(module + ".weight")
+
     def layer_prefix(self) -> str:
         """Where the decoder layer's tensors are: `midlayer.` (the EAGLE authors') or `layers.0.`
         (the speculators library's); vLLM reads either name under either config."""

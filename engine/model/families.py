@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config_keys import BY_NAME, Key, check_values, unread_keys
+from engine.model.quant.linear import fuse
 from engine.model.rope import Rope
 from engine.model.shape import LayerWeights, ModelShape
 
@@ -24,16 +25,16 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, a weight as 
 
 
 def read_dense_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
-    """One layer's tensors (HF names under `pre`, from `reader`: get(name) and `name in reader`),
-    q/k/v and gate/up fused."""
+    """One layer's tensors (HF names under `pre`, from `reader`: get(name), linear(module) and
+    `name in reader`), q/k/v and gate/up fused (linears kept quantized where the checkpoint is)."""
     attn = pre + "self_attn."
     weights = LayerWeights(
         attn_norm=reader.get(pre + "input_layernorm.weight"),
-        qkv=torch.cat([reader.get(attn + f"{n}_proj.weight") for n in "qkv"]),
-        o=reader.get(attn + "o_proj.weight"),
+        qkv=fuse([reader.linear(attn + f"{n}_proj") for n in "qkv"]),
+        o=reader.linear(attn + "o_proj"),
         mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([reader.get(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-        down=reader.get(pre + "mlp.down_proj.weight"),
+        gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
+        down=reader.linear(pre + "mlp.down_proj"),
     )
     if shape.qkv_bias:
         weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])

@@ -12,6 +12,9 @@ import torch
 
 from engine.config import ModelPlan
 from engine.model.families import check_config, family_of, shape_of
+from engine.model.quant.layouts import quantized_names, read_quantized
+from engine.model.quant.linear import QuantLinear
+from engine.model.quant.schemes import Scheme, scheme_of
 from engine.model.shape import ModelShape
 from engine.model.transformer import Transformer
 
@@ -74,11 +77,12 @@ class _TensorReader:
     """Reads named tensors from safetensors files, keeping each file open once, and remembers
     which it read, so that a tensor the forward never reads is refused (`check_all_read`)."""
 
-    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str, scheme: Scheme | None = None):
+        """scheme: how the checkpoint's quantized linears are stored (None: none are)."""
         from safetensors import safe_open
 
         self.files = files
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.scheme = dtype, device, scheme
         self._handles = {p: safe_open(str(p), framework="pt") for p in set(files.values())}
         self.read: set[str] = set()
 
@@ -86,10 +90,26 @@ class _TensorReader:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor in the plan's dtype, on the device; a quantized one read as a plain weight is refused."""
+        tensor = self.raw(name)
+        if not tensor.is_floating_point() or tensor.element_size() < 2:
+            raise ValueError(f"tensor {name} is stored as {tensor.dtype}: quantized, but the checkpoint's "
+                             "quantization_config does not cover it (docs/models/quantized.md)")
+        return tensor.to(dtype=self.dtype)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored, on the device."""
         if name not in self.files:
             raise KeyError(f"tensor {name!r} missing from the checkpoint")
         self.read.add(name)
-        return self._handles[self.files[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
+        return self._handles[self.files[name]].get_tensor(name).to(device=self.device)
+
+    def linear(self, module: str) -> torch.Tensor | QuantLinear:
+        """`module`'s weight [out, in]: in the plan's dtype, or a QuantLinear where the scheme stores it quantized."""
+        s = self.scheme
+        if s is not None and s.quantizes(module) and all(f"{module}.{n}" in self for n in quantized_names(s)):
+            return read_quantized(self, s, module + ".")
+        return self.get(module + ".weight")
 
     def check_floats(self, where: Path) -> None:
         """ValueError naming a tensor stored in a dtype the forward would misread (a quantized weight)."""
@@ -107,20 +127,27 @@ class _TensorReader:
                              f"{unread[:4]}: a layer or format it does not implement")
 
 
-def read_shape(path: Path) -> ModelShape:
-    """The model's shape from its config.json (no weights read), refusing a family or keys the
-    forward does not implement (families.py, config_keys.py)."""
+def read_config(path: Path) -> dict:
+    """config.json, refusing a family, keys or a quantization the forward does not implement
+    (families.py, config_keys.py, quant/schemes.py)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     check_config(cfg, str(path))
-    return shape_of(cfg)
+    return cfg
+
+
+def read_shape(path: Path) -> ModelShape:
+    """The model's shape from its config.json (no weights read)."""
+    return shape_of(read_config(path))
 
 
 def load_model(path: Path, plan: ModelPlan, device: str, max_positions: int) -> Transformer:
     """The checkpoint at `path` with its weights in the plan's dtype, running as the plan says;
     ValueError where a tensor is quantized, unread, or at odds with tie_word_embeddings."""
-    shape = read_shape(path)
-    reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device)
-    reader.check_floats(path)
+    cfg = read_config(path)
+    shape, scheme = shape_of(cfg), scheme_of(cfg)
+    reader = _TensorReader(_weight_files(path), getattr(torch, plan.dtype), device, scheme)
+    if scheme is None:  # quantized layouts' tensors are checked as the scheme reads them
+        reader.check_floats(path)
     read_layer = family_of(shape.model_type).read_layer
     layers = [read_layer(reader, shape, f"model.layers.{i}.") for i in range(shape.num_layers)]
     embed = reader.get("model.embed_tokens.weight")

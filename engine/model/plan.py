@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelPlan
+from engine.model.families import shape_of
 from engine.model.kernels import one_sequence
-from engine.model.loader import load_model, read_shape
+from engine.model.loader import load_model, read_config
 from engine.model.passes import fill_slots, pool_for, time_pass
+from engine.model.quant.schemes import scheme_of
 from engine.model.shape import ModelShape
 from engine.model.token_step import TOKEN_STEP_ROWS, TokenStep
 from engine.model.transformer import Transformer, cpu_packs
@@ -65,11 +67,14 @@ def label(plan: ModelPlan | dict) -> str:
     return "+".join([p["dtype"], *names])
 
 
-def candidates(role: str, dtype: str, device: str, shape: ModelShape) -> list[ModelPlan]:
-    """The plans worth measuring for a model of `shape` and `role` asked to run in `dtype` on `device`."""
+def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized: bool = False) -> list[ModelPlan]:
+    """The plans worth measuring for a model of `shape` and `role` asked to run in `dtype` on `device`
+    (quantized: torch's own passes only; the hand-written kernels read dense weights)."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
+    if quantized:
+        return [ModelPlan(d) for d in dtypes]
     runs = {"target": one_sequence.load() is not None, "draft": TokenStep.runs(shape)}[role]
     kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if runs else None
     out = []
@@ -89,7 +94,8 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
             log.warning("%s: this CPU has no %s matmul kernels; computing in float32", path.name, explicit.dtype)
             explicit = dataclasses.replace(explicit, dtype="float32")
         return load_model(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
-    options = candidates(role, dtype, device, read_shape(path))  # the first: the asked-for dtype where it runs well
+    cfg = read_config(path)
+    options = candidates(role, dtype, device, shape_of(cfg), scheme_of(cfg) is not None)  # the first: the asked-for dtype
     load = functools.partial(load_model, path, device=device, max_positions=max_positions)
     return _choose(path, role, dtype, device, options, load, max_positions)
 

@@ -39,6 +39,13 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
+def any_linear(base: Callable) -> Callable:
+    """x, weight -> x W^T: a quantized linear (quant/linear.py) runs itself, a tensor goes to `base`."""
+    def linear(x: torch.Tensor, weight) -> torch.Tensor:
+        return base(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+    return linear
+
+
 MATMULS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer
 
 
@@ -91,10 +98,16 @@ class Transformer:
         self.scale = shape.head_dim ** -0.5
         self._mlp = family_of(shape.model_type).mlp  # (normed input, layer weights, linear) -> output
         self.num_parameters = sum(t.numel() for t in self._weights())
+        quantized = [w for w in self._weights() if not isinstance(w, torch.Tensor)]
+        for w in quantized:  # each chooses how it runs on this device
+            w.prepare(getattr(torch, plan.dtype))
+        self.quantized = bool(quantized)
+        if self.quantized and (plan.token_step or plan.one_sequence_kernel):
+            raise ValueError("forward_plan: token_step and one_sequence_kernel cannot run a quantized checkpoint")
         self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
-        self._linear = F.linear
+        self._linear = any_linear(F.linear)
         # on CUDA, no cuDNN attention: its plans are cached by exact key length, new every decode step
         self._attention_backends = functools.partial(sdpa_kernel, CUDA_ATTENTION_BACKENDS) \
             if self.device.type == "cuda" else contextlib.nullcontext
@@ -109,6 +122,17 @@ class Transformer:
     def token_step(self) -> TokenStep | None:
         """The whole-model C step of narrow passes, when the plan has it."""
         return self._token_step
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on the device (quantized linears as stored, with their scales)."""
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in self._weights())
+
+    @property
+    def weight_format(self) -> str:
+        """What the weights are stored as: the dtype, with the quantized linears' forms."""
+        forms = sorted({w.form for w in self._weights() if not isinstance(w, torch.Tensor)})
+        return " + ".join([*forms, str(self.dtype).removeprefix("torch.")])
 
     def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.tensors()]
@@ -131,11 +155,12 @@ class Transformer:
     def _pack_for_cpu(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls faster, and each row's
         result bit-identical whatever the number of rows. The embedding stays plain."""
-        pack = torch.ops.mkldnn._reorder_linear_weight
+        def pack(w):  # a quantized linear keeps its own form
+            return torch.ops.mkldnn._reorder_linear_weight(w) if isinstance(w, torch.Tensor) else w
         for lw in self.layers:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = _packed_linear
+        self._linear = any_linear(_packed_linear)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dimension; weight [last] or, per head, [heads, last]."""

@@ -1,7 +1,7 @@
 """A checkpoint the forward would compute wrongly is refused at load, naming the config key or the
-tensor: quantized layouts as they are published (Qwen's FP8, compressed-tensors, GPTQ), MoE keys
-in a family loaded as dense, variants the forward lacks, and tie_word_embeddings against the
-tensors present."""
+tensor: quantizations it does not compute (other bit widths, formats, schemes), quantized tensors
+without their config, MoE keys in a family loaded as dense, variants the forward lacks, and
+tie_word_embeddings against the tensors present."""
 
 from __future__ import annotations
 
@@ -97,14 +97,19 @@ GPTQ_CONFIG = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True, "qu
                "damp_percent": 0.01, "static_groups": False, "true_sequential": True}
 
 
-@pytest.mark.parametrize("layout,tensors,config", [
-    ("fp8", _fp8_block, FP8_CONFIG),
-    ("compressed-tensors", _pack_quantized, COMPRESSED_TENSORS_CONFIG),
-    ("gptq", _gptq, GPTQ_CONFIG),
+@pytest.mark.parametrize("layout,tensors,config,key", [
+    ("fp8", _fp8_block, {**FP8_CONFIG, "fmt": "e5m2"}, "fmt"),
+    ("fp8", _fp8_block, {**FP8_CONFIG, "activation_scheme": "static"}, "activation_scheme"),
+    ("compressed-tensors", _pack_quantized, {**COMPRESSED_TENSORS_CONFIG, "kv_cache_scheme": {"num_bits": 8}},
+     "kv_cache_scheme"),
+    ("compressed-tensors", _pack_quantized, {**COMPRESSED_TENSORS_CONFIG, "format": "marlin-24"}, "format"),
+    ("gptq", _gptq, {**GPTQ_CONFIG, "bits": 3}, "bits"),
+    ("gptq", _gptq, {**GPTQ_CONFIG, "quant_method": "bitsandbytes"}, "quant_method"),
 ])
-def test_a_quantized_checkpoint_is_refused_naming_quantization_config(qwen3, tmp_path, layout, tensors, config):
+def test_a_quantization_the_engine_does_not_compute_is_refused_naming_its_key(qwen3, tmp_path, layout, tensors,
+                                                                              config, key):
     path = _rewritten(qwen3, tmp_path / layout, tensors, quantization_config=config)
-    with pytest.raises(ValueError, match=rf"quantization_config=.*'{layout}'.* is refused: quantized"):
+    with pytest.raises(ValueError, match=rf"quantization_config\.{key}=.* is not implemented"):
         LLM(model=str(path), dtype="float32", max_seq_len=64)
 
 
