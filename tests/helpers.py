@@ -75,6 +75,8 @@ def make_model(path: Path, tokenizer_dir: Path, *, seed: int = 0, hidden: int = 
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(2.5)
+            elif p.dim() == 3:  # a mixture of experts' stacked experts: as strong as a dense MLP
+                p.normal_(0.0, 0.3)
             elif name.endswith(".bias"):  # zero at init: random, or a bias would test nothing
                 p.normal_(0.0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones at init: one scale per channel

@@ -66,7 +66,7 @@ def _quantization(value, cfg) -> str | None:
     return None
 
 
-_MOE = "mixture-of-experts layers are not implemented for this family (it is loaded as dense)"
+_MOE = "mixture-of-experts layers in a dense family (it would be loaded as dense; qwen3_moe computes them)"
 
 KEYS: tuple[Key, ...] = (
     # the shape

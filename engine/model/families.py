@@ -15,26 +15,29 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config_keys import BY_NAME, Key, check_values, unread_keys
+from engine.model.moe import Experts
 from engine.model.quant.linear import fuse
 from engine.model.rope import Rope
-from engine.model.shape import LayerWeights, ModelShape
+from engine.model.shape import LayerWeights, ModelShape, MoEShape
 
 log = logging.getLogger(__name__)
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, a weight as the plan holds it -> x W^T
 
 
-def read_dense_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
+def read_dense_layer(reader, shape: ModelShape, pre: str, mlp: dict | None = None) -> LayerWeights:
     """One layer's tensors (HF names under `pre`, from `reader`: get(name), linear(module) and
-    `name in reader`), q/k/v and gate/up fused (linears kept quantized where the checkpoint is)."""
+    `name in reader`), q/k/v and gate/up fused (linears kept quantized where the checkpoint is);
+    mlp: the MLP's weights where they are not a dense SwiGLU's."""
     attn = pre + "self_attn."
+    mlp = mlp or dict(gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
+                      down=reader.linear(pre + "mlp.down_proj"))
     weights = LayerWeights(
         attn_norm=reader.get(pre + "input_layernorm.weight"),
         qkv=fuse([reader.linear(attn + f"{n}_proj") for n in "qkv"]),
         o=reader.linear(attn + "o_proj"),
         mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-        gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
-        down=reader.linear(pre + "mlp.down_proj"),
+        **mlp,
     )
     if shape.qkv_bias:
         weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])
@@ -47,7 +50,10 @@ def read_dense_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
 
 
 def swiglu(x: torch.Tensor, lw: LayerWeights, linear: Linear) -> torch.Tensor:
-    """The SwiGLU MLP of a layer's normed input x [B, T, hidden] -> [B, T, hidden]."""
+    """The SwiGLU MLP of a layer's normed input x [B, T, hidden] -> [B, T, hidden] (its experts', in
+    a mixture-of-experts layer)."""
+    if lw.experts is not None:
+        return lw.experts(x, linear)
     gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
     return linear(F.silu(gate) * up, lw.down)
 
@@ -157,3 +163,51 @@ def qwen3_options(cfg: dict) -> dict:
 for _family in (Family("llama", llama_options), Family("mistral", llama_options), Family("qwen2", qwen2_options),
                 Family("qwen3", qwen3_options)):
     register_family(_family)
+
+
+
+# --- Qwen3-MoE: Qwen3's attention, a mixture of experts for the MLP (moe.py) ---------------------
+def qwen3_moe_options(cfg: dict) -> dict:
+    """Qwen3's options, and the experts: every layer's MLP but mlp_only_layers' and those off the decoder_sparse_step."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = tuple(i for i in range(cfg["num_hidden_layers"])
+                  if i in (cfg.get("mlp_only_layers") or ()) or not experts or (i + 1) % step)
+    moe = MoEShape(num_experts=experts, top_k=cfg["num_experts_per_tok"], intermediate_size=cfg["moe_intermediate_size"],
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+    return {**qwen3_options(cfg), "moe": moe}
+
+
+def read_qwen3_moe_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
+    """A Qwen3-MoE layer: `mlp.gate.weight` (the router) and `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    if int(pre.split(".")[-2]) in shape.moe.dense_layers:
+        return read_dense_layer(reader, shape, pre)
+    def dense(module: str) -> torch.Tensor:
+        weight = reader.linear(module)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"quantization_config: {module} is quantized; quantized experts are not implemented "
+                             "(docs/models/quantized.md)")
+        return weight
+    mlp = pre + "mlp."
+    experts = range(shape.moe.num_experts)
+    gate_up = torch.stack([torch.cat([dense(f"{mlp}experts.{e}.{n}_proj") for n in ("gate", "up")]) for e in experts])
+    down = torch.stack([dense(f"{mlp}experts.{e}.down_proj") for e in experts])
+    moe = Experts(reader.get(mlp + "gate.weight"), gate_up, down, shape.moe.top_k, shape.moe.norm_topk_prob)
+    return read_dense_layer(reader, shape, pre, mlp=dict(gate_up=None, down=None, experts=moe))
+
+
+_IMPLEMENTED_MOE = "Qwen3-MoE's experts (engine/model/moe.py)"
+QWEN3_MOE_KEYS = (
+    Key("num_experts", "implemented", _IMPLEMENTED_MOE + ": how many", families=("qwen3_moe",)),
+    Key("num_local_experts", "implemented", "transformers' name for num_experts", families=("qwen3_moe",)),
+    Key("num_experts_per_tok", "implemented", "the top k experts each token goes through", families=("qwen3_moe",)),
+    Key("moe_intermediate_size", "implemented", "each expert's intermediate size", families=("qwen3_moe",)),
+    Key("norm_topk_prob", "implemented", "the top k router weights renormalised to sum to one",
+        families=("qwen3_moe",)),
+    Key("decoder_sparse_step", "implemented", "every step-th layer has experts, the others a dense MLP",
+        families=("qwen3_moe",)),
+    Key("mlp_only_layers", "implemented", "layers with a dense MLP of intermediate_size", families=("qwen3_moe",)),
+    Key("router_aux_loss_coef", "irrelevant", "a training loss", families=("qwen3_moe",)),
+    Key("output_router_logits", "irrelevant", "a training output", families=("qwen3_moe",)),
+)
+register_family(Family("qwen3_moe", qwen3_moe_options, read_qwen3_moe_layer, keys=QWEN3_MOE_KEYS))

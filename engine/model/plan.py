@@ -69,11 +69,11 @@ def label(plan: ModelPlan | dict) -> str:
 
 def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized: bool = False) -> list[ModelPlan]:
     """The plans worth measuring for a model of `shape` and `role` asked to run in `dtype` on `device`
-    (quantized: torch's own passes only; the hand-written kernels read dense weights)."""
+    (quantized, or with experts: torch's own passes only; the hand-written kernels read dense layers)."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
-    if quantized:
+    if quantized or shape.moe is not None:
         return [ModelPlan(d) for d in dtypes]
     runs = {"target": one_sequence.load() is not None, "draft": TokenStep.runs(shape)}[role]
     kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if runs else None

@@ -4,10 +4,26 @@ families.py) and one decoder layer's weights (`LayerWeights`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model.rope import Rope
+
+if TYPE_CHECKING:
+    from engine.model.moe import Experts
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's experts (Qwen3-MoE): each token through its top_k of
+    num_experts SwiGLU experts of intermediate_size, in every layer but dense_layers."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool  # the top k's router weights renormalised to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (mlp_only_layers, decoder_sparse_step)
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,7 @@ class ModelShape:
     qk_norm: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"  # its family (families.py): which MLP and which tensors
+    moe: MoEShape | None = None  # a mixture-of-experts model's experts
 
     @property
     def max_sequence(self) -> int:
@@ -47,11 +64,12 @@ class LayerWeights:
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (None: a mixture-of-experts layer)
+    down: torch.Tensor | None  # [hidden, intermediate]
     qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
     o_bias: torch.Tensor | None = None  # [hidden]
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q's norm per query head, then k's
+    experts: Experts | None = None  # a mixture-of-experts layer's router and experts (moe.py), for gate_up/down
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in vars(self).values() if t is not None]

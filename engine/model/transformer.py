@@ -22,6 +22,7 @@ from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKEN
 from engine.model.families import family_of
 from engine.model.kernels import fused, one_sequence
 from engine.model.paged_attention import PagedAttention, PagedMask
+from engine.model.quant.linear import LinearParts, QuantLinear
 from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
 
@@ -98,12 +99,13 @@ class Transformer:
         self.scale = shape.head_dim ** -0.5
         self._mlp = family_of(shape.model_type).mlp  # (normed input, layer weights, linear) -> output
         self.num_parameters = sum(t.numel() for t in self._weights())
-        quantized = [w for w in self._weights() if not isinstance(w, torch.Tensor)]
-        for w in quantized:  # each chooses how it runs on this device
+        custom = [w for w in self._weights() if not isinstance(w, torch.Tensor)]  # quantized linears, experts
+        for w in custom:  # each chooses how it runs on this device
             w.prepare(getattr(torch, plan.dtype))
-        self.quantized = bool(quantized)
-        if self.quantized and (plan.token_step or plan.one_sequence_kernel):
-            raise ValueError("forward_plan: token_step and one_sequence_kernel cannot run a quantized checkpoint")
+        self.quantized = any(isinstance(w, (QuantLinear, LinearParts)) for w in custom)
+        if custom and (plan.token_step or plan.one_sequence_kernel):
+            raise ValueError("forward_plan: token_step and one_sequence_kernel run dense layers only, not a quantized "
+                             "or mixture-of-experts checkpoint")
         self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
@@ -131,7 +133,7 @@ class Transformer:
     @property
     def weight_format(self) -> str:
         """What the weights are stored as: the dtype, with the quantized linears' forms."""
-        forms = sorted({w.form for w in self._weights() if not isinstance(w, torch.Tensor)})
+        forms = sorted({w.form for w in self._weights() if isinstance(w, (QuantLinear, LinearParts))})
         return " + ".join([*forms, str(self.dtype).removeprefix("torch.")])
 
     def _weights(self) -> list[torch.Tensor]:
@@ -159,6 +161,8 @@ class Transformer:
             return torch.ops.mkldnn._reorder_linear_weight(w) if isinstance(w, torch.Tensor) else w
         for lw in self.layers:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
+            if lw.experts is not None:
+                lw.experts.pack(pack)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
         self._linear = any_linear(_packed_linear)
 
@@ -340,7 +344,8 @@ class Transformer:
                 if i in capture:
                     captured[i] = h
                 h, y = fused.add_rms_norm(self._fused_attention(y, lw, kv, i, groups, position_ids), h, lw.mlp_norm, eps)
-                out = linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down)  # [B, T, hidden]
+                out = linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down) if lw.experts is None \
+                    else lw.experts(y, linear)  # [B, T, hidden]
                 after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.final_norm
                 h, y = fused.add_rms_norm(out, h, after, eps)
         if logits_index is not None:

@@ -140,7 +140,7 @@ def test_moe_keys_in_a_dense_family_are_refused(tmp_path, tok_dir, family, key):
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is refused"),
     (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0 is refused: softcapped logits"),
     (dict(architectures=["LlamaForSequenceClassification"]), r"architectures=.* is refused: only causal-LM"),
-    (dict(model_type="gemma2"), r"unsupported model_type 'gemma2' \(supported: llama, mistral, qwen2, qwen3\)"),
+    (dict(model_type="gemma2"), r"unsupported model_type 'gemma2' \(supported: llama, mistral, qwen2, qwen3, qwen3_moe\)"),
 ])
 def test_variants_the_forward_lacks_are_refused(tmp_path, tiny_model, changes, message):
     path = _rewritten(tiny_model[0], tmp_path / "m", lambda n, t: {n: t}, **changes)

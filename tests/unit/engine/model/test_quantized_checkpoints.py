@@ -139,3 +139,30 @@ def test_the_weights_bytes_and_format_are_reported(checkpoints, dense):
     weights = quantized.engine.stats()["weights"]["target"]
     assert weights == {"bytes": quantized.engine.model.weight_bytes, "format": "int4 group 128 + bfloat16"}
     assert weights["bytes"] < 0.5 * plain.engine.stats()["weights"]["target"]["bytes"]
+
+
+@pytest.mark.parametrize("form", ["fp8 block", "fp8 channel", "int4 group", "int4 act-order"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_gpu_kernels_read_the_stored_form(form, rows):
+    """The Triton kernels CUDA runs for decode and verify widths (here under Triton's interpreter)
+    against the dequantized weight."""
+    from engine.model.kernels import quant
+    from engine.model.quant.linear import pack_int4
+
+    g = torch.Generator().manual_seed(rows)
+    N, K = 192, 256
+    if form.startswith("fp8"):
+        data = (torch.randn(N, K, generator=g) * 100).to(torch.float8_e4m3fn)
+        block = (128, 128) if form == "fp8 block" else (1, K)
+        scale = torch.rand(-(-N // block[0]), K // block[1], generator=g) / 100
+        layer = QuantLinear("fp8", data, scale, (N, K), block=block)
+    else:
+        q = torch.randint(0, 16, (N, K), generator=g)
+        perm = torch.randperm(K, generator=g) if form == "int4 act-order" else None
+        layer = QuantLinear("int", pack_int4(q), torch.rand(N, 2, generator=g).half(), (N, K), bits=4,
+                            zero=torch.randint(0, 16, (N, 2), generator=g, dtype=torch.uint8), group=128, perm=perm)
+    x = torch.randn(rows, K, generator=g)
+    kernel = quant.fp8_linear if form.startswith("fp8") else quant.int4_linear
+    got = kernel(x if layer.perm is None else x[:, layer.perm], layer)
+    expected = (x if layer.perm is None else x[:, layer.perm]) @ layer.dequantize().T
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
