@@ -54,6 +54,8 @@ SECTIONS = (  # the default run's order first: what the next GPU session must an
     Section("cuda_graphs", "graphs:run_graphs", 90, 120, False),
     Section("llama_1b", "speed:run", 170, 120, False),
     Section("faults", "faults:run", 60, 90, False),
+    Section("quantized", "quantized:run", 90, 150, False),
+    Section("moe", "moe:run", 150, 200, False),
 )
 
 

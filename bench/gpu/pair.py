@@ -43,7 +43,7 @@ class Agreement:
 
 class PrefixPair:
     """A transformers Llama made into a target whose `keep`-layer prefix agrees with it, in place:
-    every layer's output projections times `boost`, the later layers' times `eps` more, the final
+    every layer's output projections (each expert's, in a mixture of experts) times `boost`, the later layers' times `eps` more, the final
     norm times `gain`."""
 
     def __init__(self, hf, keep: int):
@@ -57,7 +57,8 @@ class PrefixPair:
             if i >= self.keep:
                 factor *= (eps or self.eps) / self.eps
             layer.self_attn.o_proj.weight.mul_(factor)
-            layer.mlp.down_proj.weight.mul_(factor)
+            mlp = layer.mlp  # a dense MLP, or a mixture of experts (transformers stacks their weights)
+            (mlp.down_proj.weight if hasattr(mlp, "down_proj") else mlp.experts.down_proj).mul_(factor)
         if gain is not None:
             self.hf.model.norm.weight.mul_(gain / self.gain)
         self.boost, self.eps, self.gain = boost or self.boost, eps or self.eps, gain or self.gain

@@ -30,6 +30,20 @@ LLAMA_3_1_8B = {**LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336,
 SMOKE_1B = {**LLAMA_3_2_1B, "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256,
             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
 SMOKE_8B = {**SMOKE_1B, "num_hidden_layers": 2, "tie_word_embeddings": False}
+# Qwen3-30B-A3B as published: 128 experts, top 8, 3B of its 30B parameters active a token
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    use_sliding_window=False, sliding_window=None, max_window_layers=48)
+# the reduced shape the CPU runs: the real routing (128 experts, top 8), narrow layers
+REDUCED_MOE = {**QWEN3_30B_A3B, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
+               "moe_intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 32}
+SMOKE_MOE = {**REDUCED_MOE, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "head_dim": 16}
 
 Store = dict[str, Mapping[str, torch.Tensor]]  # checkpoint directory -> its tensors by HF name
 
@@ -63,8 +77,20 @@ def hf_model(config: dict, dtype: torch.dtype, device: str, seed: int = 0):
 
 
 def hf_tensors(model) -> dict[str, torch.Tensor]:
-    """A transformers model's tensors by checkpoint name (shared, not copied)."""
-    return {name: t.detach() for name, t in model.state_dict().items()}
+    """A transformers model's tensors by checkpoint name (shared, not copied): a mixture of
+    experts' stacked weights as the published per-expert tensors, views of them."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 I, hidden]: each expert's gate rows, then its up rows
+            base, inner = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = t[e, :inner], t[e, inner:]
+        elif name.endswith("mlp.experts.down_proj"):  # [E, hidden, I]
+            out.update({f"{name.removesuffix('down_proj')}{e}.down_proj.weight": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
 
 
 class RandomTensors(Mapping):
@@ -90,8 +116,8 @@ class RandomTensors(Mapping):
 
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a Llama checkpoint with this config."""
-    H, inter, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    """Tensor name -> shape of a Llama, Qwen3 or Qwen3-MoE checkpoint with this config."""
+    H, V = config["hidden_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or H // heads
     out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -101,9 +127,25 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
                     p + "self_attn.q_proj.weight": (heads * d, H), p + "self_attn.k_proj.weight": (kv * d, H),
-                    p + "self_attn.v_proj.weight": (kv * d, H), p + "self_attn.o_proj.weight": (H, heads * d),
-                    p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
-                    p + "mlp.down_proj.weight": (H, inter)})
+                    p + "self_attn.v_proj.weight": (kv * d, H), p + "self_attn.o_proj.weight": (H, heads * d)})
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        out.update(_mlp_shapes(config, p))
+    return out
+
+
+def _mlp_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors: dense SwiGLU, or a Qwen3-MoE router and experts."""
+    H = config["hidden_size"]
+    if config["model_type"] != "qwen3_moe":
+        inter = config["intermediate_size"]
+        return {p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                p + "mlp.down_proj.weight": (H, inter)}
+    E, inter = config["num_experts"], config["moe_intermediate_size"]
+    out = {p + "mlp.gate.weight": (E, H)}
+    for e in range(E):
+        x = f"{p}mlp.experts.{e}."
+        out.update({x + "gate_proj.weight": (inter, H), x + "up_proj.weight": (inter, H), x + "down_proj.weight": (H, inter)})
     return out
 
 
@@ -148,38 +190,19 @@ def weights_in_memory(store: Store) -> Iterator[None]:
         tensors = store.get(str(Path(path)))
         return files_of(path) if tensors is None else {name: Path(path) for name in tensors}
 
-    class Reader:
-        def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
-            self.files, self.dtype, self.device = files, dtype, device
-            on_disk = {n: p for n, p in files.items() if str(p) not in store}
-            self.disk = disk_reader(on_disk, dtype, device) if on_disk else None
-            self.read: set[str] = set()
+    class Reader(disk_reader):
+        """The loader's reader, with the store's tensors served from memory."""
 
-        def __contains__(self, name: str) -> bool:
-            return name in self.files
+        def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str, scheme=None):
+            super().__init__({n: p for n, p in files.items() if str(p) not in store}, dtype, device, scheme)
+            self.files = files
 
-        def get(self, name: str) -> torch.Tensor:
-            if name not in self.files:
-                raise KeyError(f"tensor {name!r} missing from the checkpoint")
-            tensors = store.get(str(self.files[name]))
+        def raw(self, name: str) -> torch.Tensor:
+            tensors = store.get(str(self.files.get(name)))
             if tensors is None:
-                return self.disk.get(name)
+                return super().raw(name)
             self.read.add(name)
-            return tensors[name].to(device=self.device, dtype=self.dtype)
-
-        def linear(self, module: str) -> torch.Tensor:
-            return self.get(module + ".weight")
-
-        def check_floats(self, where: Path) -> None:  # the store holds the floats this module made
-            if self.disk is not None:
-                self.disk.check_floats(where)
-
-        def check_all_read(self, where: Path) -> None:
-            unread = sorted({n for n, p in self.files.items() if str(p) in store} - self.read)
-            if unread:
-                raise ValueError(f"{where}: tensors the forward does not read: {unread[:4]}")
-            if self.disk is not None:
-                self.disk.check_all_read(where)
+            return tensors[name].to(device=self.device)
 
     loader._weight_files, loader._TensorReader = weight_files, Reader
     try:

@@ -114,6 +114,8 @@ class _TensorReader:
     def check_floats(self, where: Path) -> None:
         """ValueError naming a tensor stored in a dtype the forward would misread (a quantized weight)."""
         for name, file in self.files.items():
+            if file not in self._handles:  # served from elsewhere (a subclass's tensors)
+                continue
             stored = self._handles[file].get_slice(name).get_dtype()
             if stored not in FLOAT_DTYPES:
                 raise ValueError(f"{where}: tensor {name} is stored as {stored}: quantized weights are not "

@@ -39,6 +39,10 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
     assert {"trees_over_chains", "block_over_token", "verify_ms_graphs"} <= set(sections["trees"])
     assert set(sections["suffix"]["variants"]) == {"plain", "ngram", "suffix"}
     assert len(sections["cuda_graphs"]["checks"]) == 2 + 6
+    assert set(sections["quantized"]["formats"]) == {"bf16", "int8", "int4"}  # CPU: no fp8 kernel
+    assert sections["quantized"]["formats"]["int4"]["linear_bytes_over_bf16"] <= 0.28
+    assert set(sections["moe"]["batches"]) == {"1", "4"} and sections["moe"]["pair"]["eps"] > 0
+    assert all(c["ok"] for c in sections["moe"]["checks"].values()) and len(sections["moe"]["checks"]) == 2
     assert "# GPU check" in (tmp_path / "gpu_cpu_smoke.md").read_text()
 
 

@@ -1,0 +1,145 @@
+"""Quantized weights against bf16 (section `quantized`, and `python -m bench quantized` on CPU):
+the same random model stored bf16, FP8 (Qwen's 128x128 blocks) and INT4 (compressed-tensors W4A16,
+groups of 128), and on CPU INT8 (W8A16, per channel), each loaded as the engine loads such a
+checkpoint (QuantLinear: never dequantized into a dense copy), timed on plain batch-1 decoding,
+interleaved. Reported: the step, bf16 ÷ each, and the weights' bytes. Goals on the GPU (Llama-3.1-8B
+shape): FP8 >= 1.6x and INT4 >= 2.2x faster than bf16.
+
+The quantized values are random draws in each layout (not a real model quantized): speed and
+bytes depend on the layout, not on the values.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from bench.gpu.context import Context, check, goal
+from bench.gpu.decode import median_of, random_prompts, timed_generate
+from bench.gpu.weights import LLAMA_3_1_8B, SMOKE_8B, RandomTensors, checkpoint_dir, weights_in_memory
+from engine import LLM, SamplingParams
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_CT_WEIGHTS = {"actorder": None, "block_structure": None, "dynamic": False, "observer": "minmax",
+               "observer_kwargs": {}, "symmetric": True, "type": "int"}
+CONFIGS = {  # quantization_config as the published checkpoints write it
+    "fp8": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+             "quantization_status": "compressed", "config_groups": {"group_0": {
+                 "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                 "weights": {**_CT_WEIGHTS, "num_bits": 4, "strategy": "group", "group_size": 128}}}},
+    "int8": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+             "quantization_status": "compressed", "config_groups": {"group_0": {
+                 "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                 "weights": {**_CT_WEIGHTS, "num_bits": 8, "strategy": "channel", "group_size": None}}}},
+}
+GOALS = {"fp8": 1.6, "int4": 2.2}  # bf16 step ÷ the format's, plain batch 1, on the GPU
+
+
+class QuantizedTensors(Mapping):
+    """A checkpoint's tensors with its layers' linears in `layout` (random stored values of the
+    right dtypes and shapes), the rest as RandomTensors makes them."""
+
+    def __init__(self, config: dict, layout: str, dtype: torch.dtype, device: str):
+        self.dense = RandomTensors(config, dtype, device)
+        self.layout, self.device = layout, device
+        self.parts: dict[str, tuple[str, tuple[int, int]]] = {}  # stored name -> (its part, the weight's shape)
+        for name, shape in self.dense.shapes.items():
+            if name.startswith("model.layers.") and name.endswith(tuple(f"{n}.weight" for n in LINEARS)):
+                base = name.removesuffix("weight")
+                for part in _parts(layout):
+                    self.parts[base + part] = (part, shape)
+            else:
+                self.parts[name] = ("", shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        part, shape = self.parts[name]
+        if not part:
+            return self.dense[name]
+        N, K = shape
+        g = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
+        return _stored(self.layout, part, N, K, g, self.device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+def _parts(layout: str) -> tuple[str, ...]:
+    return {"fp8": ("weight", "weight_scale_inv")}.get(layout, ("weight_packed", "weight_scale", "weight_shape"))
+
+
+def _stored(layout: str, part: str, N: int, K: int, g: torch.Generator, device: str) -> torch.Tensor:
+    """One stored tensor of a linear [N, K] in `layout`, dequantizing to about N(0, 0.02)."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+    if part == "weight":  # e4m3
+        return rand(N, K).clamp(-8, 8).to(torch.float8_e4m3fn)
+    if part == "weight_scale_inv":
+        return torch.full((-(-N // 128), -(-K // 128)), 0.02, device=device)
+    if part == "weight_shape":
+        return torch.tensor([N, K], device=device)
+    bits = 4 if layout == "int4" else 8
+    if part == "weight_scale":
+        columns = K // 128 if bits == 4 else 1
+        return torch.full((N, columns), 0.02 / (2 ** (bits - 1) / 2), dtype=torch.bfloat16, device=device)
+    per_word = 32 // bits  # weight_packed: random words
+    return torch.randint(-2**31, 2**31 - 1, (N, K // per_word), generator=g, device=device, dtype=torch.int64).int()
+
+
+def linear_bytes(model) -> int:
+    """Bytes of the layers' linears (scales and zero points included): what quantization shrinks."""
+    linears = [w for lw in model.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes for w in linears)
+
+
+def compare(ctx: Context, config: dict, layouts: tuple[str, ...], new_tokens: int, repeats: int, name: str) -> dict:
+    """Plain batch-1 decoding of `config` stored bf16 and in each layout, interleaved `repeats` times."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = random_prompts(1, 32, config["vocab_size"], seed=5)
+    engines, rows = {}, {}
+    for layout in ("bf16", *layouts):
+        cfg = config if layout == "bf16" else {**config, "quantization_config": CONFIGS[layout]}
+        path = checkpoint_dir(ctx.work / f"{name}_{layout}", cfg)
+        tensors = RandomTensors(config, torch.bfloat16, ctx.device) if layout == "bf16" else QuantizedTensors(
+            config, layout, torch.bfloat16, ctx.device)
+        with weights_in_memory({str(path): tensors}):
+            engines[layout] = LLM(**ctx.engine_kwargs(1, 256, model=str(path), dtype="bfloat16"))
+        stats = engines[layout].engine.stats()["weights"]["target"]
+        rows[layout] = {"weight_bytes": stats["bytes"], "linear_bytes": linear_bytes(engines[layout].engine.model),
+                        "format": stats["format"], "runs": []}
+        ctx.log(f"{name} {layout}: {stats['bytes'] / 2**30:.2f} GiB ({stats['format']})")
+    for _ in range(repeats):  # interleaved: each repeat runs every format once
+        for layout, llm in engines.items():
+            rows[layout]["runs"].append(timed_generate(ctx, llm, prompts, params))
+    for row in rows.values():
+        row["step_ms"] = median_of(row["runs"][1:] or row["runs"], "step_ms")
+        row.pop("runs")
+    for layout in layouts:
+        rows[layout]["bf16_step_over_this"] = rows["bf16"]["step_ms"]["median"] / rows[layout]["step_ms"]["median"]
+        rows[layout]["bytes_over_bf16"] = rows[layout]["weight_bytes"] / rows["bf16"]["weight_bytes"]
+        rows[layout]["linear_bytes_over_bf16"] = rows[layout]["linear_bytes"] / rows["bf16"]["linear_bytes"]
+    return rows
+
+
+def run(ctx: Context, out: dict) -> None:
+    config = ctx.size(LLAMA_3_1_8B, SMOKE_8B)
+    out["shape"] = "Llama-3.1-8B" if not ctx.smoke else "smoke"
+    layouts = ("fp8", "int4") if ctx.device.startswith("cuda") else ("int8", "int4")  # CPU: no fp8 kernel
+    out["formats"] = compare(ctx, config, layouts, ctx.size(64, 8), ctx.size(5, 2), "quantized")
+    for layout in layouts:
+        row = out["formats"][layout]
+        most = 0.28 if layout == "int4" else 0.52
+        check(out, f"{layout}: the layers' linears take <= {most} of bf16's bytes", row["linear_bytes_over_bf16"] <= most,
+              round(row["linear_bytes_over_bf16"], 3))
+        if layout in GOALS:
+            goal(out, f"{layout} plain batch-1 step >= {GOALS[layout]}x faster than bf16",
+                 row["bf16_step_over_this"] >= GOALS[layout], round(row["bf16_step_over_this"], 3))
+    out["summary"] = [f"{layout}: step {r['step_ms']['median']:.2f} ms" + (
+        f", bf16 ÷ this {r['bf16_step_over_this']:.2f}x, linears {r['linear_bytes_over_bf16']:.3f} of bf16's bytes "
+        f"(whole model {r['bytes_over_bf16']:.3f})" if layout != "bf16"
+        else "") for layout, r in out["formats"].items()]

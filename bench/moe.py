@@ -1,0 +1,43 @@
+"""A mixture of experts on CPU: a reduced Qwen3-MoE (the real routing: 128 experts, top 8; four
+narrow layers) made a realistic-acceptance pair with its one-layer prefix draft, our engine plain,
+at fixed K and adaptive, interleaved, at batch 1 to 32, beside transformers' `generate` on the same
+weights (float32, greedy).
+
+    python -m bench moe [--repeats 3] [--tokens 32] [--batches 1 8 32]
+
+Writes bench/results/moe_cpu.json. On a GPU: `python -m bench gpu --sections moe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bench.common import host_class, machine, write
+from bench.gpu.context import Context
+from bench.gpu.moe import measure
+from bench.gpu.weights import REDUCED_MOE
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench moe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        ctx = Context(device="cpu", smoke=False, work=Path(work))
+        out = measure(ctx, REDUCED_MOE, keep=1, batches=tuple(args.batches), new_tokens=args.tokens,
+                      repeats=args.repeats, with_transformers=True)
+    for batch, row in out["batches"].items():
+        hf = row["transformers_tok_s"]["median"]
+        print(f"batch {batch}: " + ", ".join(
+            f"{n} {v['tok_s']['median']:.1f} tok/s ({v['tok_s']['min']:.1f}-{v['tok_s']['max']:.1f}; ÷ transformers "
+            f"{v['tok_s']['median'] / hf:.2f}x)" for n, v in row["variants"].items())
+            + f"; transformers {hf:.1f} tok/s; adaptive ÷ best fixed ({row['best_fixed']}) "
+              f"{row['adaptive_over_best_fixed']:.3f}; same tokens {row['same_tokens']}")
+    print(f"pair: {out['pair']['teacher_forced']}")
+    print(f"host: {host_class(machine())}")
+    print(f"wrote {write('moe_cpu', {'shape': 'reduced Qwen3-MoE', 'repeats': args.repeats, **out})}")
