@@ -547,6 +547,36 @@ def headline() -> str:
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
+def quantized(r: dict) -> list[str]:
+    rows = r["formats"]
+    lines = [f"**Weight-only quantization** — a {r['shape']}-shaped random model, plain batch-1 decoding, "
+             f"{r['repeats']} interleaved repeats (the first dropped), median step [range]; {_host(r['machine'])} "
+             "(`python -m bench quantized`). Bytes: the layers' linears with scales and zero points ÷ bf16's, "
+             "then the whole model (the embedding stays bf16).", "",
+             "| format | step, ms | bf16 ÷ this | linears' bytes ÷ bf16 | whole model |", "| --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        step = row["step_ms"]
+        ratio = f"{row['bf16_step_over_this']:.2f}x" if name != "bf16" else "1"
+        lines.append(f"| {row['format']} | {step['median']:.1f} [{step['min']:.1f}, {step['max']:.1f}] | {ratio} | "
+                     f"{row.get('linear_bytes_over_bf16', 1.0):.3f} | {row.get('bytes_over_bf16', 1.0):.3f} |")
+    return lines + [""]
+
+
+def moe(r: dict) -> list[str]:
+    lines = [f"**A mixture of experts** — {r['shape']} (128 experts, top 8), a pair at greedy alpha "
+             f"{r['pair']['teacher_forced']['greedy']:.2f} with its one-layer prefix draft, float32, greedy, "
+             f"{r['repeats']} interleaved repeats, median tok/s [range]; {_host(r['machine'])} (`python -m bench moe`).", "",
+             "| batch | transformers | plain | fixed K = 2 | fixed K = 4 | adaptive | adaptive ÷ best fixed K |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in r["batches"].items():
+        v = row["variants"]
+        cells = [f"{v[n]['tok_s']['median']:.0f} [{v[n]['tok_s']['min']:.0f}, {v[n]['tok_s']['max']:.0f}]"
+                 for n in ("plain", "fixed K=2", "fixed K=4", "adaptive")]
+        lines.append(f"| {batch} | {row['transformers_tok_s']['median']:.0f} | {' | '.join(cells)} | "
+                     f"{row['adaptive_over_best_fixed']:.3f} |")
+    return lines + [""]
+
+
 def build() -> str:
     out: list[str] = []
     if (targets := summary()):
@@ -569,6 +599,9 @@ def build() -> str:
         out += trees(runs)
     if (r := _load("verification")) is not None:
         out += verification(r)
+    for name, fn in (("quantized_cpu", quantized), ("moe_cpu", moe)):
+        if (r := _load(name)) is not None:
+            out += fn(r)
     return "\n".join(out)
 
 

@@ -129,6 +129,7 @@ def test_speculation_over_moe_equals_plain_greedy(moe_models, tiny_draft, tmp_pa
     runs = {"draft": dict(draft_model=str(tiny_draft[0])),
             "draft_tree": dict(draft_model=str(tiny_draft[0]), tree_width=3, tree_tokens=8),
             "eagle3": dict(draft_model=str(head), speculative_method="eagle"),
+            "adaptive": dict(draft_model=str(tiny_draft[0]), spec_policy="adaptive"),  # costs measured on the MoE
             "graphs": dict(draft_model=str(tiny_draft[0]), cuda_graphs="on", forward_plan="torch")}
     for name, extra in runs.items():
         prompts, tokens = (PROMPTS, 20) if name != "graphs" else (PROMPTS[:2], 10)  # graphs: under the interpreter
@@ -136,7 +137,7 @@ def test_speculation_over_moe_equals_plain_greedy(moe_models, tiny_draft, tmp_pa
             if backend == "slotted":
                 continue
             monkeypatch.setattr(Experts, "pack", lambda self, pack: setattr(self, "static", True))
-        llm = LLM(**common, spec_length=3, spec_policy="fixed", **extra)
+        llm = LLM(**common, spec_length=3, **{"spec_policy": "fixed", **extra})
         out = llm.generate(prompts, greedy(tokens))
         assert [o.token_ids for o in out] == [p[:tokens] for p in plain[:len(prompts)]], name
-        assert sum(o.num_draft_tokens for o in out) > 0
+        assert sum(o.num_draft_tokens for o in out) > 0 or name == "adaptive"  # adaptive may choose plain

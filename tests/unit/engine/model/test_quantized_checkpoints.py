@@ -17,7 +17,7 @@ from engine.model.quant.layouts import _awq_unpack, unpack_dense
 from engine.model.quant.linear import QuantLinear, unpack_int4
 from tests import quantized_checkpoints as qc
 from tests.exactness import chi2_pvalue, exact_marginals, make_pair, sample_speculative
-from tests.helpers import greedy, make_model, pool_for
+from tests.helpers import greedy, make_eagle3_head, make_model, pool_for
 
 TRANSFORMERS_READS = ("qwen_fp8", "ct_fp8_dynamic", "ct_w4a16", "ct_w4a16_asym", "ct_w8a16")
 
@@ -103,15 +103,23 @@ def test_quantized_linears_take_their_share_of_the_bf16_bytes(checkpoints, layou
 
 
 @pytest.mark.parametrize("layout", ["gptq_act_order_asym", "qwen_fp8"])
-def test_speculation_over_a_quantized_target_equals_its_plain_greedy_output(checkpoints, tiny_draft, layout):
-    """A float draft over a quantized target, chains and trees: the target's own greedy tokens."""
+def test_speculation_over_a_quantized_target_equals_its_plain_greedy_output(checkpoints, dense, tiny_draft, tmp_path,
+                                                                              layout):
+    """A float draft (chains, trees, the adaptive policy) and a float EAGLE-3 head over a quantized
+    target: the target's own greedy tokens."""
     target = str(checkpoints[layout][0])
+    head = tmp_path / "head"
+    make_eagle3_head(head, dense, seed=3, aux=[0, 1, 1])
     prompts = ["def add(a, b):", "for i in range(10):\n", "x"]
     plain = [o.token_ids for o in LLM(model=target, dtype="float32", max_seq_len=128).generate(prompts, greedy(24))]
-    for shape in ({}, {"tree_width": 3, "tree_tokens": 8}):  # chains, trees
-        llm = LLM(model=target, draft_model=str(tiny_draft[0]), spec_length=3, spec_policy="fixed",
-                  dtype="float32", max_seq_len=128, **shape)
-        assert [o.token_ids for o in llm.generate(prompts, greedy(24))] == plain, shape
+    runs = [dict(draft_model=str(tiny_draft[0]), spec_policy="fixed"),
+            dict(draft_model=str(tiny_draft[0]), spec_policy="fixed", tree_width=3, tree_tokens=8),
+            dict(draft_model=str(tiny_draft[0]), spec_policy="adaptive"),
+            dict(draft_model=str(head), speculative_method="eagle", spec_policy="fixed")]
+    for run in runs:
+        llm = LLM(model=target, spec_length=3, dtype="float32", max_seq_len=128, **run)
+        out = llm.generate(prompts, greedy(24))
+        assert [o.token_ids for o in out] == plain, run
 
 
 def test_sampled_speculation_over_a_quantized_target_follows_its_distribution(tmp_path, tok_dir):
