@@ -30,15 +30,12 @@ def read_dense_layer(reader, shape: ModelShape, pre: str, mlp: dict | None = Non
     `name in reader`), q/k/v and gate/up fused (linears kept quantized where the checkpoint is);
     mlp: the MLP's weights where they are not a dense SwiGLU's."""
     attn = pre + "self_attn."
+    attention = dict(attn_norm=reader.get(pre + "input_layernorm.weight"),  # read in the layer's order
+                     qkv=fuse([reader.linear(attn + f"{n}_proj") for n in "qkv"]), o=reader.linear(attn + "o_proj"),
+                     mlp_norm=reader.get(pre + "post_attention_layernorm.weight"))
     mlp = mlp or dict(gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
                       down=reader.linear(pre + "mlp.down_proj"))
-    weights = LayerWeights(
-        attn_norm=reader.get(pre + "input_layernorm.weight"),
-        qkv=fuse([reader.linear(attn + f"{n}_proj") for n in "qkv"]),
-        o=reader.linear(attn + "o_proj"),
-        mlp_norm=reader.get(pre + "post_attention_layernorm.weight"),
-        **mlp,
-    )
+    weights = LayerWeights(**attention, **mlp)
     if shape.qkv_bias:
         weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])
     if shape.o_bias:
