@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.model.kernels import moe as moe_kernels
+
 
 class Experts:
     """One layer's router and experts, called as experts(x, linear) like an MLP."""
@@ -64,9 +66,7 @@ class Experts:
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.route(flat, linear)
         if self.static:
-            from engine.model.kernels import moe
-
-            out = moe.experts(flat, ids, self.gate_up, self.down)  # [n, k, hidden]
+            out = moe_kernels.experts(flat, ids, self.gate_up, self.down)  # [n, k, hidden]
         else:
             out = self._grouped(flat, ids, linear)
         return (out * weights[..., None]).sum(dim=1).view_as(x)

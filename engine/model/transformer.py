@@ -40,8 +40,12 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
-def any_linear(base: Callable) -> Callable:
-    """x, weight -> x W^T: a quantized linear (quant/linear.py) runs itself, a tensor goes to `base`."""
+def any_linear(base: Callable, quantized: bool) -> Callable:
+    """x, weight -> x W^T: `base`, or where some weights are quantized linears (quant/linear.py),
+    which run themselves, a dispatch on the weight (kept off dense models' decode loop)."""
+    if not quantized:
+        return base
+
     def linear(x: torch.Tensor, weight) -> torch.Tensor:
         return base(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
     return linear
@@ -109,7 +113,7 @@ class Transformer:
         self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
-        self._linear = any_linear(F.linear)
+        self._linear = any_linear(F.linear, self.quantized)
         # on CUDA, no cuDNN attention: its plans are cached by exact key length, new every decode step
         self._attention_backends = functools.partial(sdpa_kernel, CUDA_ATTENTION_BACKENDS) \
             if self.device.type == "cuda" else contextlib.nullcontext
@@ -164,7 +168,7 @@ class Transformer:
             if lw.experts is not None:
                 lw.experts.pack(pack)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = any_linear(_packed_linear)
+        self._linear = any_linear(_packed_linear, self.quantized)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dimension; weight [last] or, per head, [heads, last]."""

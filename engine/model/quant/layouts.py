@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.quant.linear import QuantLinear, pack_int4, unpack_int4
+from engine.model.quant.linear import QuantLinear, pack_int4, unpack
 from engine.model.quant.schemes import Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column 8j + AWQ_ORDER[i] in nibble i of word j
@@ -63,23 +63,14 @@ def _ct_float(reader, scheme: Scheme, prefix: str) -> QuantLinear:
     return QuantLinear("fp8", weight, scale, (N, K), block=block)
 
 
-def unpack_dense(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """compressed-tensors' packing along the last dimension: element i in bits i x bits of the
-    words, 32 / bits a word -> [..., count] int32."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [per_word]
-    values = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [..., W, per_word]
-    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)[..., :count]
-
-
 def _ct_pack(reader, scheme: Scheme, prefix: str) -> QuantLinear:
     N, K = (int(v) for v in reader.raw(prefix + "weight_shape").tolist())
-    q = unpack_dense(reader.raw(prefix + "weight_packed"), scheme.bits, K)  # [N, K], stored as q + 2^(bits - 1)
+    q = unpack(reader.raw(prefix + "weight_packed"), scheme.bits, K)  # [N, K], stored as q + 2^(bits - 1)
     scale = reader.raw(prefix + "weight_scale").reshape(N, -1)  # [N, groups]
     if scheme.symmetric:
         zero = torch.full(scale.shape, 1 << (scheme.bits - 1), dtype=torch.uint8, device=scale.device)
     else:  # packed along the rows
-        zero = unpack_dense(reader.raw(prefix + "weight_zero_point").T.contiguous(), scheme.bits, N).T.to(torch.uint8)
+        zero = unpack(reader.raw(prefix + "weight_zero_point").T.contiguous(), scheme.bits, N).T.to(torch.uint8)
     data = pack_int4(q) if scheme.bits == 4 else q.to(torch.uint8)
     return QuantLinear("int", data, scale, (N, K), bits=scheme.bits, zero=zero, group=scheme.group_size or K)
 
@@ -92,6 +83,9 @@ def _grouped(reader, scheme: Scheme, prefix: str, q_kn: torch.Tensor, zeros_gn: 
     scale = reader.raw(prefix + "scales").T.contiguous()  # [N, groups]
     zero = zeros_gn.T.contiguous().to(torch.uint8)  # [N, groups]
     perm = None
+    if scheme.act_order and prefix + "g_idx" not in reader:
+        raise ValueError(f"quantization_config.desc_act is true but {prefix}g_idx is missing: the groups' input "
+                         "order is unknown")
     if prefix + "g_idx" in reader:
         g_idx = reader.raw(prefix + "g_idx").long()
         if not torch.equal(g_idx, torch.arange(K, device=g_idx.device) // group):
@@ -103,8 +97,8 @@ def _grouped(reader, scheme: Scheme, prefix: str, q_kn: torch.Tensor, zeros_gn: 
 def _gptq(reader, scheme: Scheme, prefix: str) -> QuantLinear:
     qweight = reader.raw(prefix + "qweight")  # [K / 8, N]
     K, N = qweight.shape[0] * 8, qweight.shape[1]
-    q = unpack_int4(qweight.T.contiguous(), K).T  # [K, N]: along the inputs, as the words run
-    zeros = unpack_int4(reader.raw(prefix + "qzeros"), N)  # [groups, N]: along the columns
+    q = unpack(qweight.T.contiguous(), 4, K).T  # [K, N]: along the inputs, as the words run
+    zeros = unpack(reader.raw(prefix + "qzeros"), 4, N)  # [groups, N]: along the columns
     if scheme.zeros_minus_one:
         zeros = zeros + 1
     return _grouped(reader, scheme, prefix, q, zeros)
@@ -112,7 +106,7 @@ def _gptq(reader, scheme: Scheme, prefix: str) -> QuantLinear:
 
 def _awq_unpack(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """[R, N / 8] words in AWQ's order -> [R, N]."""
-    nibbles = unpack_int4(packed, packed.shape[-1] * 8).view(*packed.shape, 8)  # [R, W, 8] nibble i
+    nibbles = unpack(packed, 4, packed.shape[-1] * 8).view(*packed.shape, 8)  # [R, W, 8] nibble i
     order = torch.tensor(AWQ_ORDER, device=packed.device)
     out = torch.empty_like(nibbles)
     out[..., order] = nibbles  # column 8j + AWQ_ORDER[i] <- nibble i

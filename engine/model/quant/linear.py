@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.kernels import quant
+
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 FEW_ROWS = 16  # passes up to this many rows (decode, verify) take the CUDA kernel; wider ones dequantize
 
@@ -34,6 +36,7 @@ class QuantLinear:
         self.kind, self.data, self.scale, self.shape = kind, data, scale, tuple(shape)
         self.block, self.bits, self.zero, self.group, self.perm = block, bits, zero, group, perm
         self._run = None  # the prepared call: x -> y
+        self._prepared: tuple[torch.Tensor, ...] = ()  # a kernel's form of the weight, where it replaces the stored one
 
     # --- the stored form ------------------------------------------------------------------------
     def numel(self) -> int:
@@ -51,8 +54,7 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes the weight takes on its device, scales and zero points included."""
-        prepared = getattr(self, "_prepared", ())
-        tensors = prepared or [t for t in (self.data, self.scale, self.zero, self.perm) if t is not None]
+        tensors = self._prepared or [t for t in (self.data, self.scale, self.zero, self.perm) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -62,15 +64,10 @@ class QuantLinear:
             bn, bk = self.block
             scale = self.scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]  # [N, K]
             return (self.data.float() * scale.float()).to(dtype)
-        q = unpack_int4(self.data, K) if self.bits == 4 else self.data.int()  # [N, K]
+        q = unpack(self.data, 4, K) if self.bits == 4 else self.data.int()  # [N, K]
         scale = self.scale.float().repeat_interleave(self.group, 1)[:, :K]
         zero = self.zero.float().repeat_interleave(self.group, 1)[:, :K]
         return ((q.float() - zero) * scale).to(dtype)
-
-    def to(self, device) -> QuantLinear:
-        move = [None if t is None else t.to(device) for t in (self.data, self.scale, self.zero, self.perm)]
-        return QuantLinear(self.kind, move[0], move[1], self.shape, block=self.block, bits=self.bits, zero=move[2],
-                           group=self.group, perm=move[3])
 
     # --- running -------------------------------------------------------------------------------
     def prepare(self, dtype: torch.dtype) -> QuantLinear:
@@ -96,7 +93,7 @@ class QuantLinear:
         """torch's CPU int4 kernel: weight = (q - 8) x scale + (8 - zero) x scale, per group."""
         if self.kind != "int" or self.bits != 4 or self.group not in CPU_INT4_GROUPS or self.shape[1] % self.group:
             return None
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.data, self.shape[1]), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(self.data, 4, self.shape[1]), 1)
         scale = self.scale.float()
         scales_zeros = torch.stack([scale.T, ((8.0 - self.zero.float()) * scale).T], dim=-1).to(dtype)  # [G, N, 2]
         self._prepared = (packed, scales_zeros)
@@ -125,8 +122,6 @@ class QuantLinear:
         return run
 
     def _cuda(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.model.kernels import quant
-
         rows = x.numel() // x.shape[-1]
         if rows > FEW_ROWS or (self.kind == "int" and self.bits != 4):
             return self._dequantized(x)
@@ -190,11 +185,12 @@ def _stackable(parts: list[QuantLinear]) -> bool:
     return True
 
 
-def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """[N, W] int32, eight 4-bit values a word (element k in bits 4 (k % 8)) -> [N, columns] int32."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # [8]
-    values = (packed[..., None] >> shifts) & 0xF  # [N, W, 8]
-    return values.reshape(*packed.shape[:-1], -1)[..., :columns]
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """[..., W] int32 words, 32 / bits values a word along the last dimension (element i in bits
+    i x bits) -> [..., count] int32."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [32 / bits]
+    values = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [..., W, 32 / bits]
+    return values.reshape(*packed.shape[:-1], -1)[..., :count]
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ class Scheme:
     group_size: int | None = None  # integer schemes: inputs a scale covers (None: the whole row, per channel)
     block: tuple[int, int] | None = None  # fp8_block: (out, in) elements a scale covers
     symmetric: bool = True
-    act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not the input order
+    act_order: bool = False  # GPTQ desc_act: groups follow g_idx, which must then be stored
     zeros_minus_one: bool = False  # GPTQ's v1 format stores each zero point less one
     ignore: tuple[str, ...] = ()  # modules left unquantized (dense), by name or its last part
 

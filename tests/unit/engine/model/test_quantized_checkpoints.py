@@ -13,8 +13,8 @@ from engine import LLM, SamplingParams
 from engine.config import ModelPlan
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
-from engine.model.quant.layouts import _awq_unpack, unpack_dense
-from engine.model.quant.linear import QuantLinear, unpack_int4
+from engine.model.quant.layouts import _awq_unpack
+from engine.model.quant.linear import QuantLinear, unpack
 from tests import quantized_checkpoints as qc
 from tests.exactness import chi2_pvalue, exact_marginals, make_pair, sample_speculative
 from tests.helpers import greedy, make_eagle3_head, make_model, pool_for
@@ -70,9 +70,9 @@ def test_logits_match_the_reference_under_teacher_forcing(checkpoints, layout):
 def test_the_bit_layouts_word_by_word():
     """Single words as each layout documents them (element i in bits 4i; AWQ's nibble order)."""
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
-    assert unpack_int4(word, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # GPTQ down the inputs, ct along them
+    assert unpack(word, 4, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # GPTQ down the inputs, ct along them
     assert _awq_unpack(word, 8).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]  # nibble i -> column AWQ_ORDER[i]
-    assert unpack_dense(torch.tensor([[0x04030201]], dtype=torch.int32), 8, 4).tolist() == [[1, 2, 3, 4]]
+    assert unpack(torch.tensor([[0x04030201]], dtype=torch.int32), 8, 4).tolist() == [[1, 2, 3, 4]]
     assert qc.pack_words(torch.tensor([[0, 4, 1, 5, 2, 6, 3, 7]]), qc.AWQ_ORDER).tolist() == [[0x76543210]]
 
 
@@ -84,7 +84,7 @@ def test_a_quantized_linear_runs_its_stored_form_not_a_dense_copy(checkpoints):
         model = load_model(checkpoints[layout][0], ModelPlan("float32"), "cpu", 256)
         down = model.layers[0].down
         assert isinstance(down, QuantLinear)
-        forms[layout] = {t.dtype for t in (getattr(down, "_prepared", ()) or (down.data,))}
+        forms[layout] = {t.dtype for t in (down._prepared or (down.data,))}
     assert torch.uint8 in forms["ct_w4a16"] and torch.uint8 in forms["gptq"]  # int4 packed for the kernel
     assert torch.int8 in forms["ct_w8a16"]
     assert forms["qwen_fp8"] == {torch.float8_e4m3fn}
@@ -174,3 +174,17 @@ def test_the_gpu_kernels_read_the_stored_form(form, rows):
     got = kernel(x if layer.perm is None else x[:, layer.perm], layer)
     expected = (x if layer.perm is None else x[:, layer.perm]) @ layer.dequantize().T
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+def test_act_order_without_its_g_idx_is_refused(checkpoints, tmp_path):
+    """desc_act says the groups follow g_idx: without it the input order is unknown, not assumed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "no_g_idx"
+    shutil.copytree(checkpoints["gptq_act_order_asym"][0], path)
+    tensors = {n: t for n, t in load_file(path / "model.safetensors").items() if not n.endswith("g_idx")}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"quantization_config\.desc_act is true but .*g_idx is missing"):
+        load_model(path, ModelPlan("float32"), "cpu", 64)
