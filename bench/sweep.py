@@ -70,9 +70,11 @@ def held_out_ratios(runs: dict[str, list[dict]], adaptive: str) -> list[float]:
 
 
 def run_batch(llm, prompts: list[str], params) -> dict:
-    """Submits every prompt, steps to completion; returns throughputs and the K chosen per step."""
+    """Submits every prompt (`params`: one SamplingParams for all, or one per prompt), steps to
+    completion; returns throughputs and the K chosen per step."""
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, per_prompt, strict=True)]
     ks: Counter[int] = Counter()  # decode steps by the K they used (0 = plain decode)
     window_ks: Counter[int] = Counter()  # ... of those, the steps inside the window
     started: set[str] = set()  # requests with their first token

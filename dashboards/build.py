@@ -61,6 +61,13 @@ PANELS = [
     ("Current K", "short",
      [(f"max by (replica)(ray_specserve_spec_k{SEL})", "{{replica}}")],
      "Proposed tokens per round chosen by the policy for the last decode step (0 = plain decode)."),
+    ("K chosen per request", "short",
+     [(f"{rate('specserve_spec_k_per_request_sum')} / {rate('specserve_spec_k_per_request_count')}", "mean K a request"),
+      (f"sum(rate(ray_specserve_spec_k_per_request_bucket{{le=\"0.5\", model=~\"$model\", replica=~\"$replica\"}}[{RI}])) / "
+       f"{rate('specserve_spec_k_per_request_count')}", "share of requests at K = 0")],
+     "The K chosen for each request of each decode step while speculation is on: its mean, and the share of "
+     "requests that decoded one token (K = 0). With k_per_request, requests that accept little sit at 0 while "
+     "the others keep speculating; with one K a step, the share is all or nothing."),
     ("Engine time by phase", "percentunit",
      [(f"{rate('specserve_engine_seconds_total', 'phase')} / scalar(count(count by (replica)"
        f"(ray_specserve_running_requests{SEL})))", "{{phase}}")],

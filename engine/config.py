@@ -112,6 +112,7 @@ class SpecConfig:
     spec_length: int = 5  # most tokens proposed per round (the adaptive policy picks up to this)
     spec_policy: SpecPolicyMode = "adaptive"  # adaptive: K from measured costs each step (0 = plain); fixed: spec_length
     spec_disable_batch_size: int | None = None  # no speculation at or above this batch size
+    k_per_request: bool = False  # adaptive: each request its own K each step (false: one K for the batch)
     ngram_max: int = 4  # prompt lookup: the longest suffix matched
     ngram_min: int = 1  # prompt lookup: the shortest suffix matched
     hybrid_ngram_min: int = 3  # hybrid: trust a lookup match this long, else the draft model or head
@@ -136,6 +137,7 @@ class SpecConfig:
         check_int("spec_length", self.spec_length, 1, 64)
         check_choice("spec_policy", self.spec_policy, get_args(SpecPolicyMode))
         check_int("spec_disable_batch_size", self.spec_disable_batch_size, 1, optional=True)
+        check_bool("k_per_request", self.k_per_request)
         check_int("ngram_max", self.ngram_max, 1, 64)
         check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         check_int("hybrid_ngram_min", self.hybrid_ngram_min, 1, self.ngram_max)

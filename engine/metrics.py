@@ -77,6 +77,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_waiting_requests", "gauge", "Requests queued for admission.", unit="requests"),
     MetricSpec("specserve_kv_usage_fraction", "gauge", "Fraction of the KV pool's blocks in use.",
                ("model", "pool")),
+    MetricSpec("specserve_spec_k_per_request", "histogram",
+               "Tokens proposed per round chosen for each request of each decode step while speculation is on "
+               "(0 = the request decoded one token; one K a step, or each its own with k_per_request).",
+               unit="tokens", buckets=LENGTH_BUCKETS),
     MetricSpec("specserve_spec_k", "gauge", "Tokens proposed per round chosen for the last decode step (0 = plain).",
                unit="tokens"),
     MetricSpec("specserve_engine_seconds_total", "counter",
@@ -141,6 +145,8 @@ class StepMetrics:
         rec.inc("specserve_decode_sequence_steps_total", s.batch_size, base)
         rec.inc("specserve_decode_tokens_total", s.num_tokens, base)
         rec.set("specserve_spec_k", s.k, base)
+        for k in s.row_ks:
+            rec.observe("specserve_spec_k_per_request", k, base)
         if s.k == 0:
             rec.inc("specserve_non_spec_decode_steps_total", 1, self._labels(reason=s.reason))
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -34,6 +35,10 @@ class SpecStats:
     accepted_per_round: list[int] = field(default_factory=list)
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: set[str] = field(default_factory=set)
+    k_chosen: Counter[int] = field(default_factory=Counter)  # decode steps by the K chosen for it (speculation on)
+
+    def record_k(self, k: int) -> None:
+        self.k_chosen[k] += 1
 
     def record_round(self, num_accepted: int, num_proposed: int, proposer: str) -> None:
         self.accepted_per_round.append(num_accepted)
@@ -105,6 +110,7 @@ class Request:
             num_draft_tokens=sum(s.proposed_per_round), num_accepted_tokens=sum(s.accepted_per_round),
             num_spec_rounds=len(s.accepted_per_round), accepted_per_round=list(s.accepted_per_round),
             proposed_per_round=list(s.proposed_per_round), proposers=sorted(s.proposers), metrics=metrics,
+            k_chosen=dict(sorted(s.k_chosen.items())),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else
             [None] + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt_token_ids))])
@@ -142,6 +148,7 @@ class RequestOutput:
     accepted_per_round: list[int] = field(default_factory=list)
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: list[str] = field(default_factory=list)
+    k_chosen: dict[int, int] = field(default_factory=dict)  # decode steps by the K chosen for this request
     metrics: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per output token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
@@ -183,6 +190,7 @@ class DecodeStats:
     rows_without_proposal: int = 0
     num_tokens: int = 0
     verified_per_round: list[int] = field(default_factory=list)  # proposed tokens verified per round: a chain's K, a tree's nodes
+    row_ks: list[int] = field(default_factory=list)  # [batch] the K chosen for each row (empty: speculation off)
 
 
 @dataclass

@@ -3,6 +3,8 @@ events both topologies send (deployments.py), built from the engine's outputs.""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import asyncio
 import dataclasses
 import functools
@@ -45,6 +47,10 @@ def speculation_stats(outs: list[RequestOutput], method: str | None) -> dict:
     drafted = sum(o.num_draft_tokens for o in outs)
     accepted = sum(o.num_accepted_tokens for o in outs)
     rounds = sum(o.num_spec_rounds for o in outs)
+    histogram: Counter[int] = Counter()  # decode steps by the K chosen for the request
+    for o in outs:
+        histogram.update(o.k_chosen)
+    steps = sum(histogram.values())
     return {
         "method": method,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -53,6 +59,8 @@ def speculation_stats(outs: list[RequestOutput], method: str | None) -> dict:
         "rounds": rounds,
         "mean_accepted_length": (accepted / rounds) if rounds else None,
         "proposers": sorted({p for o in outs for p in o.proposers}),
+        "mean_k": sum(k * n for k, n in histogram.items()) / steps if steps else None,
+        "k_histogram": {str(k): n for k, n in sorted(histogram.items())},
     }
 
 

@@ -78,8 +78,9 @@ def exact_marginals(hf, params: SamplingParams, fourth: bool = False, joint23: b
 
 def sample_speculative(tpath, dpath, params: SamplingParams, proposer=None, max_batch_size=64,
                        **engine) -> tuple[np.ndarray, float]:
-    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True, spec_policy="fixed",
-              spec_length=2, dtype="float32", max_seq_len=32, max_batch_size=max_batch_size, seed=1, **engine)
+    engine = {"spec_policy": "fixed", "spec_length": 2, **engine}
+    llm = LLM(model=str(tpath), draft_model=str(dpath), use_speculative_decoding=True, dtype="float32",
+              max_seq_len=32, max_batch_size=max_batch_size, seed=1, **engine)
     if proposer is not None:
         llm.engine.speculation.proposer = proposer(llm.engine)
     kw = {**vars(params), "max_tokens": 4, "ignore_eos": True}

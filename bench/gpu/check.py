@@ -56,6 +56,7 @@ SECTIONS = (  # the default run's order first: what the next GPU session must an
     Section("faults", "faults:run", 60, 90, False),
     Section("quantized", "quantized:run", 90, 150, False),
     Section("moe", "moe:run", 150, 200, False),
+    Section("per_request", "per_request:run", 90, 150, False),
 )
 
 

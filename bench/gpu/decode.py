@@ -18,10 +18,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def timed_generate(ctx: Context, llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Runs prompts to completion; wall time includes prefill (as transformers' generate does)."""
+def timed_generate(ctx: Context, llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                   ) -> dict:
+    """Runs prompts to completion (`params`: for all, or one per prompt); wall time includes
+    prefill (as transformers' generate does)."""
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, each, strict=True)]
     steps: list[float] = []  # decode-only steps
     phases = {"draft": 0.0, "target": 0.0, "other": 0.0}  # their seconds by phase
     ks: list[int] = []  # each decode-only step's K (0: plain)

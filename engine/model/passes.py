@@ -12,6 +12,7 @@ from engine import host_sync
 from engine.kv import CachePool, make_pool
 from engine.kv.protocol import KVView, power_of_two_at_least
 from engine.kv.tree_view import tree_view
+from engine.model.packing import Packing, packed_positions
 from engine.model.transformer import Transformer
 from engine.token_tree import TokenTree
 
@@ -42,15 +43,17 @@ class PassInputs(NamedTuple):
     view: KVView
     longest: int  # the longest chunk (T is it, padded)
     last: torch.Tensor  # [B] index of each chunk's last token
+    packing: Packing | None = None  # an every-position pass whose linears compute the real tokens only
 
 
 def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: list[list[int]],
                 start_positions: list[int], trees: list[TokenTree | None] | None = None,
-                tree_from: list[int] | None = None) -> PassInputs:
+                tree_from: list[int] | None = None, pack: bool = False) -> PassInputs:
     """Inputs for appending chunks[i] at start_positions[i] of slots[i] (which must equal its
     length), reaching the device with the view's indices in one upload. trees[i]: chunk i is the
     root and the nodes of that token tree, or with tree_from its columns from tree_from[i] on
-    (kv/tree_view.py: a drafting pass over a tree's newest nodes); None: a chain."""
+    (kv/tree_view.py: a drafting pass over a tree's newest nodes); None: a chain. pack: the
+    linears compute only the real tokens where that saves enough (packing.py)."""
     if any(pool.seq_len(s) != p for s, p in zip(slots, start_positions)):
         raise ValueError(f"chunks must start at their slots' lengths: {start_positions} vs "
                          f"{[pool.seq_len(s) for s in slots]}")
@@ -59,7 +62,20 @@ def pass_inputs(model: Transformer, pool: CachePool, slots: list[int], chunks: l
     view = pool.view(slots, [len(c) for c in chunks], width=T, tokens=[c + [0] * (T - len(c)) for c in chunks])
     if trees is not None and any(t is not None for t in trees):
         view = tree_view(view, start_positions, [len(c) for c in chunks], trees, tree_from)
-    return PassInputs(view.input_ids, view.position_ids, view, longest, view.last)
+    flat = packed_positions([len(c) for c in chunks], T) if pack else None
+    packing = None if flat is None else Packing(host_sync.upload(flat, view.input_ids.device, torch.long), len(chunks), T)
+    return PassInputs(view.input_ids, view.position_ids, view, longest, view.last, packing)
+
+
+def packs(model: Transformer, lengths: list[int]) -> bool:
+    """Whether an every-position pass over chunks of `lengths` computes only their tokens (eager
+    passes, with enough padding; captured graphs replay the padded pass)."""
+    return model.graphs is None and packed_positions(lengths, padded_length(max(lengths))) is not None
+
+
+def computed_tokens(model: Transformer, lengths: list[int]) -> int:
+    """Tokens an every-position pass over chunks of `lengths` runs its linears on."""
+    return sum(lengths) if packs(model, lengths) else len(lengths) * padded_length(max(lengths))
 
 
 def put_rows(rows: list[int], *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -90,12 +106,12 @@ def forward_chunks(model: Transformer, pool: CachePool, slots: list[int], chunks
     Returns logits of each chunk's last token [B, vocab], or of every position [B, T, vocab]
     when all_logits (rows shorter than T are padded; their extra positions are garbage).
     """
-    x = pass_inputs(model, pool, slots, chunks, start_positions, trees, tree_from)
+    x = pass_inputs(model, pool, slots, chunks, start_positions, trees, tree_from, pack=all_logits)
     replay = replayed(model, x)
     if replay is not None:
         return at_last(replay[0], x, all_logits)
     if all_logits:
-        return model.forward(x.ids, x.positions, x.view, None)[:, :x.longest]  # [B, longest, vocab]
+        return model.forward(x.ids, x.positions, x.view, None, x.packing)[:, :x.longest]  # [B, longest, vocab]
     if x.ids.shape[1] == 1:
         return model.forward(x.ids, x.positions, x.view, None)[:, 0]  # [B, vocab]
     return model.forward(x.ids, x.positions, x.view, x.last)  # [B, vocab]
@@ -126,11 +142,12 @@ def forward_chunks_features(model: Transformer, pool: CachePool, slots: list[int
                             all_logits: bool = False, trees: list[TokenTree | None] | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_chunks' logits, and the features of `layers` at every position [B, longest, F]."""
-    x = pass_inputs(model, pool, slots, chunks, start_positions, trees)
+    x = pass_inputs(model, pool, slots, chunks, start_positions, trees, pack=all_logits)
     replay = replayed(model, x, layers=layers)
     if replay is not None:
         return at_last(replay[0], x, all_logits), replay[1][:, :x.longest]
-    logits, features = model.forward_features(x.ids, x.positions, x.view, None if all_logits else x.last, layers)
+    logits, features = model.forward_features(x.ids, x.positions, x.view, None if all_logits else x.last, layers,
+                                              x.packing)
     return (logits[:, :x.longest] if all_logits else logits), features[:, :x.longest]
 
 

@@ -21,6 +21,7 @@ from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
 from engine.model.families import family_of
 from engine.model.kernels import fused, one_sequence
+from engine.model.packing import Packing
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.quant.linear import LinearParts, QuantLinear
 from engine.model.shape import LayerWeights, ModelShape
@@ -290,34 +291,39 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         """Runs the model on new tokens, writing their K/V through `kv`.
 
         input_ids, position_ids: [B, T] (padded rows carry position 0 and are written to the
         view's scratch row). logits_index: [B] index along T whose logits to return (decode /
         last prefill token) or None for all positions (speculative verify).
-        Returns logits [B, vocab] or [B, T, vocab] (float32).
+        packing (with logits_index None): the linears compute only its real tokens (packing.py;
+        not in the token step, whose passes are narrow).
+        Returns logits [B, vocab] or [B, T, vocab] (float32; a packed pass's padding: zeros).
         """
         B, T = input_ids.shape
-        if self._token_step is not None and self._token_step.takes(B, T, logits_index):
+        if self._token_step is not None and self._token_step.takes(B, T, logits_index):  # padded or not: its own kernel
             return self._token_step.forward(input_ids, position_ids, kv, logits_index)
-        return self._run(input_ids, position_ids, kv, logits_index, ())[0]
+        return self._run(input_ids, position_ids, kv, logits_index, (), packing)[0]
 
     @torch.inference_mode()
     def forward_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-                         logits_index: torch.Tensor | None, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                         logits_index: torch.Tensor | None, layers: tuple[int, ...],
+                         packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's logits, and the inputs of `layers` side by side at every position
         [B, T, len(layers) * hidden] (the features an EAGLE-3 head reads)."""
-        return self._run(input_ids, position_ids, kv, logits_index, layers)
+        return self._run(input_ids, position_ids, kv, logits_index, layers, packing)
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, logits_index: torch.Tensor | None,
-             capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+             capture: tuple[int, ...], packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = input_ids.shape
         few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
         if self.fused and few is None:
-            return self._run_fused(input_ids, position_ids, kv, logits_index, capture)
+            return self._run_fused(input_ids, position_ids, kv, logits_index, capture, packing)
         layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
+        if packing is not None:
+            h = packing.take(h)  # [N, hidden]
         rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
         groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask
         captured = {}  # layer -> its input
@@ -325,21 +331,24 @@ class Transformer:
             for i, lw in enumerate(layers):
                 if i in capture:
                     captured[i] = h
-                h = h + self._attention_block(self._rms_norm(h, lw.attn_norm), lw, linear, rope, kv, i, groups)
+                h = h + self._attention_block(self._rms_norm(h, lw.attn_norm), lw, linear, rope, kv, i, groups, packing)
                 h = h + self._mlp_block(h, lw, linear)
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
         h = self._rms_norm(h, self.final_norm)
-        logits = linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab]
-        return logits, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        logits = linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab] ([N, vocab] packed)
+        return _outputs(logits, captured, capture, packing)
 
     def _run_fused(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-                   logits_index: torch.Tensor | None, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   logits_index: torch.Tensor | None, capture: tuple[int, ...],
+                   packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """_run with each layer's pointwise work in the fused kernels (kernels/fused.py): the
         residual add and the norm after it, q/k norm + RoPE + the KV write, SiLU-and-multiply."""
         B, T = input_ids.shape
         eps, layers, linear = self.shape.rms_norm_eps, self.layers, self._linear
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
+        if packing is not None:
+            h = packing.take(h)  # [N, hidden]
         _, y = fused.add_rms_norm(h, None, layers[0].attn_norm, eps)  # the first layer's normed input
         groups = self._attention_inputs(kv, position_ids)
         captured = {}  # layer -> its input
@@ -347,50 +356,66 @@ class Transformer:
             for i, lw in enumerate(layers):
                 if i in capture:
                     captured[i] = h
-                h, y = fused.add_rms_norm(self._fused_attention(y, lw, kv, i, groups, position_ids), h, lw.mlp_norm, eps)
+                h, y = fused.add_rms_norm(self._fused_attention(y, lw, kv, i, groups, position_ids, packing), h,
+                                          lw.mlp_norm, eps)
                 out = linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down) if lw.experts is None \
                     else lw.experts(y, linear)  # [B, T, hidden]
                 after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.final_norm
                 h, y = fused.add_rms_norm(out, h, after, eps)
         if logits_index is not None:
             y = y[torch.arange(B, device=y.device), logits_index]  # [B, hidden]
-        logits = linear(y, self.lm_head).float()  # [B, (T,) vocab]
-        return logits, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        logits = linear(y, self.lm_head).float()  # [B, (T,) vocab] ([N, vocab] packed)
+        return _outputs(logits, captured, capture, packing)
 
     def _fused_attention(self, x: torch.Tensor, lw: LayerWeights, kv: KVView, i: int,
-                         groups: list[AttentionGroup] | PagedMask, position_ids: torch.Tensor) -> torch.Tensor:
+                         groups: list[AttentionGroup] | PagedMask, position_ids: torch.Tensor,
+                         packing: Packing | None = None) -> torch.Tensor:
         """Self-attention of layer i over its normed input x [B, T, hidden] -> [B, T, hidden], q/k's
-        norm, RoPE and the K/V write in one kernel."""
+        norm, RoPE and the K/V write in one kernel (packed: x and the output [N, hidden])."""
         s = self.shape
-        B, T = x.shape[:2]
         qkv = self._linear(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
+        if packing is not None:
+            qkv = packing.spread(qkv)
+        B, T = qkv.shape[:2]
         q = fused.rope_qk_write(qkv.contiguous(), position_ids, self.cos, self.sin, lw.qk_norm, kv.storage[i],
                                 kv.write_rows, s.num_heads, s.num_kv_heads, s.rms_norm_eps)  # [B, T, heads, D]
         attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, D]
-        out = self._linear(attn.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim), lw.o)  # [B, T, hidden]
+        attn = attn.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim)
+        out = self._linear(attn if packing is None else packing.take(attn), lw.o)  # [B, T, hidden] ([N, hidden])
         return out if lw.o_bias is None else out.add_(lw.o_bias)
 
     def _attention_block(self, x: torch.Tensor, lw: LayerWeights, linear: Callable,
                          rope: tuple[torch.Tensor, torch.Tensor], kv: KVView, i: int,
-                         groups: list[AttentionGroup] | PagedMask) -> torch.Tensor:
+                         groups: list[AttentionGroup] | PagedMask, packing: Packing | None = None) -> torch.Tensor:
         """Self-attention of layer i over its normed input x [B, T, in] -> [B, T, hidden],
-        writing the layer's K/V."""
+        writing the layer's K/V (packed: x and the output [N, ...])."""
         s = self.shape
-        B, T = x.shape[:2]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         qkv = linear(x, lw.qkv)  # [B, T, q_size + 2 * kv_size]
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
+        if packing is not None:
+            qkv = packing.spread(qkv)
+        B, T = qkv.shape[:2]
         qk = qkv[..., :q_size + kv_size].view(B, T, s.num_heads + s.num_kv_heads, s.head_dim)
         qk = self._rotate(qk if lw.qk_norm is None else self._rms_norm(qk, lw.qk_norm), *rope)
         q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]  # [B, T, heads|kv_heads, head_dim]
         kv.write(i, k, qkv[..., q_size + kv_size:].view(B, T, s.num_kv_heads, s.head_dim))
-        attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups)  # [B, heads, T, head_dim]
-        out = linear(attn.transpose(1, 2).reshape(B, T, q_size), lw.o)  # [B, T, hidden]
+        attn = self._grouped_attention(q.transpose(1, 2), kv, i, groups).transpose(1, 2).reshape(B, T, q_size)
+        out = linear(attn if packing is None else packing.take(attn), lw.o)  # [B, T, hidden] ([N, hidden])
         return out if lw.o_bias is None else out.add_(lw.o_bias)
 
     def _mlp_block(self, h: torch.Tensor, lw: LayerWeights, linear: Callable) -> torch.Tensor:
         """The family's MLP of the residual stream h [B, T, hidden] (its norm included)."""
         return self._mlp(self._rms_norm(h, lw.mlp_norm), lw, linear)
+
+
+def _outputs(logits: torch.Tensor, captured: dict[int, torch.Tensor], capture: tuple[int, ...],
+             packing: Packing | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, the captured layers' inputs side by side), spread back to [B, T, ...] when packed."""
+    features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+    if packing is None:
+        return logits, features
+    return packing.spread(logits), None if features is None else packing.spread(features)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from engine.config import SpecConfig
 from engine.grammar import cut_proposals, mask_logits
 from engine.kv import KVManager
+from engine.model.passes import computed_tokens, packs
 from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
 from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts
 from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
+from engine.speculative.policy.per_request import PerRequestPolicy
 from engine.speculative.policy.shape_choice import ShapeChoice
 from engine.speculative.policy.tree_width import RankAcceptance
 from engine.speculative.proposers.base import Proposal
@@ -51,6 +53,7 @@ class SpeculativeDecoder:
         self.sources = sources
         self.costs = costs
         self.policy = SpecPolicy(costs, settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
+        self.per_request = PerRequestPolicy(costs)  # adaptive with k_per_request: a K for each request
         self.acceptance = AcceptanceEstimates()
         self.settings = settings
         self.proposer = build_proposer(settings, sources)
@@ -66,6 +69,7 @@ class SpeculativeDecoder:
         self.suffix_cache.evict(settings.suffix_cache_tokens)
         self.proposer = build_proposer(settings, self.sources)
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
+        self.per_request = PerRequestPolicy(self.costs)
         self.settings = settings
         self._last_round_tokens = None
         self._capture_features()
@@ -104,6 +108,7 @@ class SpeculativeDecoder:
     def forget(self, request: Request) -> None:
         """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
         self.acceptance.forget(request.request_id)
+        self.per_request.forget(request.request_id)
         if self.proposer.learns:
             self.proposer.learn(request)
 
@@ -151,7 +156,7 @@ class SpeculativeDecoder:
                                       self.settings.verification)
         target_seconds = time.perf_counter() - t1
         if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
-            self.costs.observe_target(len(reqs), proposal.k_max + 1, target_seconds)
+            self._observe_verify([len(c) for c in chunks], target_seconds)
         tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
         if trees:
             self._observe_shape(reqs, False, tokens, time.perf_counter() - t0)
@@ -165,7 +170,8 @@ class SpeculativeDecoder:
         proposer's own state holds only what precedes the round (its next catch-up feeds the
         accepted tokens)."""
         t0 = time.perf_counter()
-        budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) for r in reqs]
+        budgets = [max(0, min(nodes, self.kv.target.max_seq_len - r.num_tokens - 1)) if k else 0
+                   for r, k in zip(reqs, plan.ks)]
         trees = self.proposer.propose_trees(reqs, plan.ks, budgets, width)
         trees, masks = grammar_masks(reqs, trees, self.runner.model.shape.vocab_size)  # [N, T, V] or None
         draft_seconds = time.perf_counter() - t0
@@ -182,7 +188,7 @@ class SpeculativeDecoder:
         paths, finals = accept_trees(reqs, trees, logits)
         tree_logprobs(reqs, trees, paths, finals, logits, raw, self.runner.logprobs_mode)
         target_seconds = time.perf_counter() - t1
-        self.costs.observe_target(len(reqs), max(len(c) for c in chunks), target_seconds)  # a pass of that width
+        self._observe_verify([len(c) for c in chunks], target_seconds)
         self.kv.keep_paths(reqs, starts, paths, features)
         out = []
         for r, start, tree, path, final in zip(reqs, starts, trees, paths, finals):
@@ -229,6 +235,13 @@ class SpeculativeDecoder:
         rows = [not r.params.greedy for r in reqs]  # which rows sample
         return nodes, self.ranks.width(rows, self.settings.tree_width, node_seconds, 1.0 / rate if rate else None)
 
+    def _observe_verify(self, widths: list[int], seconds: float) -> None:
+        """A verify pass's time: by the tokens it computed, and as a (B, widest) pass unless packed."""
+        model = self.runner.model
+        self.costs.observe_packed(len(widths), computed_tokens(model, widths), seconds)
+        if not packs(model, widths):
+            self.costs.observe_target(len(widths), max(widths), seconds)
+
     def _verify_groups(self, widths: list[int]) -> list[list[int]]:
         """The verify pass's rows (widths: each row's tokens): one pass over all, rows without a
         proposal padded to the longest; or, where the measured costs price it cheaper, a pass
@@ -236,7 +249,7 @@ class SpeculativeDecoder:
         one row of the batch; n-gram lookups find no match for some rows)."""
         everyone = [list(range(len(widths)))]
         bare = [i for i, w in enumerate(widths) if w == 1]
-        if not bare:
+        if not bare or packs(self.runner.model, widths):  # packed, the bare rows cost one token each
             return everyone
         proposing = [i for i, w in enumerate(widths) if w > 1]
         k = max(widths) - 1
@@ -253,11 +266,22 @@ class SpeculativeDecoder:
                 and self.calibration.needs(max(len(reqs), len(running))):  # no guesses beyond the sizes measured
             return RoundPlan(0, "unmeasured", [])
         caps = [self._cap(r) for r in reqs]
-        choice = self.policy.settled(len(reqs), caps) or self._adaptive_choice(reqs, caps, running)
+        settled = self.policy.settled(len(reqs), caps)
+        if settled is None and self.settings.k_per_request:
+            return self._per_request_plan(reqs, caps)
+        choice = settled or self._adaptive_choice(reqs, caps, running)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
             ks = self._probe_one(reqs, ks)
         return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
+
+    def _per_request_plan(self, reqs: list[Request], caps: list[int]) -> RoundPlan:
+        """The adaptive policy's K for each request (policy/per_request.py)."""
+        ids = [r.request_id for r in reqs]
+        rates = self.acceptance.rates(ids, self.settings.spec_length)
+        chosen = self.per_request.choose(ids, rates, caps, self.settings.spec_length, self.proposer.runs_model,
+                                         self.proposer.catch_up, packed=self.runner.model.graphs is None)
+        return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
 
     def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
@@ -300,6 +324,11 @@ class SpeculativeDecoder:
         self._last_round_tokens = 1
         result = self.runner.decode(reqs, reason)
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
+        self.costs.observe_packed(len(reqs), len(reqs), result.target_seconds)
+        if reason != "disabled":  # speculation on, and K = 0 chosen for every request
+            result.stats.row_ks = [0] * len(reqs)
+            for r in reqs:
+                r.spec.record_k(0)
         result.draft_seconds = draft_seconds
         if reason == "no_proposal":
             result.stats.rows_without_proposal = len(reqs)
@@ -318,7 +347,10 @@ class SpeculativeDecoder:
         """Per-request stats, acceptance estimates and the step's DecodeStats."""
         k_max = proposal.k_max
         stats = DecodeStats(batch_size=len(reqs), k=plan.k, reason=plan.reason,
-                            accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max)
+                            accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max,
+                            row_ks=list(plan.ks))
+        for r, k in zip(reqs, plan.ks):
+            r.spec.record_k(k)
         for r, tokens, source, a in zip(reqs, proposal.tokens, proposal.sources, num_accepted):
             k = len(tokens)
             stats.num_tokens += a + 1

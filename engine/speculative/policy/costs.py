@@ -127,6 +127,11 @@ class LineEstimate:
     def snapshot(self) -> list[float] | None:
         return None if self._moments is None else list(self._moments)
 
+    @property
+    def varied(self) -> bool:
+        """Whether x has varied enough for a slope (before that the line is y / x through 0)."""
+        return self._moments is not None and _slope(*self._moments) is not None
+
     def restore(self, data: list[float] | None) -> None:
         """ValueError unless `data` is None or four finite numbers (the means of x, y, x^2, x y)."""
         if data is not None and (len(data) != 4 or not all(math.isfinite(float(v)) for v in data)):
@@ -139,6 +144,12 @@ class LineEstimate:
         mx, my = self._moments[:2]
         slope = _slope(*self._moments)
         return max(0.0, my + (my / max(mx, 1e-12) if slope is None else slope) * (x - mx))
+
+
+def interpolated(values: list[float], x: float) -> float:
+    """values (at 0, 1, ...) linearly interpolated at x in [0, len - 1]."""
+    i = min(int(x), len(values) - 2)
+    return values[i] + (values[i + 1] - values[i]) * (x - i)
 
 
 def _non_negative(value) -> float:
@@ -170,6 +181,7 @@ class MeasuredCosts:
         self.smoothing = smoothing
         self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
+        self.packed: dict[int, LineEstimate] = {}  # batch bucket -> (total tokens -> seconds) of packed target passes
         self.draft_pass_seconds = 0.0  # all draft passes observed so far (what a proposer spent beyond them is "other")
 
     TABLES = ("target", "draft_first", "draft", "other")
@@ -192,6 +204,23 @@ class MeasuredCosts:
 
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
+
+    def observe_packed(self, batch: int, total_tokens: int, seconds: float) -> None:
+        """A target pass over `batch` rows computing `total_tokens` tokens in all (a packed verify
+        pass, or a plain one: total = batch)."""
+        self.packed.setdefault(batch_bucket(batch), LineEstimate(self.smoothing)).observe(total_tokens, seconds)
+
+    def packed_verify_time(self, batch: int, total_tokens: int) -> float:
+        """Seconds of a packed target pass over `batch` rows and `total_tokens` tokens: the line
+        measured on such passes at this batch's bucket once its tokens have varied, else the
+        padded table's pass of the same tokens (total_tokens / batch a row, interpolated)."""
+        line = self.packed.get(batch_bucket(batch))
+        if line is not None and line.varied:
+            return line(total_tokens)
+        per_row = total_tokens / batch - 1.0  # a padded pass's K of the same tokens
+        k = math.ceil(per_row)
+        times = self.verify_times(batch, max(k, 1))
+        return times[k] if k == per_row else interpolated(times, per_row)
 
     def observe_draft_first(self, batch: int, width: int, seconds: float) -> None:
         self.draft_first.observe(batch, width, seconds)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.costs import MeasuredCosts, interpolated
 from engine.speculative.proposers.base import CatchUp
 
 Reason = Literal["policy", "probe", "plain_probe", "k_probe", "fixed", "disabled_batch_size", "length_guard"]
@@ -145,12 +145,6 @@ def first_pass_widths(table: list[list[float]], caps: Sequence[int], catch_up: C
     return widths
 
 
-def _at(values: list[float], x: float) -> float:
-    """values (at 0, 1, ...) linearly interpolated at x in [0, len - 1]."""
-    i = min(int(x), len(values) - 2)
-    return values[i] + (values[i + 1] - values[i]) * (x - i)
-
-
 @dataclass(frozen=True)
 class Choice:
     k: int
@@ -200,7 +194,7 @@ class SpecPolicy:
         if not draft_rows:
             return [v + o for v, o in zip(verify, other)]
         first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
-        return [verify[0] + other[0]] + [_at(first, widths[k] - 1) + further[k - 1] + verify[k] + other[k]
+        return [verify[0] + other[0]] + [interpolated(first, widths[k] - 1) + further[k - 1] + verify[k] + other[k]
                                          for k in range(1, k_max + 1)]
 
     def _goodput(self, k: int, tokens: float, seconds: float, catch_up_tokens: int, round_tokens_left: int) -> float:

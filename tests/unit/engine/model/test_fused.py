@@ -47,6 +47,7 @@ def test_fused_logits_and_greedy_tokens_equal_eager(families, name):
         out.append(forward_chunks(model, pool, slots, ids, [0, 0], all_logits=True))  # prefill [2, 6, V]
         out.append(forward_chunks(model, pool, slots, [[3], [4]], [6, 6]))  # a decode step [2, V]
         out.append(forward_chunks(model, pool, slots, [[1, 2, 3], [9, 9, 9]], [7, 7], all_logits=True))  # a verify
+        out.append(forward_chunks(model, pool, slots, [[5, 6, 7], [8]], [10, 10], all_logits=True))  # packed
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
     plain = LLM(model=str(path), fused_kernels="off", **COMMON)

@@ -239,10 +239,15 @@ def _priced(costs, verify_per_token: float) -> None:
             costs.observe_target(b, t, 0.2 + b * (0.1 + verify_per_token * (t - 1)))
 
 
-def test_verify_rows_without_a_proposal_get_their_own_one_token_pass_where_it_is_priced_cheaper(tiny_model, tiny_draft):
+def test_verify_rows_without_a_proposal_get_their_own_one_token_pass_where_it_is_priced_cheaper(tiny_model, tiny_draft,
+                                                                                                 monkeypatch):
+    import engine.speculative.step as step
+
     eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine
     decoder = eng.speculation
     _priced(decoder.costs, verify_per_token=0.1)  # padding 2 rows to 3 tokens costs more than a second pass
+    assert decoder._verify_groups([3, 1, 1, 3]) == [[0, 1, 2, 3]]  # packed, the bare rows cost a token each
+    monkeypatch.setattr(step, "packs", lambda model, widths: False)  # as passes replayed from CUDA graphs
     assert decoder._verify_groups([3, 1, 1, 3]) == [[0, 3], [1, 2]]
     assert decoder._verify_groups([3, 2, 3]) == [[0, 1, 2]]  # every row proposes: one pass
     _priced(decoder.costs, verify_per_token=0.001)  # verify nearly free: padding costs less than a second pass
@@ -289,8 +294,14 @@ def test_a_verify_pass_split_in_groups_gives_every_row_the_logits_of_one_pass(ti
     assert torch.all(split[1, 1:] == 0)
 
 
-def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft):
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft, monkeypatch, packed):
+    """A probe speculates for one row: packed, one pass; unpacked (graphs), a split pass."""
+    import engine.speculative.step as step
     from engine.speculative.policy.k_choice import Choice
+
+    if not packed:
+        monkeypatch.setattr(step, "packs", lambda model, widths: False)
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
@@ -303,7 +314,7 @@ def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft):
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     while eng.has_unfinished_requests():
         eng.step()
-    assert 2 in passes
+    assert (2 in passes) != packed
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
 
 

@@ -40,7 +40,7 @@ DRAFT_PLANS = {"torch": {"dtype": "float32"}, "token_step": {"dtype": "float32",
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("method,draft_plan", [("draft", "torch"), ("draft", "token_step"), ("draft", "bf16_token_step"),
                                                ("ngram", "torch"), ("hybrid", "torch"), ("hybrid", "token_step")])
-@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "per_request"])
 def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, backend, method, draft_plan, policy):
     from engine.model.kernels import one_sequence
 
@@ -48,7 +48,8 @@ def test_speculative_greedy_equals_plain(tiny_model, tiny_draft, reference, back
         pytest.skip("the CPU kernels do not build here")
     target = reference_plan(tiny_model)
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
-              speculative_method=method, spec_policy=policy, spec_length=4, dtype="float32",
+              speculative_method=method, spec_policy="fixed" if policy == "fixed" else "adaptive",
+              k_per_request=policy == "per_request", spec_length=4, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=160, max_batch_size=8,
               forward_plan={"target": target, "draft": DRAFT_PLANS[draft_plan]})
     alone = [llm.generate(p, greedy())[0] for p in PROMPTS]

@@ -217,3 +217,22 @@ def test_penalties_count_the_rounds_proposals(pair, monkeypatch, blind):
     tokens, _ = sample_speculative(tpath, dpath, params)
     p = repeat_pvalue(tokens, joint23)
     assert (p < 1e-3) if blind else (p > 1e-3), p
+
+
+@pytest.mark.parametrize("allocation", ["policy", "mixed"])
+def test_a_k_per_request_keeps_sampling_exact(pair, monkeypatch, allocation):
+    """With k_per_request, as the adaptive policy allocates, and with every step forced to give
+    the rows of one packed verify pass K = 0, 1 and 2 in turn."""
+    from engine.speculative.policy.per_request import Allocation, PerRequestPolicy
+
+    if allocation == "mixed":
+        def mixed(self, ids, rates, caps, k_max, drafts, catch_up, packed=True):
+            return Allocation([min(c, i % 3) for i, c in enumerate(caps)], "policy", 1.0, 1.0)
+        monkeypatch.setattr(PerRequestPolicy, "choose", mixed)
+    tpath, dpath, hf = pair
+    params = SamplingParams(**CONFIGS["t1"])
+    m2, m3 = exact_marginals(hf, params)
+    tokens, acceptance = sample_speculative(tpath, dpath, params, spec_policy="adaptive", k_per_request=True)
+    assert 0.3 < acceptance < 0.9
+    assert chi2_pvalue(tokens[:, 1], m2) > 1e-3
+    assert chi2_pvalue(tokens[:, 2], m3) > 1e-3

@@ -1,0 +1,116 @@
+"""A mixed batch: half the requests accept a lot (edit prompts, greedy), half little (free code at
+T = 0.8), sent together, speculating by `hybrid` (prompt lookup, else the EAGLE-3 head).
+
+    python -m bench mixed [--batches 4 8 16 32 64] [--tokens 96] [--repeats 3]
+    python -m bench mixed --halves            # the ceiling: each half alone, plain / fixed K / adaptive
+    python -m bench mixed --workload edit     # a uniform batch (all edits, or all code) instead of the mix
+
+Variants, interleaved (A B C, C B A, ...) per batch size: plain, one K a step (the adaptive policy
+as before per-request K), the same again (an A/A pair: the noise floor) and a K per request
+(`k_per_request`). Throughput is sweep.py's window: decode tokens while all requests are in
+flight, after the proposer's catch-up step. `--halves` runs each half alone at half the batch,
+plain, fixed K and adaptive: the best a single K can do for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import torch
+
+from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
+from bench.sweep import PREFILL_BUDGET, run_batch
+from bench.workloads import load_prompts
+
+HIGH_TEMPERATURE = 0.8  # the low-acceptance half samples at this temperature
+ONE_K = adaptive("hybrid")
+PER_REQUEST = {**ONE_K, "k_per_request": True}
+VARIANTS = {"plain": PLAIN, "one K": ONE_K, "one K (A/A)": ONE_K, "per-request K": PER_REQUEST}
+HALF_VARIANTS = {"edit": {"plain": PLAIN, **{f"K={k}": fixed("hybrid", k) for k in (2, 4, 6)}, "adaptive": ONE_K},
+                 "code": {"plain": PLAIN, **{f"K={k}": fixed("hybrid", k) for k in (1, 2, 3)}, "adaptive": ONE_K}}
+
+
+def batch_of(workload: str, batch: int, repeat: int, tokens: int) -> tuple[list[str], list]:
+    """Repeat `repeat`'s prompts and SamplingParams: `batch` of the workload ("mix": edits greedy and
+    code at HIGH_TEMPERATURE alternating), each pool's next prompts after the previous repeat's."""
+    from engine import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    hot = SamplingParams(temperature=HIGH_TEMPERATURE, max_tokens=tokens, ignore_eos=True, seed=0)
+    kinds = {"mix": ["edit", "code"] * (batch // 2) + ["edit"] * (batch % 2), "edit": ["edit"] * batch,
+             "code": ["code"] * batch}[workload]
+    pools = {"edit": load_prompts("edit"), "code": load_prompts("code")}
+    taken: Counter[str] = Counter()
+    prompts, params = [], []
+    for kind in kinds:
+        pool = pools[kind]
+        prompts.append(pool[(repeat * batch + taken[kind]) % len(pool)])
+        params.append(greedy if kind == "edit" else hot)
+        taken[kind] += 1
+    return prompts, params
+
+
+def run_variants(llm, variants: dict[str, dict], workload: str, batch: int, args) -> dict:
+    """Each variant's runs at this batch, interleaved; medians and ratios to plain and to one K."""
+    def variant(cfg):
+        repeats = itertools.count()
+
+        def go():
+            llm.engine.reconfigure_speculation(**cfg)
+            return run_batch(llm, *batch_of(workload, batch, next(repeats), args.tokens))
+        return go
+
+    llm.engine.reconfigure_speculation(**PLAIN)
+    run_batch(llm, *batch_of(workload, batch, 0, args.tokens))  # warm-up
+    runs = interleave({name: variant(cfg) for name, cfg in variants.items()}, args.repeats, f"{workload} {batch}")
+    row = {name: {"tok_s": summarize(rs, "tok_s"), "window_k_steps": _k_steps(rs)} for name, rs in runs.items()}
+    for name, rs in runs.items():
+        row[name]["vs_plain"] = summarize([{"r": a["tok_s"] / p["tok_s"]} for a, p in zip(rs, runs["plain"])], "r")
+        if "one K" in runs:
+            row[name]["vs_one_k"] = summarize([{"r": a["tok_s"] / b["tok_s"]} for a, b in zip(rs, runs["one K"])], "r")
+    return row
+
+
+def _k_steps(runs: list[dict]) -> dict[str, int]:
+    ks: Counter[int] = Counter()
+    for r in runs:
+        ks.update(r["window_k_steps"])
+    return {str(k): n for k, n in sorted(ks.items())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("mixed", __doc__, tokens=96)
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--workload", choices=["mix", "edit", "code"], default="mix")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--halves", action="store_true", help="each half alone at half the batch (the ceiling)")
+    ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head hybrid falls back to")
+    ap.add_argument("--out", default=None, help="results name (default: mixed_<workload>, or mixed_halves)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine import LLM
+
+    llm = LLM(model=args.target, draft_model=args.eagle, forward_plan=args.forward_plan, speculative_method="hybrid",
+              max_batch_size=max(args.batches), max_seq_len=1024, enable_prefix_caching=False,
+              max_num_batched_tokens=PREFILL_BUDGET)
+    results = {}
+    for b in args.batches:
+        if args.halves:
+            results[str(b)] = {half: run_variants(llm, HALF_VARIANTS[half], half, max(1, b // 2), args)
+                               for half in ("edit", "code")}
+            line = "  ".join(f"{half}: " + " ".join(f"{n} {v['vs_plain']['median']:.2f}x" for n, v in row.items())
+                             for half, row in results[str(b)].items())
+        else:
+            results[str(b)] = row = run_variants(llm, {n: VARIANTS[n] for n in args.variants}, args.workload, b, args)
+            line = "  ".join(f"{n} {v['tok_s']['median']:.0f} tok/s ({v['vs_plain']['median']:.2f}x plain, "
+                             f"{v.get('vs_one_k', {}).get('median', 1):.3f}x one K)" for n, v in row.items())
+        print(f"batch {b:3d}: {line}", flush=True)
+    name = args.out or ("mixed_halves" if args.halves else f"mixed_{args.workload}")
+    payload = {"workload": args.workload, "halves": args.halves, "tokens": args.tokens, "repeats": args.repeats,
+               "high_temperature": HIGH_TEMPERATURE, "prefill_budget": PREFILL_BUDGET, "results": results}
+    print(f"wrote {write(name, payload, llm)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A K per request (k_per_request): verify tokens go to the requests whose proposals survive."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.k_choice import AcceptanceEstimates
+from engine.speculative.policy.per_request import PROBE_K, PerRequestPolicy, StepCost, allocate, survival
+
+
+def costs_at(batch: int, plain_ms: float = 10.0, token_ms: float = 1.0, draft_ms: float = 0.5) -> MeasuredCosts:
+    """Costs as calibration records them: target passes of 1..9 tokens a row (plain_ms, then
+    token_ms per extra token and row), a draft's first pass and its further steps."""
+    costs = MeasuredCosts()
+    for t in range(1, 10):
+        costs.observe_target(batch, t, (plain_ms + token_ms * batch * (t - 1)) * 1e-3)
+    for width in (1, 2, 9):
+        costs.observe_draft_first(batch, width, draft_ms * 1e-3)
+    for n in range(1, 8):
+        costs.observe_draft_steps(batch, n, n * draft_ms * 1e-3)
+    for k in range(9):
+        costs.observe_other(batch, k, 0.1e-3)
+    return costs
+
+
+def measured(rounds: dict[str, tuple[int, int]], times: int = 60) -> AcceptanceEstimates:
+    """Acceptance estimates after `times` rounds of (accepted, proposed) for each request."""
+    estimates = AcceptanceEstimates()
+    for _ in range(times):
+        for rid, (accepted, proposed) in rounds.items():
+            estimates.update(rid, accepted, proposed)
+        estimates.end_step()
+    return estimates
+
+
+def choose(rounds: dict[str, tuple[int, int]], batch_costs: MeasuredCosts, k_max: int = 6) -> list[int]:
+    ids = list(rounds)
+    rates = measured(rounds).rates(ids, k_max)
+    policy = PerRequestPolicy(batch_costs)
+    return policy.choose(ids, rates, [k_max] * len(ids), k_max, drafts=True, catch_up="own").ks
+
+
+def test_a_request_that_accepts_gets_k_and_one_that_does_not_gets_none():
+    ks = choose({"edit": (6, 6), "code": (0, 6)}, costs_at(2))
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_in_a_larger_batch_only_the_accepting_half_speculates():
+    rounds = {f"edit{i}": (5, 6) for i in range(4)} | {f"code{i}": (0, 3) for i in range(4)}
+    ks = choose(rounds, costs_at(8))
+    assert all(k > 0 for k in ks[:4]) and ks[4:] == [0, 0, 0, 0]
+
+
+def test_uniform_batches_all_speculate_or_all_decode_plainly():
+    assert all(k > 0 for k in choose({"a": (6, 6), "b": (6, 6)}, costs_at(2)))
+    # verify tokens priced far above what a rejected proposal gives back: plain decoding
+    assert choose({"a": (0, 6), "b": (0, 6)}, costs_at(2, token_ms=8.0)) == [0, 0]
+
+
+def test_a_request_gets_no_more_than_its_cap():
+    ids = ["a", "b"]
+    rates = measured({"a": (6, 6), "b": (6, 6)}).rates(ids, 6)
+    chosen = PerRequestPolicy(costs_at(2)).choose(ids, rates, [2, 6], 6, drafts=True, catch_up="own")
+    assert chosen.ks[0] <= 2 and chosen.ks[1] > 2
+
+
+def test_the_allocation_takes_positions_in_survival_order():
+    # request 0's third position survives (0.9^3 = 0.73) more often than request 1's first (0.5)
+    cost = StepCost(costs_at(2), 2, 4, drafts=False, widths=[1.0] * 5)
+    ks, rate, plain = allocate([[0.9] * 4, [0.5] * 4], [4, 4], cost)
+    assert ks[0] >= 3 and ks[0] >= ks[1]
+    assert rate > plain
+    assert survival([0.5, 0.5, 0.5], 2) == [0.5, 0.25]
+
+
+def test_a_request_held_at_zero_is_probed_and_its_wait_doubles():
+    ids = ["edit", "code"]
+    rates = measured({"edit": (6, 6), "code": (0, 6)}).rates(ids, 6)
+    policy = PerRequestPolicy(costs_at(2), probe_every=4)
+    choices = [policy.choose(ids, rates, [6, 6], 6, drafts=True, catch_up="own") for _ in range(13)]
+    probed = [n for n, c in enumerate(choices) if c.reason == "probe"]
+    assert probed == [3, 11]  # after 4 allocations at 0, then after 8
+    assert all(choices[n].ks[1] == PROBE_K for n in probed)
+    assert all(c.ks[1] == 0 for n, c in enumerate(choices) if n not in probed and c.reason != "plain_probe")
+
+
+def test_hysteresis_keeps_plain_decoding_until_speculation_wins_by_the_margin():
+    ids, costs = ["a", "b"], costs_at(2)
+    high = measured({"a": (6, 6), "b": (6, 6)}).rates(ids, 6)
+    first = PerRequestPolicy(costs).choose(ids, high, [6, 6], 6, drafts=True, catch_up="own")
+    gain = first.rate / first.plain_rate - 1.0
+    assert any(first.ks) and gain > 0.1
+    for margin, speculates in ((gain + 0.05, False), (gain - 0.05, True)):
+        policy = PerRequestPolicy(costs, probe_every=1000, hysteresis=margin)
+        assert policy.choose(ids, high, [0, 0], 6, drafts=True, catch_up="own").ks == [0, 0]  # no room: plain
+        assert any(policy.choose(ids, high, [6, 6], 6, drafts=True, catch_up="own").ks) == speculates
+
+
+def test_packed_verify_cost_follows_total_tokens_once_measured():
+    costs = costs_at(8)
+    padded = costs.packed_verify_time(8, 16)  # before any packed pass: the padded table at 2 tokens a row
+    assert padded == pytest.approx(costs.verify_times(8, 1)[1])
+    for total in (8, 12, 20, 28, 40):
+        costs.observe_packed(8, total, (5.0 + 0.25 * total) * 1e-3)
+    assert costs.packed_verify_time(8, 24) == pytest.approx(11e-3, rel=1e-6)
