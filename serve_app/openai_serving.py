@@ -3,8 +3,6 @@ events both topologies send (deployments.py), built from the engine's outputs.""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import asyncio
 import dataclasses
 import functools
@@ -13,6 +11,7 @@ import os
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig, with_embedded_defaults
