@@ -324,7 +324,6 @@ class SpeculativeDecoder:
         self._last_round_tokens = 1
         result = self.runner.decode(reqs, reason)
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
-        self.costs.observe_packed(len(reqs), len(reqs), result.target_seconds)
         if reason != "disabled":  # speculation on, and K = 0 chosen for every request
             result.stats.row_ks = [0] * len(reqs)
             for r in reqs:

@@ -115,6 +115,8 @@ class LineEstimate:
     """y = a + b x (b >= 0) from exponentially weighted moments of the (x, y) observed: a pass's
     fixed cost stays out of its cost per token (a few-token catch-up must not price a long one)."""
 
+    VARIED = 0.1  # `varied`: x's standard deviation at least this share of its mean
+
     def __init__(self, smoothing: float):
         self.smoothing = smoothing
         self._moments: tuple[float, ...] | None = None  # means of x, y, x^2, x y
@@ -129,8 +131,11 @@ class LineEstimate:
 
     @property
     def varied(self) -> bool:
-        """Whether x has varied enough for a slope (before that the line is y / x through 0)."""
-        return self._moments is not None and _slope(*self._moments) is not None
+        """Whether x has varied enough for a slope: a spread of at least VARIED of its mean."""
+        if self._moments is None:
+            return False
+        mx, _, mxx, _ = self._moments
+        return mxx - mx * mx >= (self.VARIED * mx) ** 2
 
     def restore(self, data: list[float] | None) -> None:
         """ValueError unless `data` is None or four finite numbers (the means of x, y, x^2, x y)."""
@@ -206,16 +211,16 @@ class MeasuredCosts:
         self.target.observe(batch, tokens_per_seq, seconds)
 
     def observe_packed(self, batch: int, total_tokens: int, seconds: float) -> None:
-        """A target pass over `batch` rows computing `total_tokens` tokens in all (a packed verify
-        pass, or a plain one: total = batch)."""
+        """A verify pass over `batch` rows computing `total_tokens` tokens in all (packed)."""
         self.packed.setdefault(batch_bucket(batch), LineEstimate(self.smoothing)).observe(total_tokens, seconds)
 
     def packed_verify_time(self, batch: int, total_tokens: int) -> float:
-        """Seconds of a packed target pass over `batch` rows and `total_tokens` tokens: the line
-        measured on such passes at this batch's bucket once its tokens have varied, else the
-        padded table's pass of the same tokens (total_tokens / batch a row, interpolated)."""
+        """Seconds of a target pass over `batch` rows and `total_tokens` tokens: plain (one token a
+        row) as measured; a packed verify pass on the line measured on such passes at this batch's
+        bucket once their tokens have varied, else as the padded pass of the same tokens
+        (total_tokens / batch a row, interpolated in the padded table)."""
         line = self.packed.get(batch_bucket(batch))
-        if line is not None and line.varied:
+        if total_tokens > batch and line is not None and line.varied:
             return line(total_tokens)
         per_row = total_tokens / batch - 1.0  # a padded pass's K of the same tokens
         k = math.ceil(per_row)

@@ -101,6 +101,7 @@ def test_packed_verify_cost_follows_total_tokens_once_measured():
     costs = costs_at(8)
     padded = costs.packed_verify_time(8, 16)  # before any packed pass: the padded table at 2 tokens a row
     assert padded == pytest.approx(costs.verify_times(8, 1)[1])
-    for total in (8, 12, 20, 28, 40):
+    for total in (12, 20, 28, 40):
         costs.observe_packed(8, total, (5.0 + 0.25 * total) * 1e-3)
     assert costs.packed_verify_time(8, 24) == pytest.approx(11e-3, rel=1e-6)
+    assert costs.packed_verify_time(8, 8) == pytest.approx(costs.verify_times(8, 1)[0])  # plain: as measured
