@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--out", default="moe_cpu", help="results name under bench/results")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         ctx = Context(device="cpu", smoke=False, work=Path(work))
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{n} {v['tok_s']['median']:.1f} tok/s ({v['tok_s']['min']:.1f}-{v['tok_s']['max']:.1f}; ÷ transformers "
             f"{v['tok_s']['median'] / hf:.2f}x)" for n, v in row["variants"].items())
             + f"; transformers {hf:.1f} tok/s; adaptive ÷ best fixed ({row['best_fixed']}) "
-              f"{row['adaptive_over_best_fixed']:.3f}; same tokens {row['same_tokens']}")
+              f"{row['adaptive_over_best_fixed']:.3f}; per-request K ÷ one K {row['per_request_over_adaptive']:.3f}; "
+              f"same tokens {row['same_tokens']}")
     print(f"pair: {out['pair']['teacher_forced']}")
     print(f"host: {host_class(machine())}")
-    print(f"wrote {write('moe_cpu', {'shape': 'reduced Qwen3-MoE', 'repeats': args.repeats, **out})}")
+    print(f"wrote {write(args.out, {'shape': 'reduced Qwen3-MoE', 'repeats': args.repeats, **out})}")

@@ -36,6 +36,7 @@ class SpecStats:
     proposed_per_round: list[int] = field(default_factory=list)
     proposers: set[str] = field(default_factory=set)
     k_chosen: Counter[int] = field(default_factory=Counter)  # decode steps by the K chosen for it (speculation on)
+    last_proposer: str | None = None  # who proposed its last round
 
     def record_k(self, k: int) -> None:
         self.k_chosen[k] += 1
@@ -44,6 +45,7 @@ class SpecStats:
         self.accepted_per_round.append(num_accepted)
         self.proposed_per_round.append(num_proposed)
         self.proposers.add(proposer)
+        self.last_proposer = proposer
 
     @property
     def acceptance_rate(self) -> float | None:

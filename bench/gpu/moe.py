@@ -42,7 +42,10 @@ def measure(ctx: Context, config: dict, keep: int, batches: tuple[int, ...], new
     variants = {"plain": {"use_speculative_decoding": False},
                 **{f"fixed K={k}": {"use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": k}
                    for k in FIXED_K},
-                "adaptive": {"use_speculative_decoding": True, "spec_policy": "adaptive", "spec_length": 8}}
+                "adaptive": {"use_speculative_decoding": True, "spec_policy": "adaptive", "spec_length": 8,
+                             "k_per_request": False},
+                "per-request K": {"use_speculative_decoding": True, "spec_policy": "adaptive", "spec_length": 8,
+                                  "k_per_request": True}}
     out["batches"] = {}
     for batch in batches:
         batch_prompts = random_prompts(batch, 32, config["vocab_size"], seed=batch)
@@ -67,6 +70,8 @@ def _row(runs: dict[str, list[dict]]) -> dict:
     return {"variants": variants, "over_plain": {n: v["tok_s"]["median"] / plain for n, v in variants.items()},
             "best_fixed": best, "adaptive_over_best_fixed": variants["adaptive"]["tok_s"]["median"]
             / variants[best]["tok_s"]["median"],
+            "per_request_over_adaptive": variants["per-request K"]["tok_s"]["median"]
+            / variants["adaptive"]["tok_s"]["median"],
             "same_tokens": all(r["outputs"] == runs["plain"][0]["outputs"] for rs in runs.values() for r in rs)}
 
 

@@ -129,6 +129,15 @@ class LineEstimate:
     def snapshot(self) -> list[float] | None:
         return None if self._moments is None else list(self._moments)
 
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) of y = a + b x (None before any observation)."""
+        if self._moments is None:
+            return None
+        mx, my = self._moments[:2]
+        slope = _slope(*self._moments)
+        slope = my / max(mx, 1e-12) if slope is None else slope
+        return my - slope * mx, slope
+
     @property
     def varied(self) -> bool:
         """Whether x has varied enough for a slope: a spread of at least VARIED of its mean."""
@@ -215,17 +224,8 @@ class MeasuredCosts:
         self.packed.setdefault(batch_bucket(batch), LineEstimate(self.smoothing)).observe(total_tokens, seconds)
 
     def packed_verify_time(self, batch: int, total_tokens: int) -> float:
-        """Seconds of a target pass over `batch` rows and `total_tokens` tokens: plain (one token a
-        row) as measured; a packed verify pass on the line measured on such passes at this batch's
-        bucket once their tokens have varied, else as the padded pass of the same tokens
-        (total_tokens / batch a row, interpolated in the padded table)."""
-        line = self.packed.get(batch_bucket(batch))
-        if total_tokens > batch and line is not None and line.varied:
-            return line(total_tokens)
-        per_row = total_tokens / batch - 1.0  # a padded pass's K of the same tokens
-        k = math.ceil(per_row)
-        times = self.verify_times(batch, max(k, 1))
-        return times[k] if k == per_row else interpolated(times, per_row)
+        """Seconds of a target pass over `batch` rows and `total_tokens` tokens (PackedVerify)."""
+        return PackedVerify(self, batch, max(1, math.ceil(total_tokens / batch) - 1))(total_tokens)
 
     def observe_draft_first(self, batch: int, width: int, seconds: float) -> None:
         self.draft_first.observe(batch, width, seconds)
@@ -273,6 +273,32 @@ class MeasuredCosts:
     def catch_up_time(self, tokens: int) -> float:
         """Seconds for the draft to catch up on `tokens` unseen tokens (0 until measured)."""
         return self.catch_up(tokens)
+
+
+class PackedVerify:
+    """Seconds of a target pass over `batch` rows by its total tokens (up to batch x (k_max + 1)):
+    plain (one token a row) as measured; a packed verify pass on the line measured on such passes
+    at the batch's bucket once their tokens have varied, else as the padded pass of the same tokens
+    (total / batch a row, interpolated in the padded table). Fixed for a step: the policy prices
+    many allocations with it."""
+
+    def __init__(self, costs: MeasuredCosts, batch: int, k_max: int):
+        self.batch = batch
+        self.padded = costs.verify_times(batch, k_max)  # [k_max + 1]
+        line = costs.packed.get(batch_bucket(batch))
+        self.line = line.coefficients() if line is not None and line.varied else None  # (a, b) of a + b x
+
+    def __call__(self, total_tokens: float) -> float:
+        if total_tokens > self.batch and self.line is not None:
+            return max(self.padded[0], self.line[0] + self.line[1] * total_tokens)
+        return interpolated(self.padded, min(total_tokens / self.batch - 1.0, len(self.padded) - 1))
+
+    def least_per_token(self) -> float:
+        """A lower bound of what one more token costs (past plain)."""
+        if self.line is not None:
+            return self.line[1]
+        steps = [b - a for a, b in zip(self.padded, self.padded[1:])]
+        return max(0.0, min(steps)) / self.batch
 
 
 LINE_TRUST = 4.0  # observations' worth of trust a fitted line has against an entry's own figure

@@ -15,15 +15,17 @@ and speculation the hysteresis margin keeps the side the last step took while wi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import dataclass
 
-from engine.speculative.policy.costs import MeasuredCosts, interpolated
+from engine.speculative.policy.costs import MeasuredCosts, PackedVerify, interpolated
 from engine.speculative.policy.k_choice import first_pass_widths
 from engine.speculative.proposers.base import CatchUp
 
 PROBE_K = 2  # tokens a probed request proposes
 MAX_PROBE_BACKOFF = 8
 PROBE_ROWS = 8  # at most one request probed a step per this many rows
+REUSE_PLAIN = 8  # an all-plain verdict is reused for this many steps of the same batch (no new rounds)
 
 
 @dataclass(frozen=True)
@@ -36,31 +38,43 @@ class Allocation:
 
 class StepCost:
     """A decode step's seconds for an allocation, from the measured costs: the verify pass by the
-    tokens it computes (packed: the batch's total), the step's other work at the same tokens, the draft passes by rows drafted
-    (priced at the next power-of-two rows) and depth."""
+    tokens it computes (packed: the batch's total), the step's other work at the same tokens, the
+    draft passes by rows drafted (between one row's and the batch's) and depth. Tables are read
+    once a step: the policy prices many allocations with them."""
 
-    def __init__(self, costs: MeasuredCosts, batch: int, k_max: int, drafts: bool, widths: list[float],
-                 packed: bool = True):
-        self.costs, self.batch, self.k_max, self.drafts, self.widths = costs, batch, k_max, drafts, widths
+    def __init__(self, costs: MeasuredCosts, batch: int, k_max: int, widths: list[float], packed: bool = True):
+        self.costs, self.batch, self.k_max, self.widths = costs, batch, k_max, widths
         self.packed = packed  # False: a pass computes batch x (depth + 1) tokens
+        self.verify = PackedVerify(costs, batch, k_max)
         self.other = costs.other_times(batch, k_max)  # [k_max + 1]
-        self._draft: dict[int, tuple[list[float], list[float]]] = {}
+        self._draft: dict[int, list[float]] = {}  # rows -> seconds of drafting at depth 0..k_max
 
-    def seconds(self, total_tokens: int, rows_drafted: int, depth: int) -> float:
+    def least_per_token(self) -> float:
+        """A lower bound of what one more verified token costs (0 where passes are padded)."""
+        return self.verify.least_per_token() if self.packed else 0.0
+
+    def seconds(self, total_tokens: int, depth: int, rows_drafted: int = 0, draft_depth: int = 0) -> float:
+        """A step verifying `total_tokens` (its widest row depth + 1), a model drafting
+        `rows_drafted` rows to `draft_depth`."""
         if not self.packed:
             total_tokens = self.batch * (depth + 1)
-        per_row = total_tokens / self.batch - 1.0  # the padded K of the same tokens
-        t = self.costs.packed_verify_time(self.batch, total_tokens) + interpolated(self.other, min(per_row, self.k_max))
-        if depth and self.drafts:
-            first, further = self._draft_times(rows_drafted)
-            t += interpolated(first, self.widths[depth] - 1) + further[depth - 1]
+        t = self.verify(total_tokens) + interpolated(self.other, min(total_tokens / self.batch - 1.0, self.k_max))
+        if rows_drafted:
+            t += self._drafting(rows_drafted)[draft_depth]
         return t
 
-    def _draft_times(self, rows: int) -> tuple[list[float], list[float]]:
-        rows = min(self.batch, 1 << max(0, (rows - 1).bit_length()))
-        if rows not in self._draft:
-            self._draft[rows] = self.costs.draft_times(rows, self.k_max)
-        return self._draft[rows]
+    def _drafting(self, rows: int) -> list[float]:
+        """Drafting seconds at depth 0..k_max for `rows` rows: linear between one row and the batch."""
+        if not self._draft:
+            for n in {1, self.batch}:
+                first, further = self.costs.draft_times(n, self.k_max)
+                self._draft[n] = [0.0] + [interpolated(first, self.widths[d] - 1) + further[d - 1]
+                                          for d in range(1, self.k_max + 1)]
+        one, full = self._draft[1], self._draft[self.batch]
+        if rows >= self.batch or self.batch == 1:
+            return full
+        share = (rows - 1) / (self.batch - 1)
+        return [a + (b - a) * share for a, b in zip(one, full)]
 
 
 def survival(rates: Sequence[float], cap: int) -> list[float]:
@@ -72,25 +86,36 @@ def survival(rates: Sequence[float], cap: int) -> list[float]:
     return out
 
 
-def allocate(rates: list[Sequence[float]], caps: list[int], cost: StepCost) -> tuple[list[int], float, float]:
-    """(ks, rate, plain rate): the non-empty prefix of the survival order with the most expected
-    tokens per second (ks all 0 and rate 0 when no request may propose), and plain decoding's rate."""
-    batch = len(caps)
-    order = sorted(((s, i, j) for i, (r, c) in enumerate(zip(rates, caps)) for j, s in enumerate(survival(r, c), 1)),
+def allocate(survivals: list[list[float]], cost: StepCost, drafts: Sequence[bool] | None = None,
+             catch_ups: Sequence[float] | None = None) -> tuple[list[int], float, float]:
+    """(ks, rate, plain rate): the non-empty prefix of the survival order (survivals[i]: request
+    i's s_1.., up to its cap) with the most expected tokens per second (ks all 0 and rate 0 when
+    no request may propose), and plain decoding's rate. drafts[i]: a model drafts for request i
+    (default: all); catch_ups[i]: seconds it needs to catch up on request i first."""
+    batch = len(survivals)
+    drafts = drafts if drafts is not None else [True] * batch
+    catch_ups = catch_ups or [0.0] * batch
+    order = sorted(((s, i, j) for i, row in enumerate(survivals) for j, s in enumerate(row, 1)),
                    key=lambda x: (-x[0], x[2]))
     ks = [0] * batch
-    best, best_rate, expected, drafted, depth = 0, 0.0, float(batch), 0, 0
+    best, best_rate, expected, depth, drafted, draft_depth, behind = 0, 0.0, float(batch), 0, 0, 0, 0.0
+    least = cost.least_per_token()
     for n, (s, i, j) in enumerate(order, 1):
-        drafted += ks[i] == 0
+        if s < best_rate * least:  # this and every later position would lower the rate below the best
+            break
+        if ks[i] == 0 and drafts[i]:
+            drafted, behind = drafted + 1, behind + catch_ups[i]
+        if drafts[i]:
+            draft_depth = max(draft_depth, j)
         ks[i] = j
         depth, expected = max(depth, j), expected + s
-        rate = expected / cost.seconds(batch + n, drafted, depth)
+        rate = expected / (cost.seconds(batch + n, depth, drafted, draft_depth) + behind)
         if rate > best_rate:
             best, best_rate = n, rate
     ks = [0] * batch
     for _, i, j in order[:best]:
         ks[i] = j
-    return ks, best_rate, batch / cost.seconds(batch, 0, 0)
+    return ks, best_rate, batch / cost.seconds(batch, 0)
 
 
 class PerRequestPolicy:
@@ -101,28 +126,42 @@ class PerRequestPolicy:
         self._speculated = 0  # speculative steps in a row
         self._plain_wait = probe_every
         self._was_plain = False
+        self._plain_streak, self._batch_wait = 0, probe_every  # all-plain verdicts in a row; before a probe
+        self._last: tuple[tuple, float] | None = None  # what the last all-plain verdict was judged on, its rate
+        self._reused = 0  # verdicts taken from it since it was computed
 
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         self._wait.pop(request_id, None)
 
-    def choose(self, ids: list[str], rates: list[Sequence[float]], caps: list[int], k_max: int, drafts: bool,
-               catch_up: CatchUp, packed: bool = True) -> Allocation:
+    def choose(self, ids: list[str], rates: list[Sequence[float]], caps: list[int], k_max: int,
+               drafts: bool | Sequence[bool], catch_up: CatchUp, packed: bool = True,
+               catch_ups: Sequence[float] | None = None) -> Allocation:
         """ids, rates (by position, k_max of them) and caps (most each may propose) per request;
-        drafts: a model drafts the rows that propose (False: a lookup, no passes); packed: verify
-        passes compute only the real tokens (False: every row padded to the widest)."""
+        drafts: whether a model drafts for each request (or all) when it proposes (False: a lookup,
+        no passes); packed: verify
+        passes compute only the real tokens (False: every row padded to the widest); catch_ups:
+        seconds the draft needs per request before it can propose for it (a long lag)."""
         caps = [min(c, k_max) for c in caps]
-        table = [[1.0] + [1.0 + sum(survival(r, min(c, k))) for k in range(1, k_max + 1)] for r, c in zip(rates, caps)]
-        cost = StepCost(self.costs, len(ids), k_max, drafts, first_pass_widths(table, caps, catch_up), packed)
-        ks, rate, plain = allocate(rates, caps, cost)
+        key = (tuple(ids), tuple(caps), tuple(r[0] for r in rates))  # the batch, its room and its estimates
+        if self._last is not None and self._last[0] == key and self._reused < REUSE_PLAIN:
+            self._reused += 1  # nothing it was judged on has changed but the costs, a little
+            return self._probed(ids, [0] * len(ids), caps, 0.0, self._last[1])
+        survivals = [survival(r, c) for r, c in zip(rates, caps)]
+        table = [[1.0, *accumulate(row + [0.0] * (k_max - len(row)), initial=1.0)][1:] for row in survivals]
+        cost = StepCost(self.costs, len(ids), k_max, first_pass_widths(table, caps, catch_up), packed)
+        drafts = [drafts] * len(ids) if isinstance(drafts, bool) else list(drafts)
+        ks, rate, plain = allocate(survivals, cost, drafts, catch_ups)
         margin = (1.0 + self.hysteresis) if self._was_plain else 1.0 / (1.0 + self.hysteresis)
         if rate < margin * plain:  # plain decoding, unless speculation wins by the margin (or loses within it)
             ks, self._plain_wait = [0] * len(ids), self.probe_every
+        self._last, self._reused = ((key, plain), 0) if not any(ks) else (None, 0)
         return self._probed(ids, ks, caps, rate, plain)
 
     def _probed(self, ids: list[str], ks: list[int], caps: list[int], rate: float, plain: float) -> Allocation:
-        """Per-request probes (at most one a PROBE_ROWS rows, those held at 0 longest) and the plain
-        probe (module docstring) applied to the allocation."""
+        """Probes (module docstring) applied to the allocation: in a speculative step, the requests
+        held at 0 long enough (at most one a PROBE_ROWS rows, the longest held first); after a
+        run of all-plain verdicts, the one held longest; after a run of speculative ones, a plain step."""
         self._was_plain = not any(ks)
         due = []
         for i, rid in enumerate(ids):
@@ -133,6 +172,15 @@ class PerRequestPolicy:
                 if self._held[rid] >= self._wait.setdefault(rid, self.probe_every):
                     due.append(i)
         due.sort(key=lambda i: -self._held[ids[i]])
+        if self._was_plain:
+            self._plain_streak += 1
+            due = [max((i for i, c in enumerate(caps) if c), key=lambda i: self._held[ids[i]])] \
+                if self._plain_streak >= self._batch_wait and any(caps) else []
+            if due:
+                self._plain_streak, self._batch_wait = 0, min(2 * self._batch_wait, MAX_PROBE_BACKOFF * self.probe_every)
+                self._last = None  # the probe's round is new evidence: judge afresh
+        else:
+            self._plain_streak, self._batch_wait = 0, self.probe_every
         for i in due[:max(1, len(ids) // PROBE_ROWS)]:
             ks[i], rid = min(PROBE_K, caps[i]), ids[i]
             self._held[rid], self._wait[rid] = 0, min(2 * self._wait[rid], MAX_PROBE_BACKOFF * self.probe_every)

@@ -67,8 +67,8 @@ def test_a_request_gets_no_more_than_its_cap():
 
 def test_the_allocation_takes_positions_in_survival_order():
     # request 0's third position survives (0.9^3 = 0.73) more often than request 1's first (0.5)
-    cost = StepCost(costs_at(2), 2, 4, drafts=False, widths=[1.0] * 5)
-    ks, rate, plain = allocate([[0.9] * 4, [0.5] * 4], [4, 4], cost)
+    cost = StepCost(costs_at(2), 2, 4, widths=[1.0] * 5)
+    ks, rate, plain = allocate([survival([0.9] * 4, 4), survival([0.5] * 4, 4)], cost, drafts=[False, False])
     assert ks[0] >= 3 and ks[0] >= ks[1]
     assert rate > plain
     assert survival([0.5, 0.5, 0.5], 2) == [0.5, 0.25]
@@ -105,3 +105,35 @@ def test_packed_verify_cost_follows_total_tokens_once_measured():
         costs.observe_packed(8, total, (5.0 + 0.25 * total) * 1e-3)
     assert costs.packed_verify_time(8, 24) == pytest.approx(11e-3, rel=1e-6)
     assert costs.packed_verify_time(8, 8) == pytest.approx(costs.verify_times(8, 1)[0])  # plain: as measured
+
+
+def test_a_request_the_draft_lags_far_behind_pays_its_catch_up():
+    ids = ["caught_up", "behind"]
+    rates = measured({"caught_up": (4, 6), "behind": (4, 6)}).rates(ids, 6)
+    policy = PerRequestPolicy(costs_at(2), probe_every=1000)
+    even = policy.choose(ids, rates, [6, 6], 6, drafts=True, catch_up="own").ks
+    assert all(even)
+    ks = policy.choose(ids, rates, [6, 6], 6, drafts=True, catch_up="own", catch_ups=[0.0, 0.05]).ks
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_an_all_plain_batch_probes_one_request_at_a_time():
+    ids = [f"r{i}" for i in range(16)]
+    rates = measured({rid: (0, 6) for rid in ids}).rates(ids, 6)
+    policy = PerRequestPolicy(costs_at(16, token_ms=8.0), probe_every=4)
+    choices = [policy.choose(ids, rates, [6] * 16, 6, drafts=True, catch_up="own") for _ in range(13)]
+    probed = [n for n, c in enumerate(choices) if c.reason == "probe"]
+    assert probed == [3, 11]  # after 4 plain verdicts, then 8
+    assert all(sum(k > 0 for k in choices[n].ks) == 1 for n in probed)
+    assert all(not any(c.ks) for n, c in enumerate(choices) if n not in probed)
+
+
+def test_a_request_its_lookup_proposes_for_pays_no_drafting():
+    """hybrid: a request whose rounds the n-gram lookup proposes needs no draft pass; the same
+    acceptance with the head drafting costs more, so at a drafting cost that outweighs it, only
+    the first speculates."""
+    ids = ["looked_up", "drafted"]
+    rates = measured({"looked_up": (3, 6), "drafted": (3, 6)}).rates(ids, 6)
+    costs = costs_at(2, draft_ms=6.0)
+    ks = PerRequestPolicy(costs).choose(ids, rates, [6, 6], 6, drafts=[False, True], catch_up="own").ks
+    assert ks[0] > 0 and ks[1] == 0
