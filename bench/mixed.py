@@ -7,7 +7,9 @@ T = 0.8), sent together, speculating by `hybrid` (prompt lookup, else the EAGLE-
 
 Variants, interleaved (A B C, C B A, ...) per batch size: plain, one K a step (the adaptive policy
 as before per-request K), the same again (an A/A pair: the noise floor) and a K per request
-(`k_per_request`). Throughput is sweep.py's window: decode tokens while all requests are in
+(`k_per_request`); with --oracle, fixed K per kind of request through each request's own
+`spec_length` (edits 4 and code 0, ...: what a perfect allocation could choose from). Throughput
+is sweep.py's window: decode tokens while all requests are in
 flight, after the proposer's catch-up step. `--halves` runs each half alone at half the batch,
 plain, fixed K and adaptive: the best a single K can do for it.
 """
@@ -27,17 +29,23 @@ HIGH_TEMPERATURE = 0.8  # the low-acceptance half samples at this temperature
 ONE_K = adaptive("hybrid")
 PER_REQUEST = {**ONE_K, "k_per_request": True}
 VARIANTS = {"plain": PLAIN, "one K": ONE_K, "one K (A/A)": ONE_K, "per-request K": PER_REQUEST}
+# fixed K per kind of request, through each request's own spec_length cap: the allocations a perfect
+# per-request policy could pick from (--oracle)
+ORACLE = {f"fixed: edits {e}, code {c}": (e, c) for e, c in ((4, 0), (4, 2), (3, 3))}
 HALF_VARIANTS = {"edit": {"plain": PLAIN, **{f"K={k}": fixed("hybrid", k) for k in (2, 4, 6)}, "adaptive": ONE_K},
                  "code": {"plain": PLAIN, **{f"K={k}": fixed("hybrid", k) for k in (1, 2, 3)}, "adaptive": ONE_K}}
 
 
-def batch_of(workload: str, batch: int, repeat: int, tokens: int) -> tuple[list[str], list]:
+def batch_of(workload: str, batch: int, repeat: int, tokens: int, caps: tuple[int, int] | None = None
+             ) -> tuple[list[str], list]:
     """Repeat `repeat`'s prompts and SamplingParams: `batch` of the workload ("mix": edits greedy and
-    code at HIGH_TEMPERATURE alternating), each pool's next prompts after the previous repeat's."""
+    code at HIGH_TEMPERATURE alternating), each pool's next prompts after the previous repeat's;
+    caps: (edits', code's) spec_length."""
     from engine import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    hot = SamplingParams(temperature=HIGH_TEMPERATURE, max_tokens=tokens, ignore_eos=True, seed=0)
+    edit_cap, code_cap = caps or (None, None)
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, spec_length=edit_cap)
+    hot = SamplingParams(temperature=HIGH_TEMPERATURE, max_tokens=tokens, ignore_eos=True, seed=0, spec_length=code_cap)
     kinds = {"mix": ["edit", "code"] * (batch // 2) + ["edit"] * (batch % 2), "edit": ["edit"] * batch,
              "code": ["code"] * batch}[workload]
     pools = {"edit": load_prompts("edit"), "code": load_prompts("code")}
@@ -51,19 +59,23 @@ def batch_of(workload: str, batch: int, repeat: int, tokens: int) -> tuple[list[
     return prompts, params
 
 
-def run_variants(llm, variants: dict[str, dict], workload: str, batch: int, args) -> dict:
-    """Each variant's runs at this batch, interleaved; medians and ratios to plain and to one K."""
-    def variant(cfg):
+def run_variants(llm, variants: dict[str, dict], workload: str, batch: int, args,
+                 oracle: dict[str, tuple[int, int]] | None = None) -> dict:
+    """Each variant's runs at this batch, interleaved (and the oracle's fixed K per kind);
+    medians and ratios to plain and to one K."""
+    def variant(cfg, caps=None):
         repeats = itertools.count()
 
         def go():
             llm.engine.reconfigure_speculation(**cfg)
-            return run_batch(llm, *batch_of(workload, batch, next(repeats), args.tokens))
+            return run_batch(llm, *batch_of(workload, batch, next(repeats), args.tokens, caps))
         return go
 
     llm.engine.reconfigure_speculation(**PLAIN)
     run_batch(llm, *batch_of(workload, batch, 0, args.tokens))  # warm-up
-    runs = interleave({name: variant(cfg) for name, cfg in variants.items()}, args.repeats, f"{workload} {batch}")
+    calls = {name: variant(cfg) for name, cfg in variants.items()}
+    calls.update({name: variant(fixed("hybrid", max(caps)), caps) for name, caps in (oracle or {}).items()})
+    runs = interleave(calls, args.repeats, f"{workload} {batch}")
     row = {name: {"tok_s": summarize(rs, "tok_s"), "window_k_steps": _k_steps(rs)} for name, rs in runs.items()}
     for name, rs in runs.items():
         row[name]["vs_plain"] = summarize([{"r": a["tok_s"] / p["tok_s"]} for a, p in zip(rs, runs["plain"])], "r")
@@ -84,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--workload", choices=["mix", "edit", "code"], default="mix")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--oracle", action="store_true", help="add fixed K per kind of request (the mix only)")
     ap.add_argument("--halves", action="store_true", help="each half alone at half the batch (the ceiling)")
     ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head hybrid falls back to")
     ap.add_argument("--out", default=None, help="results name (default: mixed_<workload>, or mixed_halves)")
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             line = "  ".join(f"{half}: " + " ".join(f"{n} {v['vs_plain']['median']:.2f}x" for n, v in row.items())
                              for half, row in results[str(b)].items())
         else:
-            results[str(b)] = row = run_variants(llm, {n: VARIANTS[n] for n in args.variants}, args.workload, b, args)
+            results[str(b)] = row = run_variants(llm, {n: VARIANTS[n] for n in args.variants}, args.workload, b, args,
+                                                 ORACLE if args.oracle and args.workload == "mix" else None)
             line = "  ".join(f"{n} {v['tok_s']['median']:.0f} tok/s ({v['vs_plain']['median']:.2f}x plain, "
                              f"{v.get('vs_one_k', {}).get('median', 1):.3f}x one K)" for n, v in row.items())
         print(f"batch {b:3d}: {line}", flush=True)

@@ -20,7 +20,7 @@ from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts
 from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
-from engine.speculative.policy.per_request import PerRequestPolicy
+from engine.speculative.policy.per_request import PROBE_K, PerRequestPolicy
 from engine.speculative.policy.shape_choice import ShapeChoice
 from engine.speculative.policy.tree_width import RankAcceptance
 from engine.speculative.proposers.base import Proposal
@@ -29,7 +29,8 @@ from engine.speculative.proposers.suffix import SuffixCache
 from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
-TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
+TREE_COST_SLACK = 0.05
+TRIED_ROUNDS = 3  # k_per_request: a request proposes one position past those judged in this many of its rounds  # adaptive: a tree's verify pass may cost this much more than the chain's
 
 
 def _sampled(reqs: list[Request]) -> bool:
@@ -238,7 +239,7 @@ class SpeculativeDecoder:
     def _observe_verify(self, widths: list[int], seconds: float) -> None:
         """A verify pass's time: by the tokens it computed, and as a (B, widest) pass unless packed."""
         model = self.runner.model
-        self.costs.observe_packed(len(widths), computed_tokens(model, widths), seconds)
+        self.costs.observe_packed(len(widths), computed_tokens(model, widths), len(widths) * max(widths), seconds)
         if not packs(model, widths):
             self.costs.observe_target(len(widths), max(widths), seconds)
 
@@ -277,14 +278,20 @@ class SpeculativeDecoder:
 
     def _per_request_plan(self, reqs: list[Request], caps: list[int]) -> RoundPlan:
         """The adaptive policy's K for each request (policy/per_request.py)."""
-        ids = [r.request_id for r in reqs]
-        rates = self.acceptance.rates(ids, self.settings.spec_length)
+        ids, k_max, version = [r.request_id for r in reqs], self.settings.spec_length, self.acceptance.version
+        # one position past those judged: a deeper one's rate is only borrowed from the last
+        caps = [min(c, max(PROBE_K, tried + 1)) for c, tried in zip(caps, self.acceptance.tried(ids, TRIED_ROUNDS))]
+        chosen = self.per_request.reuse(ids, caps, k_max, version)
+        if chosen is not None:
+            return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
+        rates = self.acceptance.rates(ids, k_max)
         catch_ups = None
         if self.proposer.runs_model:  # a request the draft lags far behind pays its catch-up when it drafts
             long = self.proposer.long_catch_up
             catch_ups = [self.costs.catch_up_time(n) if n > long else 0.0 for n in self.proposer.lag(reqs)]
-        chosen = self.per_request.choose(ids, rates, caps, self.settings.spec_length, self._model_rows(reqs),
-                                         self.proposer.catch_up, self.runner.model.graphs is None, catch_ups)
+        chosen = self.per_request.choose(ids, rates, caps, k_max, self._model_rows(reqs), self.proposer.catch_up,
+                                         self.runner.model.graphs is None, catch_ups,
+                                         [r.params.max_tokens - len(r.output_token_ids) for r in reqs], version)
         return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
 
     def _model_rows(self, reqs: list[Request]) -> list[bool]:

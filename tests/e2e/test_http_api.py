@@ -70,6 +70,8 @@ def test_completion_stream_is_incremental_and_ends_with_usage_then_done(server):
     spec = last["speculation"]
     assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0 and spec["rounds"] >= 1
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
+    steps = sum(spec["k_histogram"].values())  # decode steps by the K chosen for this request
+    assert steps >= spec["rounds"] and spec["mean_k"] == sum(int(k) * n for k, n in spec["k_histogram"].items()) / steps
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 

@@ -195,7 +195,7 @@ class MeasuredCosts:
         self.smoothing = smoothing
         self.other = TimingTable()  # (B, K) -> a decode step's seconds outside its passes
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
-        self.packed: dict[int, LineEstimate] = {}  # batch bucket -> (total tokens -> seconds) of packed target passes
+        self.packed: dict[int, PassCostFit] = {}  # batch bucket -> verify passes by tokens and slots
         self.draft_pass_seconds = 0.0  # all draft passes observed so far (what a proposer spent beyond them is "other")
 
     TABLES = ("target", "draft_first", "draft", "other")
@@ -219,13 +219,15 @@ class MeasuredCosts:
     def observe_target(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self.target.observe(batch, tokens_per_seq, seconds)
 
-    def observe_packed(self, batch: int, total_tokens: int, seconds: float) -> None:
-        """A verify pass over `batch` rows computing `total_tokens` tokens in all (packed)."""
-        self.packed.setdefault(batch_bucket(batch), LineEstimate(self.smoothing)).observe(total_tokens, seconds)
+    def observe_packed(self, batch: int, tokens: int, slots: int, seconds: float) -> None:
+        """A verify pass over `batch` rows whose linears computed `tokens` tokens (the rows' total
+        when packed) in a padded layout of `slots` (rows x the widest row)."""
+        self.packed.setdefault(batch_bucket(batch), PassCostFit(self.smoothing)).observe(tokens, slots, seconds)
 
-    def packed_verify_time(self, batch: int, total_tokens: int) -> float:
-        """Seconds of a target pass over `batch` rows and `total_tokens` tokens (PackedVerify)."""
-        return PackedVerify(self, batch, max(1, math.ceil(total_tokens / batch) - 1))(total_tokens)
+    def packed_verify_time(self, batch: int, total_tokens: int, depth: int) -> float:
+        """Seconds of a target pass over `batch` rows, `total_tokens` tokens, the widest row
+        depth + 1 tokens (PackedVerify)."""
+        return PackedVerify(self, batch, max(1, depth))(total_tokens, depth)
 
     def observe_draft_first(self, batch: int, width: int, seconds: float) -> None:
         self.draft_first.observe(batch, width, seconds)
@@ -275,30 +277,59 @@ class MeasuredCosts:
         return self.catch_up(tokens)
 
 
+class PassCostFit:
+    """seconds = a + b tokens + c slots of verify passes, by least squares over exponentially
+    weighted moments: `tokens` the linears computed (a packed pass: the rows' total), `slots` the
+    padded layout that attention, RoPE and the K/V writes run over (rows x the widest row). A
+    padded pass has tokens = slots, so until ragged passes have told the two apart there is no fit."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self._moments: list[float] | None = None  # means of x_i x_j (i <= j) and x_i y, x = (1, tokens, slots)
+
+    def observe(self, tokens: float, slots: float, seconds: float) -> None:
+        x = (1.0, float(tokens), float(slots))
+        new = [x[i] * x[j] for i in range(3) for j in range(i, 3)] + [v * seconds for v in x]
+        self._moments = new if self._moments is None else [
+            smoothed(old, n, self.smoothing) for old, n in zip(self._moments, new)]
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None while tokens and slots have not varied apart or a part comes out < 0."""
+        if self._moments is None:
+            return None
+        s00, s01, s02, s11, s12, s22, v0, v1, v2 = self._moments
+        m = [[s00, s01, s02], [s01, s11, s12], [s02, s12, s22]]
+        det = _det3(m)
+        if det <= 1e-6 * s00 * s11 * s22:  # (near) collinear
+            return None
+        coef = [_det3([[v if k == col else m[r][k] for k in range(3)] for r, v in enumerate((v0, v1, v2))]) / det
+                for col in range(3)]
+        return tuple(coef) if coef[1] >= 0 and coef[2] >= 0 else None
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
 class PackedVerify:
-    """Seconds of a target pass over `batch` rows by its total tokens (up to batch x (k_max + 1)):
-    plain (one token a row) as measured; a packed verify pass on the line measured on such passes
-    at the batch's bucket once their tokens have varied, else as the padded pass of the same tokens
-    (total / batch a row, interpolated in the padded table). Fixed for a step: the policy prices
-    many allocations with it."""
+    """Seconds of a target pass over `batch` rows by its total tokens and its widest row: plain
+    (one token a row) as measured; a ragged verify pass on the fit of such passes at the batch's
+    bucket (PassCostFit) once there is one, else as the padded pass of the same tokens (total /
+    batch a row, interpolated in the padded table). Fixed for a step: the policy prices many
+    allocations with it."""
 
     def __init__(self, costs: MeasuredCosts, batch: int, k_max: int):
         self.batch = batch
         self.padded = costs.verify_times(batch, k_max)  # [k_max + 1]
-        line = costs.packed.get(batch_bucket(batch))
-        self.line = line.coefficients() if line is not None and line.varied else None  # (a, b) of a + b x
+        fit = costs.packed.get(batch_bucket(batch))
+        self.fit = fit.coefficients() if fit is not None else None
 
-    def __call__(self, total_tokens: float) -> float:
-        if total_tokens > self.batch and self.line is not None:
-            return max(self.padded[0], self.line[0] + self.line[1] * total_tokens)
+    def __call__(self, total_tokens: float, depth: int) -> float:
+        if total_tokens > self.batch and self.fit is not None:
+            a, b, c = self.fit
+            return max(self.padded[0], a + b * total_tokens + c * self.batch * (depth + 1))
         return interpolated(self.padded, min(total_tokens / self.batch - 1.0, len(self.padded) - 1))
-
-    def least_per_token(self) -> float:
-        """A lower bound of what one more token costs (past plain)."""
-        if self.line is not None:
-            return self.line[1]
-        steps = [b - a for a, b in zip(self.padded, self.padded[1:])]
-        return max(0.0, min(steps)) / self.batch
 
 
 LINE_TRUST = 4.0  # observations' worth of trust a fitted line has against an entry's own figure

@@ -74,6 +74,7 @@ class AcceptanceEstimates:
     def __init__(self):
         self._by_request: dict[str, AcceptanceByPosition] = {}
         self._recent = AcceptanceByPosition(decay=0.98)
+        self.version = 0  # changes whenever any estimate may have
 
     def rates(self, request_ids: list[str], positions: int) -> list[tuple[float, ...]]:
         """h_1..h_positions for each request."""
@@ -84,12 +85,22 @@ class AcceptanceEstimates:
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         self._by_request.setdefault(request_id, AcceptanceByPosition()).update(num_accepted, num_proposed)
         self._recent.update(num_accepted, num_proposed)
+        self.version += 1
+
+    def tried(self, request_ids: list[str], rounds: int = 1) -> list[int]:
+        """How many leading draft positions each request has had judged in at least `rounds` rounds."""
+        out = []
+        for rid in request_ids:
+            judged = self._by_request[rid].judged if rid in self._by_request else []
+            out.append(next((j for j, n in enumerate(judged) if n < rounds), len(judged)))
+        return out
 
     def forget(self, request_id: str) -> None:
         self._by_request.pop(request_id, None)
 
     def end_step(self) -> None:
         self._recent.age()
+        self.version += 1
 
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:

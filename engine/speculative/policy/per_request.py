@@ -49,16 +49,12 @@ class StepCost:
         self.other = costs.other_times(batch, k_max)  # [k_max + 1]
         self._draft: dict[int, list[float]] = {}  # rows -> seconds of drafting at depth 0..k_max
 
-    def least_per_token(self) -> float:
-        """A lower bound of what one more verified token costs (0 where passes are padded)."""
-        return self.verify.least_per_token() if self.packed else 0.0
-
     def seconds(self, total_tokens: int, depth: int, rows_drafted: int = 0, draft_depth: int = 0) -> float:
         """A step verifying `total_tokens` (its widest row depth + 1), a model drafting
         `rows_drafted` rows to `draft_depth`."""
         if not self.packed:
             total_tokens = self.batch * (depth + 1)
-        t = self.verify(total_tokens) + interpolated(self.other, min(total_tokens / self.batch - 1.0, self.k_max))
+        t = self.verify(total_tokens, depth) + interpolated(self.other, min(total_tokens / self.batch - 1.0, self.k_max))
         if rows_drafted:
             t += self._drafting(rows_drafted)[draft_depth]
         return t
@@ -99,10 +95,7 @@ def allocate(survivals: list[list[float]], cost: StepCost, drafts: Sequence[bool
                    key=lambda x: (-x[0], x[2]))
     ks = [0] * batch
     best, best_rate, expected, depth, drafted, draft_depth, behind = 0, 0.0, float(batch), 0, 0, 0, 0.0
-    least = cost.least_per_token()
     for n, (s, i, j) in enumerate(order, 1):
-        if s < best_rate * least:  # this and every later position would lower the rate below the best
-            break
         if ks[i] == 0 and drafts[i]:
             drafted, behind = drafted + 1, behind + catch_ups[i]
         if drafts[i]:
@@ -134,23 +127,35 @@ class PerRequestPolicy:
         self._held.pop(request_id, None)
         self._wait.pop(request_id, None)
 
+    def reuse(self, ids: list[str], caps: list[int], k_max: int, version: object) -> Allocation | None:
+        """The last all-plain verdict again, for up to REUSE_PLAIN steps, where nothing it was
+        judged on has changed (the batch, its room, the estimates' version) but the costs, a
+        little; None: choose afresh."""
+        caps = [min(c, k_max) for c in caps]
+        if self._last is None or self._last[0] != (tuple(ids), tuple(caps), version) or self._reused >= REUSE_PLAIN:
+            return None
+        self._reused += 1
+        return self._probed(ids, [0] * len(ids), caps, 0.0, self._last[1])
+
     def choose(self, ids: list[str], rates: list[Sequence[float]], caps: list[int], k_max: int,
                drafts: bool | Sequence[bool], catch_up: CatchUp, packed: bool = True,
-               catch_ups: Sequence[float] | None = None) -> Allocation:
+               catch_ups: Sequence[float] | None = None, tokens_left: Sequence[int] | None = None,
+               version: object = None) -> Allocation:
         """ids, rates (by position, k_max of them) and caps (most each may propose) per request;
         drafts: whether a model drafts for each request (or all) when it proposes (False: a lookup,
-        no passes); packed: verify
-        passes compute only the real tokens (False: every row padded to the widest); catch_ups:
-        seconds the draft needs per request before it can propose for it (a long lag)."""
+        no passes); packed: verify passes compute only the real tokens (False: every row padded to
+        the widest); catch_ups: seconds the draft needs per request before it can propose for it
+        (a long lag), paid once and so spread over the rounds the request has left (tokens_left,
+        at its expected tokens a round); version: the estimates' (for `reuse`)."""
         caps = [min(c, k_max) for c in caps]
-        key = (tuple(ids), tuple(caps), tuple(r[0] for r in rates))  # the batch, its room and its estimates
-        if self._last is not None and self._last[0] == key and self._reused < REUSE_PLAIN:
-            self._reused += 1  # nothing it was judged on has changed but the costs, a little
-            return self._probed(ids, [0] * len(ids), caps, 0.0, self._last[1])
+        key = (tuple(ids), tuple(caps), version)
         survivals = [survival(r, c) for r, c in zip(rates, caps)]
         table = [[1.0, *accumulate(row + [0.0] * (k_max - len(row)), initial=1.0)][1:] for row in survivals]
         cost = StepCost(self.costs, len(ids), k_max, first_pass_widths(table, caps, catch_up), packed)
         drafts = [drafts] * len(ids) if isinstance(drafts, bool) else list(drafts)
+        if catch_ups is not None:
+            left = tokens_left or [1] * len(ids)
+            catch_ups = [c / max(1.0, n / (1.0 + sum(sv))) for c, n, sv in zip(catch_ups, left, survivals)]
         ks, rate, plain = allocate(survivals, cost, drafts, catch_ups)
         margin = (1.0 + self.hysteresis) if self._was_plain else 1.0 / (1.0 + self.hysteresis)
         if rate < margin * plain:  # plain decoding, unless speculation wins by the margin (or loses within it)

@@ -116,6 +116,10 @@ def test_reconfigure_changes_method_and_validates(tiny_model, tiny_draft):
     assert eng.stats()["speculation"]["speculative_method"] == "ngram" and eng.speculation.proposer.name == "ngram"
     assert eng.reconfigure_speculation(verification="block").verification == "block"  # live, like the others
     assert eng.speculation.settings.verification == "block"
+    assert eng.reconfigure_speculation(k_per_request=True).k_per_request  # live too
+    assert eng.stats()["speculation"]["k_per_request"] is True
+    with pytest.raises(ValueError, match="k_per_request"):
+        eng.reconfigure_speculation(k_per_request="yes")
     with pytest.raises(ValueError, match="spec_length"):
         eng.reconfigure_speculation(spec_length=0)
     with pytest.raises(ValueError, match=r"unknown speculation field\(s\): \['draft_model'\]"):
@@ -170,11 +174,12 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
     assert sum(totals.values()) <= outer  # the phases partition each step's own wall time
 
 
-def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
+@pytest.mark.parametrize("policy", [{}, {"spec_policy": "adaptive", "k_per_request": True}], ids=["fixed", "per_request"])
+def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft, policy):
     from engine.metrics import METRIC_BY_NAME, StepMetrics
     from tests.helpers import InMemoryRecorder
 
-    llm = spec_llm(tiny_model[0], tiny_draft[0])
+    llm = spec_llm(tiny_model[0], tiny_draft[0], **policy)
     eng = llm.engine
     rec = InMemoryRecorder()
     metrics = StepMetrics(rec, "m")
@@ -188,6 +193,10 @@ def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft):
     assert rec.total("specserve_generation_tokens_total") == 20 * len(PROMPTS)
     assert rec.total("specserve_requests_total", finish_reason="length", proposer="draft") == len(PROMPTS)
     assert rec.total("specserve_accepted_tokens_by_position_total") == rec.total("specserve_draft_accepted_tokens_total")
+    ks = [k for key, values in rec.observations.items() if key[0] == "specserve_spec_k_per_request" for k in values]
+    assert sum(sum(o.k_chosen.values()) for o in outs) == len(ks) > 0  # every request of every decode step
+    assert sum(k * n for o in outs for k, n in o.k_chosen.items()) == sum(ks)
+    assert all(max(o.k_chosen) <= 4 for o in outs)  # never past spec_length
     first = rec.total("specserve_accepted_tokens_by_position_total", position="1")
     assert first <= rec.total("specserve_proposed_tokens_by_position_total", position="1")
     for key in list(rec.counters) + list(rec.gauges) + list(rec.observations):

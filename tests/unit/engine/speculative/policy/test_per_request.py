@@ -97,14 +97,16 @@ def test_hysteresis_keeps_plain_decoding_until_speculation_wins_by_the_margin():
         assert any(policy.choose(ids, high, [6, 6], 6, drafts=True, catch_up="own").ks) == speculates
 
 
-def test_packed_verify_cost_follows_total_tokens_once_measured():
+def test_a_verify_pass_is_priced_by_its_tokens_and_its_widest_row_once_ragged_passes_were_measured():
     costs = costs_at(8)
-    padded = costs.packed_verify_time(8, 16)  # before any packed pass: the padded table at 2 tokens a row
-    assert padded == pytest.approx(costs.verify_times(8, 1)[1])
-    for total in (12, 20, 28, 40):
-        costs.observe_packed(8, total, (5.0 + 0.25 * total) * 1e-3)
-    assert costs.packed_verify_time(8, 24) == pytest.approx(11e-3, rel=1e-6)
-    assert costs.packed_verify_time(8, 8) == pytest.approx(costs.verify_times(8, 1)[0])  # plain: as measured
+    before = costs.packed_verify_time(8, 16, 1)  # no ragged pass yet: the padded table at 2 tokens a row
+    assert before == pytest.approx(costs.verify_times(8, 1)[1])
+    for tokens, slots in ((16, 16), (24, 24), (12, 40), (20, 48), (14, 24)):  # padded and ragged passes
+        costs.observe_packed(8, tokens, slots, (5.0 + 0.2 * tokens + 0.05 * slots) * 1e-3)
+    # 40 tokens, the widest row 6 (48 slots): 5 + 8 + 2.4 ms; the same tokens padded to 9 a row cost more
+    assert costs.packed_verify_time(8, 40, 5) == pytest.approx(15.4e-3, rel=1e-6)
+    assert costs.packed_verify_time(8, 40, 8) == pytest.approx(16.6e-3, rel=1e-6)
+    assert costs.packed_verify_time(8, 8, 0) == pytest.approx(costs.verify_times(8, 1)[0])  # plain: as measured
 
 
 def test_a_request_the_draft_lags_far_behind_pays_its_catch_up():
