@@ -15,8 +15,8 @@ and speculation the hysteresis margin keeps the side the last step took while wi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 from engine.speculative.policy.costs import MeasuredCosts, PackedVerify, interpolated
 from engine.speculative.policy.k_choice import first_pass_widths
