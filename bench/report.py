@@ -577,6 +577,33 @@ def moe(r: dict) -> list[str]:
     return lines + [""]
 
 
+def mixed(r: dict, halves: dict | None) -> list[str]:
+    """A K per request on the mixed batch (and uniform ones): each variant ÷ plain, and per-request ÷ one K."""
+    workload = {"mix": "edits greedy and code at T = 0.8, half each", "edit": "all edits (greedy)",
+                "code": "all code at T = 0.8"}[r["workload"]]
+    names = list(next(iter(r["results"].values())))
+    lines = [f"**A K per request, {workload}** — `hybrid` (prompt lookup, else the EAGLE-3 head), "
+             f"{r['tokens']} tokens a request, {r['repeats']} interleaved repeats: median tok/s ÷ plain, and "
+             f"per-request K ÷ one K paired per repeat, median [range]; {_host(r['machine'])} "
+             f"(`python -m bench mixed --workload {r['workload']}`).", "",
+             "| batch | " + " | ".join(names) + " | per-request ÷ one K |", "| --- " * (len(names) + 2) + "|"]
+    for batch, row in r["results"].items():
+        paired = row["per-request K"]["vs_one_k"]
+        lines.append(f"| {batch} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f} ({row[n]['vs_plain']['median']:.2f}x)"
+                                                for n in names)
+                     + f" | {paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] |")
+    if halves is not None and r["workload"] == "mix":
+        lines += ["", "Each half alone at half the batch (the ceiling a single K reaches for it), best ÷ plain:", "",
+                  "| batch | edits: best | code: best |", "| --- | --- | --- |"]
+        for batch, row in halves["results"].items():
+            cells = []
+            for half in ("edit", "code"):
+                best = max(row[half], key=lambda n: row[half][n]["tok_s"]["median"])
+                cells.append(f"{best} {row[half][best]['vs_plain']['median']:.2f}x")
+            lines.append(f"| {batch} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
 def build() -> str:
     out: list[str] = []
     if (targets := summary()):
@@ -602,6 +629,9 @@ def build() -> str:
     for name, fn in (("quantized_cpu", quantized), ("moe_cpu", moe)):
         if (r := _load(name)) is not None:
             out += fn(r)
+    for name in ("mixed_mix", "mixed_edit", "mixed_code"):
+        if (r := _load(name)) is not None:
+            out += mixed(r, _load("mixed_ceiling_halves"))
     return "\n".join(out)
 
 

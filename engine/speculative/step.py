@@ -29,8 +29,8 @@ from engine.speculative.proposers.suffix import SuffixCache
 from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
-TREE_COST_SLACK = 0.05
-TRIED_ROUNDS = 3  # k_per_request: a request proposes one position past those judged in this many of its rounds  # adaptive: a tree's verify pass may cost this much more than the chain's
+TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
+TRIED_ROUNDS = 1  # k_per_request: a request proposes one position past those judged in this many of its rounds (0: no limit)
 
 
 def _sampled(reqs: list[Request]) -> bool:
@@ -280,7 +280,8 @@ class SpeculativeDecoder:
         """The adaptive policy's K for each request (policy/per_request.py)."""
         ids, k_max, version = [r.request_id for r in reqs], self.settings.spec_length, self.acceptance.version
         # one position past those judged: a deeper one's rate is only borrowed from the last
-        caps = [min(c, max(PROBE_K, tried + 1)) for c, tried in zip(caps, self.acceptance.tried(ids, TRIED_ROUNDS))]
+        if TRIED_ROUNDS:
+            caps = [min(c, max(PROBE_K, tried + 1)) for c, tried in zip(caps, self.acceptance.tried(ids, TRIED_ROUNDS))]
         chosen = self.per_request.reuse(ids, caps, k_max, version)
         if chosen is not None:
             return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)

@@ -43,6 +43,9 @@ def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
     assert sections["quantized"]["formats"]["int4"]["linear_bytes_over_bf16"] <= 0.28
     assert set(sections["moe"]["batches"]) == {"1", "4"} and sections["moe"]["pair"]["eps"] > 0
     assert all(c["ok"] for c in sections["moe"]["checks"].values()) and len(sections["moe"]["checks"]) == 2
+    assert set(sections["per_request"]["batches"]) == {"4"}
+    assert set(sections["per_request"]["batches"]["4"]["tok_s"]) == {"plain", "one K", "per-request K"}
+    assert all(c["ok"] for c in sections["per_request"]["checks"].values())
     assert "# GPU check" in (tmp_path / "gpu_cpu_smoke.md").read_text()
 
 

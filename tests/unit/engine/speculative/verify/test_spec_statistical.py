@@ -226,7 +226,7 @@ def test_a_k_per_request_keeps_sampling_exact(pair, monkeypatch, allocation):
     from engine.speculative.policy.per_request import Allocation, PerRequestPolicy
 
     if allocation == "mixed":
-        def mixed(self, ids, rates, caps, k_max, drafts, catch_up, packed=True):
+        def mixed(self, ids, rates, caps, *rest, **kw):
             return Allocation([min(c, i % 3) for i, c in enumerate(caps)], "policy", 1.0, 1.0)
         monkeypatch.setattr(PerRequestPolicy, "choose", mixed)
     tpath, dpath, hf = pair
