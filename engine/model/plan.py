@@ -26,12 +26,13 @@ import torch
 from engine.config import ModelPlan
 from engine.model.families import shape_of
 from engine.model.kernels import one_sequence
+from engine.model.linears import cpu_packs
 from engine.model.loader import load_model, read_config
 from engine.model.passes import fill_slots, pool_for, time_pass
 from engine.model.quant.schemes import scheme_of
 from engine.model.shape import ModelShape
 from engine.model.token_step import TOKEN_STEP_ROWS, TokenStep
-from engine.model.transformer import Transformer, cpu_packs
+from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
 from engine.model.families import family_of
 from engine.model.kernels import fused, one_sequence
+from engine.model.linears import any_linear, cpu_packs, packed_linear
 from engine.model.packing import Packing
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.quant.linear import LinearParts, QuantLinear
@@ -37,35 +38,8 @@ class CapturedPassesLike(Protocol):
 
     def run(self, ids, positions, view, extra): ...
 
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
-
-
-def any_linear(base: Callable, quantized: bool) -> Callable:
-    """x, weight -> x W^T: `base`, or where some weights are quantized linears (quant/linear.py),
-    which run themselves, a dispatch on the weight (kept off dense models' decode loop)."""
-    if not quantized:
-        return base
-
-    def linear(x: torch.Tensor, weight) -> torch.Tensor:
-        return base(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
-    return linear
-
 
 MATMULS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer
-
-
-@functools.cache
-def cpu_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack `dtype` matmul weights on this CPU (probed once on a tiny tensor).
-    float32 packs wherever oneDNN runs; bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
-    except RuntimeError:
-        return False
-    return True
 
 
 class OneSequencePath(NamedTuple):
@@ -169,7 +143,7 @@ class Transformer:
             if lw.experts is not None:
                 lw.experts.pack(pack)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = any_linear(_packed_linear, self.quantized)
+        self._linear = any_linear(packed_linear, self.quantized)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dimension; weight [last] or, per head, [heads, last]."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import ModelPlan
+from engine.model import linears
 from engine.model.loader import load_model, read_shape
 from engine.model.passes import forward_chunks
 from tests.helpers import make_model, pool_for
@@ -41,9 +42,8 @@ def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok
     bf16 model computes in float32: the checkpoint's bf16 weights upcast exactly, a float32 KV
     pool, bit for bit what a float32 load computes."""
     from engine.model import plan as plan_module
-    from engine.model import transformer as transformer_module
 
-    if not transformer_module.cpu_packs(torch.float32):
+    if not linears.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     monkeypatch.setattr(plan_module, "cpu_packs", lambda dtype: dtype == torch.float32)
     make_model(tmp_path, tok_dir, seed=5, dtype=torch.bfloat16)
@@ -67,16 +67,15 @@ def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok
 def test_packed_float32_rows_do_not_depend_on_the_batch():
     """The property exact greedy speculation rests on: a row's result is bit-identical whether
     it is computed alone, in a verify pass of a few rows, or in a large batch."""
-    from engine.model import transformer as transformer_module
 
-    if not transformer_module.cpu_packs(torch.float32):
+    if not linears.cpu_packs(torch.float32):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     torch.manual_seed(0)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 512))  # [out, in]
     x = torch.randn(64, 512)  # [rows, in]
-    full = transformer_module._packed_linear(x, packed)  # [64, out]
+    full = linears.packed_linear(x, packed)  # [64, out]
     for rows in (1, 2, 5, 6, 9, 33):
-        assert torch.equal(transformer_module._packed_linear(x[:rows], packed), full[:rows])
+        assert torch.equal(linears.packed_linear(x[:rows], packed), full[:rows])
 
 
 def _prefill_then_steps(model_dir, m) -> tuple[torch.Tensor, torch.Tensor]:

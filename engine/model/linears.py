@@ -1,0 +1,38 @@
+"""How a layer's x W^T runs: oneDNN's packed-weight matmul on CPU (where it can pack the dtype),
+and the dispatch that lets quantized linears (quant/linear.py) run themselves."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """x W^T with a weight packed by oneDNN (torch.ops.mkldnn._reorder_linear_weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+def any_linear(base: Callable, quantized: bool) -> Callable:
+    """x, weight -> x W^T: `base`, or where some weights are quantized linears (quant/linear.py),
+    which run themselves, a dispatch on the weight (kept off dense models' decode loop)."""
+    if not quantized:
+        return base
+
+    def linear(x: torch.Tensor, weight) -> torch.Tensor:
+        return base(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+    return linear
+
+
+@functools.cache
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack `dtype` matmul weights on this CPU (probed once on a tiny tensor).
+    float32 packs wherever oneDNN runs; bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
