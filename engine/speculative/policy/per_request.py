@@ -1,15 +1,17 @@
 """A K per request (SpecConfig.k_per_request): verify tokens go where they are expected to be
 accepted. Each request's next draft position survives with probability s_ij = h_i1 ... h_ij (its
-acceptance rates by position); a packed verify pass costs by the batch's total tokens, drafting by
-the rows drafted and the deepest. Greedy marginal allocation: positions are taken in order of
+acceptance rates by position). A step's price: the verify pass by its tokens and its widest row
+(costs.PackedVerify), drafting by the rows a model drafts and the deepest, a far-behind request's
+catch-up spread over its rounds left. Greedy marginal allocation: positions are taken in order of
 their survival (within a row that is position order), and the allocation kept is the prefix of
 that order with the most expected tokens per second, the empty prefix (plain decoding) included.
 
-Probes carry over from the one-K policy (k_choice.SpecPolicy), per request: a request held at
-K = 0 for `probe_every` allocations is given PROBE_K once (a few a step, the longest held first), so its estimate follows its text (each
-probe that leaves it at 0 doubles its wait, up to MAX_PROBE_BACKOFF times); after as many
-speculative steps in a row, one step decodes plainly to re-measure the plain pass. Between plain
-and speculation the hysteresis margin keeps the side the last step took while within it.
+Probes carry over from the one-K policy (k_choice.SpecPolicy): while others speculate, a request
+held at K = 0 for `probe_every` allocations is given PROBE_K once (a few a step, the longest held
+first; each probe that leaves it at 0 doubles its wait, up to MAX_PROBE_BACKOFF times); a batch
+decoding plainly probes one request at a time on the same schedule; after as many speculative
+steps in a row, one step decodes plainly to re-measure the plain pass. Between plain and
+speculation the hysteresis margin keeps the side the last step took while within it.
 """
 
 from __future__ import annotations

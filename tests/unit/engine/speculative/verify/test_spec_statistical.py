@@ -221,11 +221,16 @@ def test_penalties_count_the_rounds_proposals(pair, monkeypatch, blind):
 
 @pytest.mark.parametrize("allocation", ["policy", "mixed"])
 def test_a_k_per_request_keeps_sampling_exact(pair, monkeypatch, allocation):
-    """With k_per_request, as the adaptive policy allocates, and with every step forced to give
-    the rows of one packed verify pass K = 0, 1 and 2 in turn."""
-    from engine.speculative.policy.per_request import Allocation, PerRequestPolicy
+    """With k_per_request, as the adaptive policy allocates (at fixed prices, not this host's
+    timings: a verify token costs 0.4 of a row's plain step, so a position is worth proposing
+    where it survives more often than that), and with every step forced to give the rows of one
+    packed verify pass K = 0, 1 and 2 in turn."""
+    from engine.speculative.policy.per_request import Allocation, PerRequestPolicy, StepCost
 
-    if allocation == "mixed":
+    if allocation == "policy":
+        monkeypatch.setattr(StepCost, "seconds", lambda self, total, *rest: 1e-3 * (
+            self.batch + 0.4 * (total - self.batch)))
+    else:
         def mixed(self, ids, rates, caps, *rest, **kw):
             return Allocation([min(c, i % 3) for i, c in enumerate(caps)], "policy", 1.0, 1.0)
         monkeypatch.setattr(PerRequestPolicy, "choose", mixed)
