@@ -125,8 +125,10 @@ PLAIN = {"use_speculative_decoding": False}  # reconfigure_speculation() setting
 
 
 def fixed(method: str, k: int) -> dict:
-    """reconfigure_speculation() settings: speculation by `method` proposing K = k tokens every step."""
-    return {"use_speculative_decoding": True, "speculative_method": method, "spec_length": k, "spec_policy": "fixed"}
+    """reconfigure_speculation() settings: speculation by `method` proposing K = k tokens every step
+    (k_per_request false: after a per-request variant, fixed with it true is an error)."""
+    return {"use_speculative_decoding": True, "speculative_method": method, "spec_length": k, "spec_policy": "fixed",
+            "k_per_request": False}
 
 
 def adaptive(method: str, k_max: int = 8) -> dict:

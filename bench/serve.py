@@ -46,7 +46,8 @@ WORKERS_ENV = {"GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one client process: the
 def modes(ks: list[int], shipped: dict) -> dict[str, dict]:
     """Mode name -> the user_config that applies it (plain, fixed K per k, the shipped adaptive)."""
     out = {"plain": {"use_speculative_decoding": False}}  # alone: the other fields would do nothing, an error
-    out.update({f"K={k}": {**shipped, "use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": k}
+    out.update({f"K={k}": {**shipped, "use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": k,
+                          "k_per_request": False}
                 for k in ks})
     out["adaptive"] = {**shipped, "use_speculative_decoding": True, "spec_policy": "adaptive"}
     return out

@@ -129,6 +129,7 @@ class SpecConfig:
         others = set(getattr(self, "given_fields", ())) - {SPECULATION_SWITCH}
         self.use_speculative_decoding = speculation_switch(self.use_speculative_decoding, others)
         self._check_needs(others if self.use_speculative_decoding else set())
+        self._check_policy()
 
     def _check_values(self) -> None:
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
@@ -155,6 +156,13 @@ class SpecConfig:
             by = f" ({sorted(turned_on_by)} given, which turns speculation on)" if turned_on_by else ""
             raise ValueError(f"speculative_method={self.speculative_method!r} needs a draft model (draft_model){by}")
 
+    def _check_policy(self) -> None:
+        """k_per_request is the adaptive policy's: given true (now or before) with spec_policy
+        fixed, it would do nothing, so it is an error naming both."""
+        if self.spec_policy == "fixed" and self.k_per_request and "k_per_request" in getattr(self, "given_fields", ()):
+            raise ValueError("spec_policy='fixed' with k_per_request=true: a K per request is the adaptive "
+                             "policy's (give spec_policy: adaptive, or k_per_request: false)")
+
     @property
     def needs_draft_model(self) -> bool:
         return SPEC_METHODS.get(self.speculative_method, False)
@@ -180,6 +188,7 @@ class SpecConfig:
                                                           self.use_speculative_decoding)
         new._check_needs(others if new.use_speculative_decoding and not self.use_speculative_decoding else set())
         object.__setattr__(new, "given_fields", self.given_fields | set(changes))
+        new._check_policy()
         return new
 
 

@@ -22,3 +22,21 @@ def test_uniform_batches_take_one_pool_and_wrap():
     assert prompts[:len(edits)] == edits and prompts[len(edits):] == edits[:30 - len(edits)]
     assert {p.temperature for p in params} == {0.0}
     assert {p.temperature for p in batch_of("code", 3, 0, 8)[1]} == {HIGH_TEMPERATURE}
+
+
+def test_the_benches_fixed_settings_follow_a_per_request_variant():
+    """bench mixed --oracle and bench serve switch from a K per request to fixed K live: their
+    fixed settings turn k_per_request off (fixed with it true is a ValueError)."""
+    from bench.common import fixed
+    from bench.mixed import ORACLE, PER_REQUEST
+    from bench.serve import modes
+    from engine.config import SpecConfig
+
+    settings = SpecConfig(draft_model="d", speculative_method="hybrid")
+    for caps in ORACLE.values():
+        settings = settings.updated(PER_REQUEST).updated(fixed("hybrid", max(caps)))
+        assert (settings.spec_policy, settings.k_per_request) == ("fixed", False)
+    for name, config in modes([2, 4], {"spec_policy": "adaptive"}).items():
+        if name.startswith("K="):
+            settings = settings.updated(PER_REQUEST).updated(config)
+            assert (settings.spec_policy, settings.k_per_request) == ("fixed", False)

@@ -108,3 +108,22 @@ def test_live_reconfiguration_of_an_engine_started_plain_names_the_field(tiny_mo
         with pytest.raises(ValueError, match=rf"not configured for this engine at start-up, so \['{next(iter(change))}'\]"):
             engine.reconfigure_speculation(**change)
     assert not engine.reconfigure_speculation(use_speculative_decoding=False).use_speculative_decoding
+
+
+def test_fixed_with_k_per_request_given_true_is_an_error_naming_both():
+    """k_per_request is the adaptive policy's: given true with spec_policy fixed it would do
+    nothing, at start-up and live (true given before, then fixed); false, or adaptive, is fine."""
+    both = r"spec_policy='fixed' with k_per_request=true"
+    with pytest.raises(ValueError, match=both):
+        SpecConfig(speculative_method="ngram", spec_policy="fixed", k_per_request=True)
+    with pytest.raises(ValueError, match=both):
+        EngineConfig.from_kwargs(model="m", speculative_method="ngram", spec_policy="fixed", k_per_request=True)
+    assert not SpecConfig(speculative_method="ngram", spec_policy="fixed", k_per_request=False).k_per_request
+    per_request = SpecConfig(speculative_method="ngram", spec_policy="adaptive", k_per_request=True)
+    with pytest.raises(ValueError, match=both):
+        per_request.updated({"spec_policy": "fixed"})
+    with pytest.raises(ValueError, match=both):
+        per_request.updated({"spec_policy": "fixed", "k_per_request": True})
+    fixed = per_request.updated({"spec_policy": "fixed", "k_per_request": False})
+    assert (fixed.spec_policy, fixed.k_per_request) == ("fixed", False)
+    assert fixed.updated({"spec_policy": "adaptive", "k_per_request": True}).k_per_request
