@@ -290,18 +290,10 @@ class SpeculativeDecoder:
         if self.proposer.runs_model:  # a request the draft lags far behind pays its catch-up when it drafts
             long = self.proposer.long_catch_up
             catch_ups = [self.costs.catch_up_time(n) if n > long else 0.0 for n in self.proposer.lag(reqs)]
-        chosen = self.per_request.choose(ids, rates, caps, k_max, self._model_rows(reqs), self.proposer.catch_up,
+        chosen = self.per_request.choose(ids, rates, caps, k_max, self.proposer.model_rows(reqs), self.proposer.catch_up,
                                          self.runner.model.graphs is None, catch_ups,
                                          [r.params.max_tokens - len(r.output_token_ids) for r in reqs], version)
         return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
-
-    def _model_rows(self, reqs: list[Request]) -> list[bool]:
-        """Which requests a draft model or head would draft for: every one for a model proposer,
-        none for a lookup; for hybrid, those whose last round its lookup did not propose."""
-        if not self.proposer.runs_model:
-            return [False] * len(reqs)
-        lookup = getattr(self.proposer, "lookup", None)
-        return [lookup is None or r.spec.last_proposer != lookup.name for r in reqs]
 
     def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the

@@ -63,7 +63,8 @@ def one_hot_q(tokens: list[list[int]], vocab: int, device: torch.device | str) -
 
 class Proposer:
     """Anything that proposes: a model-free lookup or a model's drafts. A proposer declares what
-    it does beyond `propose` by its class attributes, and the round reads those, never its type:
+    it does beyond `propose` by its class attributes and methods (`lag`, `model_rows`), and the
+    round reads those, never its type:
     - drafts_trees: `propose_trees` gives token trees (else every round is a chain);
     - learns: `learn` stores a finished request's output for later proposals (suffix decoding);
     - target_features: the target layers whose inputs it reads (an EAGLE-3 head's): the target's
@@ -97,6 +98,12 @@ class Proposer:
         """Tokens each request's proposer state must catch up on before it can propose (0 for
         a stateless proposer)."""
         return [0] * len(requests)
+
+    def model_rows(self, requests: list[Request]) -> list[bool]:
+        """Which requests a model would draft for if they propose this round (the policy prices
+        their draft passes and catch-ups, and no others'): every one for a model proposer
+        (runs_model), none for a lookup."""
+        return [self.runs_model] * len(requests)
 
 
 class CostObserver(Protocol):

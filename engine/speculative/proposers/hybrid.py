@@ -46,3 +46,8 @@ class HybridProposer(Proposer):
     def lag(self, requests: list[Request]) -> list[int]:
         return self.model.lag(requests)
 
+    def model_rows(self, requests: list[Request]) -> list[bool]:
+        """The requests whose last round the lookup did not propose (a lookup that found a match
+        is expected to find one again, with no model pass); a new request's is the model's."""
+        return [r.spec.last_proposer != self.lookup.name for r in requests]
+
