@@ -299,8 +299,10 @@ class SpeculativeDecoder:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
         model proposer has not read) is paid now and paid back by the steps after it: while
         requests are joining, those run at the batch they make, so the choice is priced there
-        (the joining requests' proposer has read none of their text yet)."""
+        (the joining requests' proposer has read none of their text yet). Drafting is priced for
+        the rows a model drafts (proposer.model_rows: none of hybrid's lookup rows)."""
         ids = [r.request_id for r in reqs]
+        models = self.proposer.model_rows(reqs)
         behind = 0
         if self.proposer.runs_model:
             long = self.proposer.long_catch_up
@@ -310,9 +312,10 @@ class SpeculativeDecoder:
                 joining = [r for r in running if id(r) not in decoding]
                 ids += [r.request_id for r in joining]
                 caps = caps + [self._cap(r) for r in joining]
+                models += self.proposer.model_rows(joining)
                 behind += sum(r.num_tokens for r in joining if r.num_tokens > long)
         rates = self.acceptance.rates(ids, self.policy.spec_length)
-        return self.policy.choose(rates, caps, None if self.proposer.runs_model else 0, behind, self.proposer.catch_up)
+        return self.policy.choose(rates, caps, sum(models), behind, self.proposer.catch_up)
 
     def _cap(self, r: Request) -> int:
         """Most tokens r may propose: its KV positions (max_seq_len), its max_tokens budget (the
