@@ -286,11 +286,11 @@ class SpeculativeDecoder:
         if chosen is not None:
             return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
         rates = self.acceptance.rates(ids, k_max)
+        models = self.proposer.model_rows(reqs)
         catch_ups = None
-        if self.proposer.runs_model:  # a request the draft lags far behind pays its catch-up when it drafts
-            long = self.proposer.long_catch_up
-            catch_ups = [self.costs.catch_up_time(n) if n > long else 0.0 for n in self.proposer.lag(reqs)]
-        chosen = self.per_request.choose(ids, rates, caps, k_max, self.proposer.model_rows(reqs), self.proposer.catch_up,
+        if any(models):  # a request the draft lags far behind pays its catch-up when it drafts
+            catch_ups = [self.costs.catch_up_time(n) if n else 0.0 for n in self._long_lags(reqs, models)]
+        chosen = self.per_request.choose(ids, rates, caps, k_max, models, self.proposer.catch_up,
                                          self.runner.model.graphs is None, catch_ups,
                                          [r.params.max_tokens - len(r.output_token_ids) for r in reqs], version)
         return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
@@ -299,23 +299,31 @@ class SpeculativeDecoder:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
         model proposer has not read) is paid now and paid back by the steps after it: while
         requests are joining, those run at the batch they make, so the choice is priced there
-        (the joining requests' proposer has read none of their text yet). Drafting is priced for
-        the rows a model drafts (proposer.model_rows: none of hybrid's lookup rows)."""
+        (the joining requests' proposer has read none of their text yet). Drafting and catch-ups
+        are priced for the rows a model drafts (proposer.model_rows: none of hybrid's lookup rows)."""
         ids = [r.request_id for r in reqs]
         models = self.proposer.model_rows(reqs)
-        behind = 0
-        if self.proposer.runs_model:
+        behind = sum(self._long_lags(reqs, models))
+        if behind:
+            decoding = {id(r) for r in reqs}
+            joining = [r for r in running if id(r) not in decoding]
+            ids += [r.request_id for r in joining]
+            caps = caps + [self._cap(r) for r in joining]
+            joining_models = self.proposer.model_rows(joining)
+            models += joining_models
             long = self.proposer.long_catch_up
-            behind = sum(n for n in self.proposer.lag(reqs) if n > long)
-            if behind:
-                decoding = {id(r) for r in reqs}
-                joining = [r for r in running if id(r) not in decoding]
-                ids += [r.request_id for r in joining]
-                caps = caps + [self._cap(r) for r in joining]
-                models += self.proposer.model_rows(joining)
-                behind += sum(r.num_tokens for r in joining if r.num_tokens > long)
+            behind += sum(r.num_tokens for r, m in zip(joining, joining_models) if m and r.num_tokens > long)
         rates = self.acceptance.rates(ids, self.policy.spec_length)
         return self.policy.choose(rates, caps, sum(models), behind, self.proposer.catch_up)
+
+    def _long_lags(self, reqs: list[Request], models: list[bool]) -> list[int]:
+        """Each request's long catch-up (the tokens its draft lags, where more than
+        long_catch_up), for the rows a model drafts (models[i]); 0 for the others (a lookup's row
+        never feeds the model, so its lag grows without a catch-up being paid)."""
+        if not any(models):
+            return [0] * len(reqs)
+        long = self.proposer.long_catch_up
+        return [n if m and n > long else 0 for n, m in zip(self.proposer.lag(reqs), models)]
 
     def _cap(self, r: Request) -> int:
         """Most tokens r may propose: its KV positions (max_seq_len), its max_tokens budget (the

@@ -113,3 +113,24 @@ def test_one_k_drafting_is_priced_for_the_rows_the_model_drafts():
     decoder, costs = _hybrid_decoder()
     reqs = _batch(0)  # every row the lookup's: no draft priced at all
     assert decoder._adaptive_choice(reqs, [4] * 8, reqs).k > 0 and costs.draft_rows == []
+
+
+def _one_k_catch_up(decoder: SpeculativeDecoder, reqs: list) -> int:
+    """The catch-up tokens the one-K choice is priced with."""
+    priced, choose = [], decoder.policy.choose
+    decoder.policy.choose = lambda *args: priced.append(args[3]) or choose(*args)
+    decoder._adaptive_choice(reqs, [4] * len(reqs), reqs)
+    return priced[0]
+
+
+def test_a_catch_up_is_charged_for_the_rows_the_model_drafts_only():
+    """Rows the lookup serves never feed the model, so their lag grows: it is not charged. Row 0
+    (the model's) lags 50 tokens, the lookup's rows 500 each; one K and per-request price 50."""
+    lags = {"r0": 50} | {f"r{i}": 500 for i in range(2, 8)}
+    decoder, costs = _hybrid_decoder(lags)
+    assert _one_k_catch_up(decoder, _batch(2)) == 50 and set(costs.catch_up_tokens) == {50}
+    decoder, costs = _hybrid_decoder(lags, k_per_request=True)
+    decoder._per_request_plan(_batch(2), [4] * 8)
+    assert costs.catch_up_tokens == [50]
+    decoder, costs = _hybrid_decoder(lags)  # no row the model's: nothing to catch up on
+    assert _one_k_catch_up(decoder, _batch(0)) == 0 and costs.catch_up_tokens == []
