@@ -264,6 +264,12 @@ class EngineConfig:
     # each layer's pointwise work (residual add + RMSNorm, q/k norm + RoPE + KV write, SiLU-and-multiply)
     # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused.py); "auto": CUDA only
     fused_kernels: FusedKernels = "auto"
+    # quantized linears (FP8, INT4) read as stored by Triton kernels, each checked at load against the
+    # dequantized weight (engine/model/weight_kernels.py); "auto": CUDA only; else dequantized a layer a call
+    quant_kernels: FusedKernels = "auto"
+    # a mixture-of-experts layer's experts in one Triton kernel a projection (static shapes, no host read),
+    # checked at load against the host-grouped experts; "auto": CUDA only
+    moe_kernels: FusedKernels = "auto"
     speculative: SpecConfig = field(default_factory=SpecConfig)  # speculation settings; LLM(...) takes them flat too
 
     def __post_init__(self) -> None:
@@ -287,6 +293,8 @@ class EngineConfig:
         check_choice("cuda_graphs", self.cuda_graphs, get_args(CudaGraphs))
         check_choice("paged_attention", self.paged_attention, get_args(PagedAttentionSetting))
         check_choice("fused_kernels", self.fused_kernels, get_args(FusedKernels))
+        check_choice("quant_kernels", self.quant_kernels, get_args(FusedKernels))
+        check_choice("moe_kernels", self.moe_kernels, get_args(FusedKernels))
         if isinstance(self.speculative, dict):
             _check_keys("speculative", self.speculative, SpecConfig.field_names())
             self.speculative = SpecConfig(**self.speculative)

@@ -30,6 +30,7 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.fused import check_fused, fused_on
+from engine.model.weight_kernels import choose_moe, choose_quant
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
@@ -76,6 +77,7 @@ class EngineParts:
     forward_plan: dict  # each model's plan (engine/model/plan.py), as stats report it
     paged_attention: dict[str, str]  # model role -> "inplace", or why it gathers ({}: gather)
     fused_kernels: dict[str, str]  # model role -> "fused", or why it runs eager ({}: off)
+    weight_kernels: dict[str, dict[str, str]]  # model role -> {"quant" / "moe": the path its layers took}
     weights: dict[str, dict]  # model role -> {"bytes": on the device, "format": e.g. "int4 group 128 + bfloat16"}
     cuda_graphs: dict[str, CaptureReport]  # model role -> what capture did ({}: off)
     speculation: SpeculativeDecoder | None
@@ -109,6 +111,9 @@ class _Startup:
         clock.done("models", "loaded the target%s, each with its forward plan; weights: %s",
                    " and the draft" if self.draft_model is not None else "",
                    ", ".join(f"{r} {w['bytes'] / 2**20:.1f} MiB ({w['format']})" for r, w in self.weights.items()))
+        self.weight_kernels = self._choose_weight_kernels()  # before any probe runs a pass
+        if self.weight_kernels:
+            clock.done("weight_kernels", "weight kernels: %s", self.weight_kernels)
         config.num_kv_blocks = self._kv_blocks(free_memory(config.device))
         pool = functools.partial(pool_for, max_slots=config.max_batch_size, max_seq_len=config.max_seq_len,
                                  backend=config.kv_cache_backend, block_size=config.block_size,
@@ -136,7 +141,7 @@ class _Startup:
         log.info("engine built in %.1f s (%s)", clock.total(),
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in clock.seconds.items()))
         return EngineParts(self.tokenizer, self.model, self.draft_model, self.kv, self.runner, self.forward_plan,
-                           self.paged_attention, self.fused_kernels, self.weights, self.cuda_graphs, self.speculation, clock.seconds)
+                           self.paged_attention, self.fused_kernels, self.weight_kernels, self.weights, self.cuda_graphs, self.speculation, clock.seconds)
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""
@@ -229,6 +234,19 @@ class _Startup:
                 log.warning("paged_attention: the %s gathers its keys: %s", role, problem)
                 model.paged = None
             chosen[role] = "inplace" if problem is None else f"gather: {problem}"
+        return chosen
+
+    def _choose_weight_kernels(self) -> dict[str, dict[str, str]]:
+        """Each model's quantized linears and experts on their Triton kernels or the fallback
+        (engine/model/weight_kernels.py); roles and families without such layers are left out."""
+        c, chosen = self.config, {}
+        for role, model in [("target", self.model), ("draft", self.draft_model)]:
+            if model is None or isinstance(model, Eagle3Head):
+                continue
+            paths = {"quant": choose_quant(model, c.quant_kernels, role), "moe": choose_moe(model, c.moe_kernels, role)}
+            paths = {k: v for k, v in paths.items() if v is not None}
+            if paths:
+                chosen[role] = paths
         return chosen
 
     def _fuse(self) -> dict[str, str]:

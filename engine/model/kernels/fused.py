@@ -11,6 +11,9 @@ import functools
 
 import torch
 
+# the compute capability each kernel needs (tools/kernel_compile.py compiles each for its targets)
+CAPABILITIES = {"add_rms_norm": (8, 0), "rope_qk_write": (8, 0), "silu_mul": (8, 0)}
+
 
 @functools.cache
 def kernels():
@@ -36,7 +39,7 @@ def kernels():
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * cols + offs, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["heads", "kv_heads", "storage_rows"])  # no code depends on them
     def rope_qk_write(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, rows_ptr, heads, kv_heads,
                       storage_rows, eps, HAS_NORM: tl.constexpr, D: tl.constexpr):
         """Token t, head j of q (j < heads) or k (after): its per-head norm (HAS_NORM), RoPE at the

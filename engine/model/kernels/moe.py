@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK_M = 16  # slots a program computes (the smallest tl.dot)
+CAPABILITIES = {"grouped": (8, 0)}  # the compute capability each kernel needs (tools/kernel_compile.py)
 
 
 @functools.cache
@@ -21,7 +22,7 @@ def kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # the slots in use: new every pass, no code depends on it
     def grouped(x_ptr, w_ptr, slots_ptr, experts_ptr, y_ptr, S, N, K, x_div, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         b = tl.program_id(0)
@@ -37,7 +38,7 @@ def kernel():
                 x = tl.load(x_ptr + row[:, None] * K + ks[None, :], mask=used[:, None] & (ks[None, :] < K), other=0.0)
                 w = tl.load(w_ptr + e * N * K + cols[:, None] * K + ks[None, :],
                             mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-                acc += tl.dot(x, tl.trans(w))
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # float32: no TF32
             tl.store(y_ptr + slot[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=used[:, None] & (cols[None, :] < N))
 

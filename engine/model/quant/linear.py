@@ -10,10 +10,12 @@
 Scales stay in the checkpoint's precision; the arithmetic is float32. `perm` (GPTQ's act-order): the inputs are stored in this order, so x is
   gathered by it first.
 
-How it runs is chosen for its device once (`prepare`): on CPU, 4-bit groups of 32-256 through
-torch's int4 kernel and symmetric per-channel 8-bit through its int8 kernel, the rest dequantized
-one layer at a time, each call; on CUDA, passes of at most 16 rows through a Triton kernel that
-reads the weight as stored (kernels/quant.py), wider ones dequantized per call.
+How it runs is chosen once (`prepare`, its choice in `path`): on CPU, 4-bit groups of 32-256
+through torch's int4 kernel and symmetric per-channel 8-bit through its int8 kernel, the rest
+dequantized one layer at a time, each call; with the Triton kernels (CUDA; the interpreter in
+tests), fp8 and 4-bit weights read as stored (kernels/quant.py: e4m3 converted by the hardware
+from sm_89, from its bits below), for every pass of up to KERNEL_ROWS rows, so a decode pass and
+a verify pass compute each row alike; wider passes (long prefill chunks) dequantize a layer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from engine.model.kernels import quant
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)
-FEW_ROWS = 16  # passes up to this many rows (decode, verify) take the CUDA kernel; wider ones dequantize
+KERNEL_ROWS = 1024  # passes up to this many rows (decode, verify at batch 64 x K 15) take the Triton kernel
+NATIVE_FP8 = (8, 9)  # the compute capability from which the hardware converts e4m3
 
 
 class QuantLinear:
@@ -36,6 +39,7 @@ class QuantLinear:
         self.kind, self.data, self.scale, self.shape = kind, data, scale, tuple(shape)
         self.block, self.bits, self.zero, self.group, self.perm = block, bits, zero, group, perm
         self._run = None  # the prepared call: x -> y
+        self.path = "unprepared"  # how calls run: "triton fp8", "cpu int4", "dequantized", ...
         self._prepared: tuple[torch.Tensor, ...] = ()  # a kernel's form of the weight, where it replaces the stored one
 
     # --- the stored form ------------------------------------------------------------------------
@@ -70,13 +74,45 @@ class QuantLinear:
         return ((q.float() - zero) * scale).to(dtype)
 
     # --- running -------------------------------------------------------------------------------
-    def prepare(self, dtype: torch.dtype) -> QuantLinear:
-        """Chooses how calls run on this device, for activations in `dtype`."""
-        if self.data.device.type == "cpu":
-            self._run = self._cpu_int4(dtype) or self._cpu_int8(dtype) or self._dequantized
+    def prepare(self, dtype: torch.dtype, triton: bool | None = None,
+                capability: tuple[int, int] | None = None) -> QuantLinear:
+        """Chooses how calls run, for activations in `dtype`: the Triton kernels where `triton`
+        (None: on CUDA) and one reads this form at `capability` (None: the device's); else on CPU
+        torch's int kernels where they read it; else dequantized a layer a call."""
+        on_cpu = self.data is None or self.data.device.type == "cpu"  # None: a CPU kernel's form replaced it
+        if (not on_cpu if triton is None else triton) and self.data is not None:
+            if self._triton(capability or device_capability(self.data.device)) is not None:
+                return self
+        if on_cpu:
+            cpu = self._cpu_int4(dtype) or self._cpu_int8(dtype)
+            self._run, self.path = (cpu, f"cpu int{self.bits}") if cpu else (self._dequantized, "dequantized")
         else:
-            self._run = self._cuda
+            self._run, self.path = self._dequantized, "dequantized"
         return self
+
+    def _triton(self, capability: tuple[int, int]):
+        """The Triton kernel for this form at `capability`, set as the call; None where none reads it."""
+        if self.kind == "fp8":
+            native = capability >= NATIVE_FP8
+            self.path = "triton fp8" + ("" if native else " (e4m3 from its bits)")
+
+            def kernel(flat):
+                return quant.fp8_linear(flat, self, native)
+        elif self.bits == 4:
+            self.path = "triton int4"
+
+            def kernel(flat):
+                return quant.int4_linear(flat, self)
+        else:
+            return None
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            if rows > KERNEL_ROWS:
+                return self._dequantized(x)
+            return kernel(x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], self.shape[0])
+        self._run = run
+        return run
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x W^T [..., N]."""
@@ -121,15 +157,6 @@ class QuantLinear:
             return y.view(*x.shape[:-1], y.shape[-1])
         return run
 
-    def _cuda(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > FEW_ROWS or (self.kind == "int" and self.bits != 4):
-            return self._dequantized(x)
-        flat = x.reshape(rows, x.shape[-1])
-        y = quant.fp8_linear(flat, self) if self.kind == "fp8" else quant.int4_linear(flat, self)
-        return y.view(*x.shape[:-1], self.shape[0])
-
-
 class LinearParts:
     """Linears over the same input whose outputs are concatenated (the q/k/v or gate/up of a layer
     whose parts cannot be stored as one: different fp8 blocks, or act-order permutations)."""
@@ -150,10 +177,11 @@ class LinearParts:
     def nbytes(self) -> int:
         return sum(p.nbytes if isinstance(p, QuantLinear) else p.numel() * p.element_size() for p in self.parts)
 
-    def prepare(self, dtype: torch.dtype) -> LinearParts:
+    def prepare(self, dtype: torch.dtype, triton: bool | None = None,
+                capability: tuple[int, int] | None = None) -> LinearParts:
         for p in self.parts:
             if isinstance(p, QuantLinear):
-                p.prepare(dtype)
+                p.prepare(dtype, triton, capability)
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +211,11 @@ def _stackable(parts: list[QuantLinear]) -> bool:
         bn = first.block[0]
         return bn == 1 or all(p.shape[0] % bn == 0 for p in parts[:-1])
     return True
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability ((9, 0) off CUDA: the interpreter reads every type)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
 def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
