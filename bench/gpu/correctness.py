@@ -2,7 +2,8 @@
 bf16 top-1 agreement), greedy speculative output equal to plain for every proposer on both KV
 backends at batch 1 and 8, seeded sampling reproducible alone and in a batch, and the chi-square test
 of speculative sampling against the target's exact marginals, with its teeth (a broken correction
-must be rejected by the same test)."""
+must be rejected by the same test). First, the engine's Triton kernels (fused, FP8, INT4, MoE) against
+eager torch or the dequantized weight (bench/gpu/kernels.py; on CPU under Triton's interpreter only)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 import engine.speculative.verify.chain as rejection
+from bench.gpu import kernels
 from bench.gpu.context import Context, check
 from bench.gpu.stats import chi_square_pvalue
 from engine import LLM, SamplingParams
@@ -38,6 +40,7 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run(ctx: Context, out: dict) -> None:
+    kernels.run(ctx, out)  # first: what no GPU has run yet
     work = ctx.work / "tiny"
     tok = work / "tok"
     make_tokenizer(tok)
@@ -49,7 +52,8 @@ def run(ctx: Context, out: dict) -> None:
     _speculative_equals_plain(ctx, out, work)
     _seeds_reproduce(ctx, out, work)
     _chi_square(ctx, out, work, tok)
-    out["summary"] = [f"{name}: {'ok' if c['ok'] else 'FAILED'}" for name, c in out["checks"].items()]
+    out["summary"] = [f"{name}: {'ok' if c['ok'] else 'FAILED'}" for name, c in out["checks"].items()] + (
+        [f"kernel checks skipped: {out['kernels_skipped']}"] if out.get("kernels_skipped") else [])
 
 
 def _transformers_parity(ctx: Context, out: dict, path: Path, hf) -> None:

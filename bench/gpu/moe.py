@@ -17,6 +17,7 @@ import torch
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate, transformers_generate
 from bench.gpu.pair import PrefixPair, calibrate
+from bench.gpu.quantized import engine_paths
 from bench.gpu.weights import QWEN3_30B_A3B, SMOKE_MOE, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
 from engine import LLM, SamplingParams
 
@@ -38,9 +39,12 @@ def measure(ctx: Context, config: dict, keep: int, batches: tuple[int, ...], new
         llm = LLM(**ctx.engine_kwargs(max(batches), 32 + new_tokens + 16, model=str(target), dtype=ctx.dtype,
                                       use_speculative_decoding=True, speculative_method="draft",
                                       draft_model=str(draft), spec_length=8))
+    out["paths"] = engine_paths(llm)  # graphs kept, the fused path, the experts' kernel path
+    ctx.log(f"moe engine: {out['paths']}")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     variants = {"plain": {"use_speculative_decoding": False},
-                **{f"fixed K={k}": {"use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": k}
+                **{f"fixed K={k}": {"use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": k,
+                                    "k_per_request": False}
                    for k in FIXED_K},
                 "adaptive": {"use_speculative_decoding": True, "spec_policy": "adaptive", "spec_length": 8,
                              "k_per_request": False},

@@ -5,6 +5,15 @@ checkpoint (QuantLinear: never dequantized into a dense copy), timed on plain ba
 interleaved. Reported: the step, bf16 ÷ each, and the weights' bytes. Goals on the GPU (Llama-3.1-8B
 shape): FP8 >= 1.6x and INT4 >= 2.2x faster than bf16.
 
+Checked first, right after each format loads: the loaded layers' outputs (layer 0's qkv, o, gate_up
+and down, called as the forward calls them, at 1 and 16 rows: a decode and a verify pass, which on
+CUDA take the Triton kernels) against x W^T with W dequantized, worst error relative to the output's
+largest magnitude within 2e-2 (bf16). W is `layer.dequantize()` where the layer still holds its
+stored form (CUDA), else dequantized from the checkpoint's stored tensors by the published layout
+(on CPU torch's int4 / int8 kernels replace the stored form at load). Recorded with each format:
+whether its CUDA graphs were kept and its fused path taken (on CUDA both are checks: a quantized
+kernel that fails in the load-time probes turns them off), and the engine's kernel paths.
+
 The quantized values are random draws in each layout (not a real model quantized): speed and
 bytes depend on the layout, not on the values.
 """
@@ -15,6 +24,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
@@ -36,6 +46,9 @@ CONFIGS = {  # quantization_config as the published checkpoints write it
                  "weights": {**_CT_WEIGHTS, "num_bits": 8, "strategy": "channel", "group_size": None}}}},
 }
 GOALS = {"fp8": 1.6, "int4": 2.2}  # bf16 step ÷ the format's, plain batch 1, on the GPU
+TOLERANCE = 2e-2  # the kernels against the dequantized weights, bf16, relative to the output's scale
+CHECKED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}  # layer 0's, as the engine fuses them
 
 
 class QuantizedTensors(Mapping):
@@ -91,6 +104,64 @@ def _stored(layout: str, part: str, N: int, K: int, g: torch.Generator, device: 
     return torch.randint(-2**31, 2**31 - 1, (N, K // per_word), generator=g, device=device, dtype=torch.int64).int()
 
 
+def stored_weight(tensors: Mapping, layout: str, module: str) -> torch.Tensor:
+    """The float32 weight [N, K] of `module` dequantized from its stored tensors by the published
+    layout (fp8: e4m3 x the 128x128 block's scale_inv; pack-quantized: (q - 2^(bits-1)) x the group's scale)."""
+    if layout == "fp8":
+        data, scale = tensors[module + ".weight"].float(), tensors[module + ".weight_scale_inv"].float()
+        N, K = data.shape
+        return data * scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    bits = 4 if layout == "int4" else 8
+    N, K = tensors[module + ".weight_shape"].tolist()
+    words = tensors[module + ".weight_packed"]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(N, -1)[:, :K].float()  # element i in bits i x bits
+    scale = tensors[module + ".weight_scale"].float()
+    return (q - 2 ** (bits - 1)) * scale.repeat_interleave(K // scale.shape[1], 1)
+
+
+def dequantized(layer) -> torch.Tensor | None:
+    """A QuantLinear's (or a LinearParts' parts') `dequantize()` in float32, None where the stored
+    form is gone (replaced at load by a CPU kernel's)."""
+    parts = getattr(layer, "parts", [layer])
+    if any(isinstance(p, torch.Tensor) for p in parts) and len(parts) == 1:
+        return parts[0].float()
+    if any(not isinstance(p, torch.Tensor) and getattr(p, "data", None) is None for p in parts):
+        return None
+    return torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize(torch.float32) for p in parts])
+
+
+def kernels_against_dequantized(ctx: Context, model, tensors: Mapping, layout: str) -> dict:
+    """Layer 0's linears called as the forward calls them against x W^T in float32, at 1 and 16 rows."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rows_out = {}
+    for attr, modules in CHECKED.items():
+        layer = getattr(model.layers[0], attr)
+        weight = dequantized(layer)
+        stored = weight is not None
+        if weight is None:
+            weight = torch.cat([stored_weight(tensors, layout, f"model.layers.0.{m}") for m in modules])
+        worst = {}
+        for rows in (1, 16):
+            x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16).to(ctx.device)
+            with torch.inference_mode():
+                got, want = layer(x).float(), F.linear(x.float(), weight)
+            worst[rows] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        rows_out[attr] = {"form": getattr(layer, "form", type(layer).__name__), "shape": list(weight.shape),
+                          "reference": "dequantize()" if stored else "the checkpoint's tensors", "by_rows": worst}
+    return {"layers": rows_out, "worst": max(w for r in rows_out.values() for w in r["by_rows"].values())}
+
+
+def engine_paths(llm) -> dict:
+    """What the engine took at load: CUDA graphs per model (graphs, or why eager), the fused path, and
+    every stats() entry naming kernels."""
+    engine = llm.engine
+    stats = engine.stats()
+    graphs = {role: {"graphs": r.graphs, "fallback": r.fallback} for role, r in (engine.cuda_graphs or {}).items()}
+    return {"cuda_graphs": graphs, "fused_kernels": dict(stats.get("fused_kernels", {})),
+            **{k: v for k, v in stats.items() if "kernel" in k and k != "fused_kernels"}}
+
+
 def linear_bytes(model) -> int:
     """Bytes of the layers' linears (scales and zero points included): what quantization shrinks."""
     linears = [w for lw in model.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
@@ -111,8 +182,16 @@ def compare(ctx: Context, config: dict, layouts: tuple[str, ...], new_tokens: in
             engines[layout] = LLM(**ctx.engine_kwargs(1, 256, model=str(path), dtype="bfloat16"))
         stats = engines[layout].engine.stats()["weights"]["target"]
         rows[layout] = {"weight_bytes": stats["bytes"], "linear_bytes": linear_bytes(engines[layout].engine.model),
-                        "format": stats["format"], "runs": []}
-        ctx.log(f"{name} {layout}: {stats['bytes'] / 2**30:.2f} GiB ({stats['format']})")
+                        "format": stats["format"], "paths": engine_paths(engines[layout]), "runs": []}
+        ctx.log(f"{name} {layout}: {stats['bytes'] / 2**30:.2f} GiB ({stats['format']}), {rows[layout]['paths']}")
+        if layout != "bf16":  # before any timing: a run cut short by its budget still has it
+            try:
+                rows[layout]["against_dequantized"] = kernels_against_dequantized(ctx, engines[layout].engine.model,
+                                                                                  tensors, layout)
+            except Exception as exc:  # a kernel that does not run, recorded under its format
+                rows[layout]["against_dequantized"] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+            ctx.log(f"{name} {layout} against the dequantized weights: {rows[layout]['against_dequantized']}")
+        ctx.free()
     for _ in range(repeats):  # interleaved: each repeat runs every format once
         for layout, llm in engines.items():
             rows[layout]["runs"].append(timed_generate(ctx, llm, prompts, params))
@@ -131,8 +210,18 @@ def run(ctx: Context, out: dict) -> None:
     out["shape"] = "Llama-3.1-8B" if not ctx.smoke else "smoke"
     layouts = ("fp8", "int4") if ctx.device.startswith("cuda") else ("int8", "int4")  # CPU: no fp8 kernel
     out["formats"] = compare(ctx, config, layouts, ctx.size(64, 8), ctx.size(5, 2), "quantized")
+    cuda = ctx.device.startswith("cuda")
     for layout in layouts:
         row = out["formats"][layout]
+        against = row["against_dequantized"]
+        check(out, f"{layout}: layer 0's linears (kernels at 1 and 16 rows) = the dequantized weights within {TOLERANCE:g}",
+              "error" not in against and against["worst"] <= TOLERANCE, against.get("error", against.get("worst")))
+        paths = row["paths"]
+        if cuda:  # on CPU graphs and the fused path are off unless asked for
+            kept = paths["cuda_graphs"].get("target", {})
+            check(out, f"{layout}: CUDA graphs kept", kept.get("graphs", 0) > 0 and kept.get("fallback") is None, kept)
+            check(out, f"{layout}: the fused path taken", paths["fused_kernels"].get("target") == "fused",
+                  paths["fused_kernels"])
         most = 0.28 if layout == "int4" else 0.52
         check(out, f"{layout}: the layers' linears take <= {most} of bf16's bytes", row["linear_bytes_over_bf16"] <= most,
               round(row["linear_bytes_over_bf16"], 3))
@@ -142,4 +231,14 @@ def run(ctx: Context, out: dict) -> None:
     out["summary"] = [f"{layout}: step {r['step_ms']['median']:.2f} ms" + (
         f", bf16 ÷ this {r['bf16_step_over_this']:.2f}x, linears {r['linear_bytes_over_bf16']:.3f} of bf16's bytes "
         f"(whole model {r['bytes_over_bf16']:.3f})" if layout != "bf16"
-        else "") for layout, r in out["formats"].items()]
+        else "") + _paths_line(r) for layout, r in out["formats"].items()]
+
+
+def _paths_line(row: dict) -> str:
+    graphs = row["paths"]["cuda_graphs"].get("target")
+    against = row.get("against_dequantized", {})
+    return ("; graphs " + ("off" if graphs is None else f"{graphs['graphs']}" if graphs["fallback"] is None
+                           else f"eager ({graphs['fallback']})")
+            + f"; fused {row['paths']['fused_kernels'].get('target', 'off')}"
+            + (f"; vs dequantized: {against['error'] if 'error' in against else format(against['worst'], '.2e')}"
+               if against else ""))

@@ -1,5 +1,6 @@
-"""The GPU check's report as markdown: each section's status, time and summary lines, and every
-failed check with what it compared."""
+"""The GPU check's report as markdown: the run's budget (each section's work and start-up
+allowance, their sum), each section's status, time and summary lines, and every failed check with
+what it compared."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ def markdown(report: dict) -> str:
     lines = [f"# GPU check: {device}" + (" (smoke)" if report.get("smoke") else ""), "",
              f"commit {report.get('commit', '?')}, {report.get('date', '?')}, torch {env.get('torch', '?')}, "
              f"CUDA {env.get('cuda', '?')}; {report.get('seconds', '?')} s of a {report.get('budget_s', '?')} s budget", "",
-             "| section | status | seconds |", "| --- | --- | --- |"]
+             *_budget(report), "| section | status | seconds | of which start-up | allotted |",
+             "| --- | --- | --- | --- | --- |"]
     sections = report.get("sections", {})
     for name, out in sections.items():
-        lines.append(f"| {name} | {out.get('status', 'running')} | {out.get('seconds', '')} |")
+        lines.append(f"| {name} | {out.get('status', 'running')} | {out.get('seconds', '')} | {out.get('startup_s', '')} "
+                     f"| {out.get('allotted_s', '')} |")
     for name, out in sections.items():
         lines += ["", f"## {name}", ""]
         if out.get("error"):
@@ -25,6 +28,17 @@ def markdown(report: dict) -> str:
         for goal_name, g in out.get("goals", {}).items():
             lines.append(f"- goal {'met' if g['met'] else 'NOT met'}: {goal_name} ({_figure(g.get('value'))})")
     return "\n".join(lines) + "\n"
+
+
+def _budget(report: dict) -> list[str]:
+    from bench.gpu.check import budget_line
+
+    lines = []
+    if report.get("budget"):
+        lines.append(f"- this run's budget: {budget_line(report['budget'])}")
+    if report.get("plan_accounting") and report.get("smoke"):
+        lines.append(f"- on a GPU the plan takes: {budget_line(report['plan_accounting'])}")
+    return lines + ([""] if lines else [])
 
 
 def _figure(value) -> str:

@@ -1,7 +1,10 @@
-"""The one-command GPU check runs end to end on CPU at toy sizes (`python -m bench gpu --device cpu
---smoke --sections all`), so the one shot on a GPU cannot die on a typo: every section, each in
-its own process, completes and passes its checks, and records its goals; the pieces a GPU run
-trusts (the realistic pair, the per-token alpha, the section time limit) are tested on their own."""
+"""The one-command GPU check runs end to end on CPU at toy sizes, so the one shot on a GPU cannot
+die on a typo: the first plan (`python -m bench gpu --plan first --device cpu --smoke`, with the
+kernel checks under Triton's interpreter, which the suite's conftest turns on) and then every other
+section, each in its own process, complete and pass their checks in the order given, and record
+their goals and the budget accounting; the plans' budgets fit one GPU call; the pieces a GPU run
+trusts (the kernel checks' teeth, the quantized section's reference, the realistic pair, the
+per-token alpha, the section time limit) are tested on their own."""
 
 from __future__ import annotations
 
@@ -12,41 +15,181 @@ import pytest
 import torch
 
 from bench.common import per_token_alpha, theoretical
+from bench.gpu import check as gpu_check
 from bench.gpu import main
-from bench.gpu.check import SECTIONS
+from bench.gpu.check import PLANS, SECTIONS, STARTUP_S, chosen, run_sections
 from bench.gpu.context import SectionTimeout, time_limit
 from bench.gpu.stats import chi_square_pvalue
 
-DEFAULT = ["environment", "correctness", "step", "realistic_8b", "paged_attention", "realistic_1b", "trees", "suffix"]
+FIRST = ["environment", "correctness", "step", "realistic_8b", "quantized", "moe"]
+SECOND = ["paged_attention", "realistic_1b", "trees", "suffix", "per_request"]
+KERNEL_CHECKS = 8  # fused add_rms_norm x2, rope_qk_write x2, silu_mul; fp8_linear, int4_linear, moe experts
 
 
-def test_the_smoke_run_completes_every_section_and_passes_its_checks(tmp_path):
-    main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", "all", "--budget-scale", "5"])
+def _bad(sections: dict) -> dict:
+    return {name: (s["status"], s.get("error"), s.get("failed_checks")) for name, s in sections.items()
+            if s["status"] != "ok"}
+
+
+def test_the_first_plan_smoke_run_completes_in_order_with_its_budget_accounting(tmp_path):
+    main(["--device", "cpu", "--smoke", "--plan", "first", "--out", str(tmp_path), "--budget-scale", "5"])
     report = json.loads((tmp_path / "gpu_cpu_smoke.json").read_text())
     sections = report["sections"]
-    assert [s.name for s in SECTIONS if s.default] == DEFAULT and list(sections) == [s.name for s in SECTIONS]
-    bad = {name: (s["status"], s.get("error"), s.get("failed_checks")) for name, s in sections.items()
-           if s["status"] != "ok"}
-    assert not bad, bad
-    assert len(sections["correctness"]["greedy_parity"]) == 16  # 4 proposers x 2 backends x batch 1, 8
-    for name in ("realistic_8b", "realistic_1b", "trees"):  # the pair was calibrated, the goals recorded
-        assert sections[name]["pair"]["eps"] > 0 and sections[name]["goals"], name
+    assert report["plan"] == "first" and list(sections) == report["order"] == FIRST
+    assert not _bad(sections), _bad(sections)
+    on_gpu = report["plan_accounting"]  # what the plan takes on the GPU, whatever this run's size
+    assert on_gpu["fits"] and on_gpu["sum_s"] <= 480 and on_gpu["startup_sum_s"] == STARTUP_S * len(FIRST)
+    assert list(on_gpu["sections"]) == list(report["budget"]["sections"]) == FIRST  # and this run's, scaled
+    assert all(s["startup_s"] > 0 and s["allotted_s"] > s["startup_s"] for s in sections.values())
+    correctness = sections["correctness"]
+    assert "kernels_skipped" not in correctness and len(correctness["kernels"]) == KERNEL_CHECKS
+    assert sum(name.startswith("kernel ") for name in correctness["checks"]) == KERNEL_CHECKS
+    assert len(correctness["greedy_parity"]) == 16  # 4 proposers x 2 backends x batch 1, 8
+    assert sections["realistic_8b"]["pair"]["eps"] > 0 and sections["realistic_8b"]["goals"]
     assert set(sections["realistic_8b"]["speculative"]) == {"adaptive", "K=2", "K=4", "K=6"}
     assert "largest excess" in sections["realistic_8b"]["cause"]
     assert set(sections["step"]["1b"]["modes"]) == {"fused off", "fused on"} and sections["step"]["8b"]["bytes_read"]
+    quantized = sections["quantized"]["formats"]
+    assert set(quantized) == {"bf16", "int8", "int4"}  # CPU: no fp8 kernel
+    assert quantized["int4"]["linear_bytes_over_bf16"] <= 0.28
+    for layout in ("int8", "int4"):
+        against = quantized[layout]["against_dequantized"]
+        assert set(against["layers"]) == {"qkv", "o", "gate_up", "down"} and against["worst"] <= 2e-2, against
+        assert {"cuda_graphs", "fused_kernels"} <= set(quantized[layout]["paths"])
+    assert set(sections["moe"]["batches"]) == {"1", "4"} and sections["moe"]["pair"]["eps"] > 0
+    assert all(c["ok"] for c in sections["moe"]["checks"].values()) and len(sections["moe"]["checks"]) == 2
+    md = (tmp_path / "gpu_cpu_smoke.md").read_text()
+    assert "# GPU check" in md and "on a GPU the plan takes: plan first: environment 10+10" in md
+
+
+def test_every_other_section_smoke_run_completes_in_the_order_given(tmp_path):
+    """The sections outside the first plan, given in reverse: they run as given."""
+    rest = [s.name for s in SECTIONS if s.name not in FIRST][::-1]
+    main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--sections", *rest, "--budget-scale", "5"])
+    report = json.loads((tmp_path / "gpu_cpu_smoke.json").read_text())
+    sections = report["sections"]
+    assert list(sections) == rest and report["plan"] is None and "plan_accounting" not in report
+    assert not _bad(sections), _bad(sections)
+    for name in ("realistic_1b", "trees"):  # the pair was calibrated, the goals recorded
+        assert sections[name]["pair"]["eps"] > 0 and sections[name]["goals"], name
     assert set(sections["realistic_1b"]["batches"]) == {"1", "4"}
     assert {"block_16", "block_64", "auto"} <= set(sections["paged_attention"])
     assert {"trees_over_chains", "block_over_token", "verify_ms_graphs"} <= set(sections["trees"])
     assert set(sections["suffix"]["variants"]) == {"plain", "ngram", "suffix"}
     assert len(sections["cuda_graphs"]["checks"]) == 2 + 6
-    assert set(sections["quantized"]["formats"]) == {"bf16", "int8", "int4"}  # CPU: no fp8 kernel
-    assert sections["quantized"]["formats"]["int4"]["linear_bytes_over_bf16"] <= 0.28
-    assert set(sections["moe"]["batches"]) == {"1", "4"} and sections["moe"]["pair"]["eps"] > 0
-    assert all(c["ok"] for c in sections["moe"]["checks"].values()) and len(sections["moe"]["checks"]) == 2
     assert set(sections["per_request"]["batches"]) == {"4"}
     assert set(sections["per_request"]["batches"]["4"]["tok_s"]) == {"plain", "one K", "per-request K"}
     assert all(c["ok"] for c in sections["per_request"]["checks"].values())
-    assert "# GPU check" in (tmp_path / "gpu_cpu_smoke.md").read_text()
+
+
+def test_the_plans_fit_one_gpu_call_and_cover_every_section_once():
+    first, second = PLANS["first"], PLANS["second"]
+    assert [s.name for s in first.sections] == FIRST and [s.name for s in second.sections] == SECOND
+    for plan in (first, second):
+        accounting = plan.accounting()
+        assert accounting["fits"] and accounting["sum_s"] <= plan.total_s <= 480
+        assert accounting["sum_s"] == sum(b for _, b in plan.budgets) + STARTUP_S * len(plan.budgets)
+    assert first.accounting()["sum_s"] == 480  # the whole call's section time, start-ups included
+    assert not set(FIRST) & set(SECOND) and len({s.name for s in SECTIONS}) == len(SECTIONS)
+    assert [s.name for s in chosen(None)] == FIRST  # the default: the first plan
+
+
+def test_sections_run_in_the_order_given_each_once():
+    assert [s.name for s in chosen(["quantized", "environment", "moe", "quantized"])] == ["quantized", "environment",
+                                                                                          "moe"]
+    assert [s.name for s in chosen(["all"])] == [s.name for s in SECTIONS]
+    with pytest.raises(SystemExit, match="unknown"):
+        chosen(["environment", "nope"])
+    with pytest.raises(SystemExit):  # one or the other
+        main(["--device", "cpu", "--smoke", "--plan", "first", "--sections", "environment"])
+
+
+def test_a_plan_run_allots_each_section_its_budget_and_start_up_in_order(tmp_path, monkeypatch):
+    """No child started, each using all it is allotted on a fake clock: each section's allotment,
+    counted from its launch, is the plan's budget plus the start-up allowance, in the plan's order,
+    the whole within 480 s; under a smaller total the last is cut to what is left."""
+    clock, launched = [0.0], []
+
+    def fake_child(section, device, smoke, work, report, allowed, elapsed):
+        launched.append((section.name, round(allowed, 6)))
+        clock[0] += allowed
+        return {"status": "ok", "seconds": allowed, "startup_s": 1.0}
+
+    monkeypatch.setattr(gpu_check, "_run_child", fake_child)
+    monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0]),
+                                                              "strftime": staticmethod(time.strftime)}))
+    plan = PLANS["first"]
+    report = run_sections("cuda", False, tmp_path, plan.sections, plan.total_s, lambda r: None, plan=plan)
+    assert launched == [(name, b + STARTUP_S) for name, b in plan.budgets] and clock[0] == 480
+    assert report["budget"]["sum_s"] == 480 and report["budget"]["fits"] and report["order"] == FIRST
+    assert all(s["status"] == "ok" for s in report["sections"].values())
+    clock[0], launched[:] = 0.0, []
+    run_sections("cuda", False, tmp_path, plan.sections, 400, lambda r: None, plan=plan)
+    assert [n for n, _ in launched] == FIRST and launched[-1] == ("moe", 400 - (480 - plan.budgets[-1][1] - STARTUP_S))
+
+
+def test_the_kernel_checks_fail_a_wrong_kernel_and_name_one_that_raises(tmp_path, monkeypatch):
+    """Under Triton's interpreter: a silu_mul that returns silu(gate) alone fails its check, an
+    int4_linear that raises fails its own check with the error, and every other kernel passes."""
+    from bench.gpu import kernels
+    from bench.gpu.context import Context
+    from engine.model.kernels import fused, quant
+
+    real = fused.silu_mul
+    monkeypatch.setattr(fused, "silu_mul", lambda gate_up: torch.nn.functional.silu(real(gate_up) * 0 + gate_up.chunk(
+        2, dim=-1)[0]))
+
+    def broken(x, layer, *args, **kwargs):
+        raise RuntimeError("no kernel for these inputs")
+    monkeypatch.setattr(quant, "int4_linear", broken)
+    out: dict = {}
+    kernels.run(Context("cpu", True, tmp_path), out)
+    failed = {name for name, c in out["checks"].items() if not c["ok"]}
+    assert failed == {"kernel fused silu_mul, float32 = eager within 0.0001",
+                      "kernel int4_linear, float32 = dequantized within 0.0001"}, failed
+    assert "no kernel for these inputs" in out["kernels"]["kernel int4_linear, float32"]["error"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    skipped: dict = {}
+    kernels.run(Context("cpu", True, tmp_path), skipped)
+    assert "TRITON_INTERPRET" in skipped["kernels_skipped"] and not skipped.get("checks")
+
+
+@pytest.mark.parametrize("layout", ["fp8", "int4", "int8"])
+def test_the_quantized_sections_reference_is_the_layers_own_dequantized_weight(tmp_path, monkeypatch, layout):
+    """The reference the `quantized` section builds from the checkpoint's stored tensors (on CPU,
+    where torch's kernels replace the stored form at load) equals the loaded layers' dequantize()
+    (taken as they are prepared), and the check sees a layer off by 5%."""
+    from bench.gpu import quantized as q
+    from bench.gpu.context import Context
+    from bench.gpu.weights import SMOKE_8B, checkpoint_dir, weights_in_memory
+    from engine.config import ModelPlan
+    from engine.model.loader import load_model
+    from engine.model.quant.linear import QuantLinear
+
+    before, prepare = {}, QuantLinear.prepare
+
+    def keep_stored_form(self, *args, **kwargs):
+        before[id(self)] = self.dequantize(torch.float32)
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(QuantLinear, "prepare", keep_stored_form)
+    path = checkpoint_dir(tmp_path / layout, {**SMOKE_8B, "quantization_config": q.CONFIGS[layout]})
+    tensors = q.QuantizedTensors(SMOKE_8B, layout, torch.bfloat16, "cpu")
+    with weights_in_memory({str(path): tensors}):
+        model = load_model(path, ModelPlan("bfloat16"), "cpu", 256)
+    for attr, modules in q.CHECKED.items():
+        layer = getattr(model.layers[0], attr)
+        parts = getattr(layer, "parts", [layer])
+        got = q.dequantized(layer)
+        if got is None:  # prepared for torch's CPU kernel: the weight as it was before
+            got = torch.cat([before[id(p)] for p in parts])
+        want = torch.cat([q.stored_weight(tensors, layout, f"model.layers.0.{m}") for m in modules])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ctx = Context("cpu", True, tmp_path)
+    assert q.kernels_against_dequantized(ctx, model, tensors, layout)["worst"] <= 2e-2
+    down = model.layers[0].down
+    model.layers[0].down = lambda x: down(x) * 1.05
+    assert q.kernels_against_dequantized(ctx, model, tensors, layout)["worst"] > 2e-2
 
 
 class _Output:
