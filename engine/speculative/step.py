@@ -20,7 +20,7 @@ from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts
 from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
-from engine.speculative.policy.per_request import PROBE_K, PerRequestPolicy
+from engine.speculative.policy.per_request import TRIED_ROUNDS, BatchView, PerRequestPolicy, RowPrices
 from engine.speculative.policy.shape_choice import ShapeChoice
 from engine.speculative.policy.tree_width import RankAcceptance
 from engine.speculative.proposers.base import Proposal
@@ -30,7 +30,6 @@ from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
 TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more than the chain's
-TRIED_ROUNDS = 1  # k_per_request: a request proposes one position past those judged in this many of its rounds (0: no limit)
 
 
 def _sampled(reqs: list[Request]) -> bool:
@@ -277,22 +276,21 @@ class SpeculativeDecoder:
         return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
 
     def _per_request_plan(self, reqs: list[Request], caps: list[int]) -> RoundPlan:
-        """The adaptive policy's K for each request (policy/per_request.py)."""
-        ids, k_max, version = [r.request_id for r in reqs], self.settings.spec_length, self.acceptance.version
-        # one position past those judged: a deeper one's rate is only borrowed from the last
-        if TRIED_ROUNDS:
-            caps = [min(c, max(PROBE_K, tried + 1)) for c, tried in zip(caps, self.acceptance.tried(ids, TRIED_ROUNDS))]
-        chosen = self.per_request.reuse(ids, caps, k_max, version)
-        if chosen is not None:
-            return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
-        rates = self.acceptance.rates(ids, k_max)
-        models = self.proposer.model_rows(reqs)
-        catch_ups = None
-        if any(models):  # a request the draft lags far behind pays its catch-up when it drafts
-            catch_ups = [self.costs.catch_up_time(n) if n else 0.0 for n in self._long_lags(reqs, models)]
-        chosen = self.per_request.choose(ids, rates, caps, k_max, models, self.proposer.catch_up,
-                                         self.runner.model.graphs is None, catch_ups,
-                                         [r.params.max_tokens - len(r.output_token_ids) for r in reqs], version)
+        """The adaptive policy's K for each request (policy/per_request.py): the last all-plain
+        verdict where it still holds, else one priced afresh."""
+        ids = [r.request_id for r in reqs]
+        view = BatchView(ids, caps, self.settings.spec_length,
+                         self.acceptance.tried(ids, TRIED_ROUNDS) if TRIED_ROUNDS else None, self.acceptance.version)
+        chosen = self.per_request.reuse(view)
+        if chosen is None:
+            models = self.proposer.model_rows(reqs)
+            catch_ups = None
+            if any(models):  # a request the draft lags far behind pays its catch-up when it drafts
+                catch_ups = [self.costs.catch_up_time(n) if n else 0.0 for n in self._long_lags(reqs, models)]
+            prices = RowPrices(self.acceptance.rates(ids, view.k_max), models, self.proposer.catch_up,
+                               self.runner.model.graphs is None, catch_ups,
+                               [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
+            chosen = self.per_request.choose(view, prices)
         return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
 
     def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:

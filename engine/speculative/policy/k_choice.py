@@ -222,12 +222,15 @@ class SpecPolicy:
         room, fixed mode); None: the adaptive choice decides."""
         if self.disable_batch_size is not None and batch >= self.disable_batch_size:
             return Choice(0, "disabled_batch_size", {})
-        k_max = min(self.spec_length, max(k_caps, default=0))
-        if k_max <= 0:
+        if self.k_max(k_caps) <= 0:
             return Choice(0, "length_guard", {})
         if self.mode == "fixed":
-            return Choice(k_max, "fixed", {})
+            return Choice(self.k_max(k_caps), "fixed", {})
         return None
+
+    def k_max(self, k_caps: Sequence[int]) -> int:
+        """The largest K the batch may take: spec_length, clipped by the largest cap (here only)."""
+        return min(self.spec_length, max(k_caps, default=0))
 
     def choose(self, alphas: Sequence[Acceptance], k_caps: list[int], draft_rows: int | None = None,
                catch_up_tokens: int = 0, catch_up: CatchUp = "own") -> Choice:
@@ -238,7 +241,7 @@ class SpecPolicy:
         settled = self.settled(len(alphas), k_caps)
         if settled is not None:
             return settled
-        batch, k_max = len(alphas), min(self.spec_length, max(k_caps))
+        batch, k_max = len(alphas), self.k_max(k_caps)
         table = expected_tokens_table(alphas, k_caps, k_max)  # [B][k_max + 1]
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
         tokens = [sum(column) for column in zip(*table)]  # the batch's expected tokens at K = 0..k_max

@@ -28,6 +28,39 @@ PROBE_K = 2  # tokens a probed request proposes
 MAX_PROBE_BACKOFF = 8
 PROBE_ROWS = 8  # at most one request probed a step per this many rows
 REUSE_PLAIN = 8  # an all-plain verdict is reused for this many steps of the same batch (no new rounds)
+TRIED_ROUNDS = 1  # a request proposes one position past those judged in this many of its rounds (0: no limit)
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The decode batch as the policy reads it, one entry a request: what `reuse` compares (cheap
+    to gather) and where the caps are clipped (`allowed`)."""
+
+    ids: list[str]
+    caps: list[int]  # the most each may propose: its KV room, max_tokens budget and own spec_length
+    k_max: int  # spec_length
+    tried: list[int] | None = None  # leading positions judged in TRIED_ROUNDS of its rounds (None: no limit)
+    version: object = None  # the acceptance estimates' (an all-plain verdict is reused while unchanged)
+
+    def allowed(self) -> list[int]:
+        """Each request's cap, clipped here only: at k_max, and (tried given) one position past
+        those judged, at least PROBE_K: a deeper position's rate is only borrowed from the last."""
+        caps = [min(c, self.k_max) for c in self.caps]
+        if self.tried is None:
+            return caps
+        return [min(c, max(PROBE_K, t + 1)) for c, t in zip(caps, self.tried, strict=True)]
+
+
+@dataclass(frozen=True)
+class RowPrices:
+    """What prices each request's positions (`choose`), gathered only when a verdict is not reused."""
+
+    rates: list[Sequence[float]]  # acceptance by position, k_max of them
+    drafts: list[bool]  # a model drafts for it when it proposes (False: a lookup, no passes)
+    catch_up: CatchUp = "own"  # what the model proposer's first pass feeds
+    packed: bool = True  # verify passes compute only the real tokens (False: every row padded to the widest)
+    catch_ups: list[float] | None = None  # seconds the draft needs to catch up on it first (a long lag)
+    tokens_left: list[int] | None = None  # tokens it has left (a catch-up is spread over its rounds)
 
 
 @dataclass(frozen=True)
@@ -129,41 +162,37 @@ class PerRequestPolicy:
         self._held.pop(request_id, None)
         self._wait.pop(request_id, None)
 
-    def reuse(self, ids: list[str], caps: list[int], k_max: int, version: object) -> Allocation | None:
+    def reuse(self, view: BatchView) -> Allocation | None:
         """The last all-plain verdict again, for up to REUSE_PLAIN steps, where nothing it was
         judged on has changed (the batch, its room, the estimates' version) but the costs, a
         little; None: choose afresh."""
-        caps = [min(c, k_max) for c in caps]
-        if self._last is None or self._last[0] != (tuple(ids), tuple(caps), version) or self._reused >= REUSE_PLAIN:
+        caps = view.allowed()
+        if self._last is None or self._last[0] != (tuple(view.ids), tuple(caps), view.version) \
+                or self._reused >= REUSE_PLAIN:
             return None
         self._reused += 1
-        return self._probed(ids, [0] * len(ids), caps, 0.0, self._last[1])
+        return self._probed(view.ids, [0] * len(caps), caps, 0.0, self._last[1])
 
-    def choose(self, ids: list[str], rates: list[Sequence[float]], caps: list[int], k_max: int,
-               drafts: bool | Sequence[bool], catch_up: CatchUp, packed: bool = True,
-               catch_ups: Sequence[float] | None = None, tokens_left: Sequence[int] | None = None,
-               version: object = None) -> Allocation:
-        """ids, rates (by position, k_max of them) and caps (most each may propose) per request;
-        drafts: whether a model drafts for each request (or all) when it proposes (False: a lookup,
-        no passes); packed: verify passes compute only the real tokens (False: every row padded to
-        the widest); catch_ups: seconds the draft needs per request before it can propose for it
-        (a long lag), paid once and so spread over the rounds the request has left (tokens_left,
-        at its expected tokens a round); version: the estimates' (for `reuse`)."""
-        caps = [min(c, k_max) for c in caps]
-        key = (tuple(ids), tuple(caps), version)
-        survivals = [survival(r, c) for r, c in zip(rates, caps)]
+    def choose(self, view: BatchView, prices: RowPrices) -> Allocation:
+        """Each request's K within view.allowed(), from its acceptance rates (prices.rates), by
+        the verify pass's tokens, the draft passes of the rows a model drafts (prices.drafts) and
+        a long catch-up's seconds, paid once and so spread over the rounds the request has left
+        (tokens_left, at its expected tokens a round)."""
+        caps, k_max, n = view.allowed(), view.k_max, len(view.ids)
+        survivals = [survival(r, c) for r, c in zip(prices.rates, caps, strict=True)]
         table = [[1.0, *accumulate(row + [0.0] * (k_max - len(row)), initial=1.0)][1:] for row in survivals]
-        cost = StepCost(self.costs, len(ids), k_max, first_pass_widths(table, caps, catch_up), packed)
-        drafts = [drafts] * len(ids) if isinstance(drafts, bool) else list(drafts)
+        cost = StepCost(self.costs, n, k_max, first_pass_widths(table, caps, prices.catch_up), prices.packed)
+        catch_ups = prices.catch_ups
         if catch_ups is not None:
-            left = tokens_left or [1] * len(ids)
-            catch_ups = [c / max(1.0, n / (1.0 + sum(sv))) for c, n, sv in zip(catch_ups, left, survivals)]
-        ks, rate, plain = allocate(survivals, cost, drafts, catch_ups)
+            left = prices.tokens_left or [1] * n
+            catch_ups = [c / max(1.0, t / (1.0 + sum(sv))) for c, t, sv in zip(catch_ups, left, survivals)]
+        ks, rate, plain = allocate(survivals, cost, prices.drafts, catch_ups)
         margin = (1.0 + self.hysteresis) if self._was_plain else 1.0 / (1.0 + self.hysteresis)
         if rate < margin * plain:  # plain decoding, unless speculation wins by the margin (or loses within it)
-            ks, self._plain_wait = [0] * len(ids), self.probe_every
+            ks, self._plain_wait = [0] * n, self.probe_every
+        key = (tuple(view.ids), tuple(caps), view.version)
         self._last, self._reused = ((key, plain), 0) if not any(ks) else (None, 0)
-        return self._probed(ids, ks, caps, rate, plain)
+        return self._probed(view.ids, ks, caps, rate, plain)
 
     def _probed(self, ids: list[str], ks: list[int], caps: list[int], rate: float, plain: float) -> Allocation:
         """Probes (module docstring) applied to the allocation: in a speculative step, the requests

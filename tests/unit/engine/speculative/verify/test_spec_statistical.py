@@ -231,8 +231,8 @@ def test_a_k_per_request_keeps_sampling_exact(pair, monkeypatch, allocation):
         monkeypatch.setattr(StepCost, "seconds", lambda self, total, *rest: 1e-3 * (
             self.batch + 0.4 * (total - self.batch)))
     else:
-        def mixed(self, ids, rates, caps, *rest, **kw):
-            return Allocation([min(c, i % 3) for i, c in enumerate(caps)], "policy", 1.0, 1.0)
+        def mixed(self, view, prices):
+            return Allocation([min(c, i % 3) for i, c in enumerate(view.allowed())], "policy", 1.0, 1.0)
         monkeypatch.setattr(PerRequestPolicy, "choose", mixed)
     tpath, dpath, hf = pair
     params = SamplingParams(**CONFIGS["t1"])
