@@ -30,12 +30,12 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.fused import check_fused, fused_on
-from engine.model.weight_kernels import choose_moe, choose_quant
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
 from engine.model.plan import device_memory, load_planned, load_planned_head, summary
 from engine.model.transformer import Transformer
+from engine.model.weight_kernels import choose_moe, choose_quant
 from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts

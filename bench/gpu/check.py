@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS
+from bench.gpu.summary import budget_line, markdown
 
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 20  # past its budget, a child that did not stop by itself (a hang in a kernel) is killed
@@ -158,15 +159,6 @@ def run_sections(device: str, smoke: bool, work: Path, sections: list[Section], 
     return report
 
 
-def budget_line(accounting: dict) -> str:
-    """One line of a run's budget: each section's work + start-up, the sums, the total."""
-    parts = ", ".join(f"{n} {r['run_s']:g}+{r['startup_s']:g}" for n, r in accounting["sections"].items())
-    plan = f"plan {accounting['plan']}: " if accounting.get("plan") else ""
-    return (f"{plan}{parts} s = {accounting['run_sum_s']:g} s of work + {accounting['startup_sum_s']:g} s of start-up "
-            f"= {accounting['sum_s']:g} s of {accounting['total_s']:g} s" + ("" if accounting["fits"] else
-                                                                          " (over: the last sections are cut short)"))
-
-
 def _run_child(section: Section, device: str, smoke: bool, work: Path, report: dict, allowed: float,
                elapsed: float) -> dict:
     """One section in `python -m bench.gpu.child`, within `allowed` seconds from its launch (the
@@ -222,7 +214,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no CUDA device here: use --device cpu --smoke to check the code on CPU")
     plan = None if args.sections else PLANS[args.plan or DEFAULT_PLAN]
     sections = plan.sections if plan is not None else chosen(args.sections)
-    from bench.gpu.summary import markdown
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,6 @@ def markdown(report: dict) -> str:
 
 
 def _budget(report: dict) -> list[str]:
-    from bench.gpu.check import budget_line
 
     lines = []
     if report.get("budget"):
@@ -43,3 +42,12 @@ def _budget(report: dict) -> list[str]:
 
 def _figure(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def budget_line(accounting: dict) -> str:
+    """One line of a run's budget: each section's work + start-up, the sums, the total."""
+    parts = ", ".join(f"{n} {r['run_s']:g}+{r['startup_s']:g}" for n, r in accounting["sections"].items())
+    plan = f"plan {accounting['plan']}: " if accounting.get("plan") else ""
+    return (f"{plan}{parts} s = {accounting['run_sum_s']:g} s of work + {accounting['startup_sum_s']:g} s of start-up "
+            f"= {accounting['sum_s']:g} s of {accounting['total_s']:g} s" + ("" if accounting["fits"] else
+                                                                          " (over: the last sections are cut short)"))

@@ -48,8 +48,9 @@ def kernels():
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
             w_mask = (cols[:, None] < N) & (ks[None, :] < K)
-            if NATIVE:  # exact either way: e4m3 fits bf16 and fp16
-                w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0).to(x.dtype)
+            if NATIVE:  # exact either way: e4m3 fits bf16 and fp16. Through float32: triton 3.6 converts
+                # e4m3 -> bf16 by way of f16 with a cvt that needs sm_90 (tools/kernel_compile.py, sm_89)
+                w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0).to(tl.float32).to(x.dtype)
             else:  # e4m3fn bytes (as uint8) -> their values, exactly: sm_80/86 have no e4m3 type
                 b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0).to(tl.int32)
                 e, m = (b >> 3) & 0xF, b & 7

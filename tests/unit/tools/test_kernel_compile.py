@@ -45,8 +45,8 @@ def test_every_kernel_compiles_for_every_target_it_claims_within_its_limits(comp
 
 
 def test_fp8_claims_the_hardware_conversion_from_sm89_only_and_its_bits_below(compiled):
-    native = {r["target"] for r in compiled["rows"] if r["kernel"] == "quant.fp8" and "NATIVE" in r["label"]}
-    from_bits = {r["target"] for r in compiled["rows"] if r["kernel"] == "quant.fp8" and "NATIVE" not in r["label"]}
+    native = {r["target"] for r in compiled["rows"] if r["kernel"] == "quant.fp8" and ", NATIVE]" in r["label"]}
+    from_bits = {r["target"] for r in compiled["rows"] if r["kernel"] == "quant.fp8" and ", NATIVE]" not in r["label"]}
     assert "sm_80" not in native and "sm_86" not in native and {"sm_89", "sm_90"} <= native
     assert {"sm_80", "sm_86", "sm_89", "sm_90"} <= from_bits
 
