@@ -25,6 +25,8 @@
     clients  third-party clients against `serve run`: lm-evaluation-harness scores (speculation on = off)
              and an openai-agents tool-calling loop (needs `pip install "lm_eval[api]" openai-agents`)
     quantized  weight-only INT8 / INT4 vs bf16, plain batch-1 decoding of a Qwen3-0.6B shape (CPU)
+    policy   the adaptive policy's grid: proposer x workload x batch, plain, fixed K = 1-4, adaptive (and its
+             A/A twin), per-request, end to end; adaptive ÷ plain and ÷ the best fixed K picked held out
     mixed    a mixed batch (edits greedy + code at T = 0.8, hybrid): plain, one K a step, a K per request
     packing  a packed verify pass (half the rows proposing) against the same pass padded, batch 8-64
     serve-mixed  the same mix through `serve run`: two guidellm clients (edits greedy, code at T = 0.8)
@@ -44,7 +46,7 @@ COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "ben
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu", "startup": "bench.startup",
             "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification", "trees": "bench.trees", "suffix": "bench.suffix", "scale-out": "bench.scale_out",
-            "quantized": "bench.quantized", "moe": "bench.moe", "mixed": "bench.mixed", "packing": "bench.packing", "serve-mixed": "bench.serve_mixed",
+            "quantized": "bench.quantized", "moe": "bench.moe", "mixed": "bench.mixed", "policy": "bench.policy", "packing": "bench.packing", "serve-mixed": "bench.serve_mixed",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

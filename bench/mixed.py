@@ -9,8 +9,8 @@ Variants, interleaved (A B C, C B A, ...) per batch size: plain, one K a step (t
 as before per-request K), the same again (an A/A pair: the noise floor) and a K per request
 (`k_per_request`); with --oracle, fixed K per kind of request through each request's own
 `spec_length` (edits 4 and code 0, ...: what a perfect allocation could choose from). Throughput
-is sweep.py's window: decode tokens while all requests are in
-flight, after the proposer's catch-up step. `--halves` runs each half alone at half the batch,
+is sweep.py's window (decode tokens while all requests are in flight, after the proposer's
+catch-up step) and end to end (`tok_s_end_to_end`: prefill and drain included). `--halves` runs each half alone at half the batch,
 plain, fixed K and adaptive: the best a single K can do for it.
 """
 
@@ -76,9 +76,12 @@ def run_variants(llm, variants: dict[str, dict], workload: str, batch: int, args
     calls = {name: variant(cfg) for name, cfg in variants.items()}
     calls.update({name: variant(fixed("hybrid", max(caps)), caps) for name, caps in (oracle or {}).items()})
     runs = interleave(calls, args.repeats, f"{workload} {batch}")
-    row = {name: {"tok_s": summarize(rs, "tok_s"), "window_k_steps": _k_steps(rs)} for name, rs in runs.items()}
+    row = {name: {"tok_s": summarize(rs, "tok_s"), "tok_s_end_to_end": summarize(rs, "tok_s_end_to_end"),
+                  "window_k_steps": _k_steps(rs)} for name, rs in runs.items()}
     for name, rs in runs.items():
         row[name]["vs_plain"] = summarize([{"r": a["tok_s"] / p["tok_s"]} for a, p in zip(rs, runs["plain"])], "r")
+        row[name]["end_to_end_vs_plain"] = summarize([{"r": a["tok_s_end_to_end"] / p["tok_s_end_to_end"]}
+                                                      for a, p in zip(rs, runs["plain"])], "r")
         if "one K" in runs:
             row[name]["vs_one_k"] = summarize([{"r": a["tok_s"] / b["tok_s"]} for a, b in zip(rs, runs["one K"])], "r")
     return row

@@ -632,6 +632,10 @@ def build() -> str:
     for name in ("mixed_mix", "mixed_edit", "mixed_code"):
         if (r := _load(name)) is not None:
             out += mixed(r, _load("mixed_ceiling_halves"))
+    if (r := _load("policy")) is not None:
+        from bench.policy import table
+
+        out += table(r)
     return "\n".join(out)
 
 
