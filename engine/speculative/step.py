@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.config import SpecConfig
 from engine.grammar import cut_proposals, mask_logits
 from engine.kv import KVManager
 from engine.model.passes import computed_tokens, packs
-from engine.request import DecodeResult, DecodeStats, PhaseSeconds, Request
+from engine.request import DecodeResult, PhaseSeconds, Request
 from engine.runner import ModelRunner
+from engine.speculative.exploration import EXPLORING, ExplorationBudget, declined, probe_rows
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts
 from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
@@ -26,6 +26,7 @@ from engine.speculative.policy.tree_width import RankAcceptance
 from engine.speculative.proposers.base import Proposal
 from engine.speculative.proposers.registry import ProposerSources, build_proposer
 from engine.speculative.proposers.suffix import SuffixCache
+from engine.speculative.round_stats import RoundPlan, commit, record_round
 from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
@@ -35,13 +36,6 @@ TREE_COST_SLACK = 0.05  # adaptive: a tree's verify pass may cost this much more
 def _sampled(reqs: list[Request]) -> bool:
     """Whether the batch's acceptance samples (on the host, for trees) rather than compares argmaxes."""
     return any(r.params.needs_probs for r in reqs)
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    k: int  # the step's K (0: plain decoding)
-    reason: str  # why: the policy's reason, or a PlainReason
-    ks: list[int]  # what each request may propose (<= k)
 
 
 class SpeculativeDecoder:
@@ -60,7 +54,13 @@ class SpeculativeDecoder:
         self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
         self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
         self.ranks = RankAcceptance()  # adaptive: a tree's width by its sibling ranks' measured acceptance
+        self.exploration = ExplorationBudget()  # adaptive: probes held to a share of the steps
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What the plans remember from step to step, started afresh (new settings)."""
         self._last_round_tokens: int | None = None  # the widest row of the last decode round
+        self._last_k, self._last_ks = self.settings.spec_length, {}  # the last speculative verdict's
         self._capture_features()
 
     def reconfigure(self, changes: dict) -> SpecConfig:
@@ -71,8 +71,7 @@ class SpeculativeDecoder:
         self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
         self.per_request = PerRequestPolicy(self.costs)
         self.settings = settings
-        self._last_round_tokens = None
-        self._capture_features()
+        self._fresh()
         return settings
 
     @property
@@ -113,12 +112,12 @@ class SpeculativeDecoder:
             self.proposer.learn(request)
 
     def observe_step(self, decoded: DecodeResult, phases: PhaseSeconds) -> None:
-        """A decode-only step's time outside its model passes, by its (B, K) (not a probe's): the
-        proposer's own bookkeeping (inputs, the first token's read, lookups) included."""
-        stats = decoded.stats
-        if stats.reason != "probe":
-            self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position),
-                                     phases.other + decoded.proposer_overhead)
+        """A decode-only step's time outside its model passes, by its (B, K) (not that of a probe
+        that left rows out: no (B, K) step), the proposer's own bookkeeping (inputs, the first
+        token's read, lookups) included."""
+        stats, overhead = decoded.stats, decoded.proposer_overhead
+        if stats.reason != "probe" or all(stats.row_ks):
+            self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position), phases.other + overhead)
 
     def decode(self, reqs: list[Request], running: Sequence[Request] = ()) -> DecodeResult:
         """One step for `reqs`; `running`: every request the scheduler runs (reqs among them). The
@@ -157,10 +156,10 @@ class SpeculativeDecoder:
         target_seconds = time.perf_counter() - t1
         if len(groups) == 1:  # a split pass's time is not that of one (B, K + 1) pass
             self._observe_verify([len(c) for c in chunks], target_seconds)
-        tokens = self._commit(reqs, starts, proposal, num_accepted, finals)
+        tokens = commit(self.kv, reqs, starts, proposal, num_accepted, finals)
         if trees:
             self._observe_shape(reqs, False, tokens, time.perf_counter() - t0)
-        stats = self._record(reqs, plan, proposal, num_accepted)
+        stats = record_round(reqs, plan, proposal, num_accepted, self.acceptance)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
     def _decode_trees(self, reqs: list[Request], plan: RoundPlan, nodes: int, width: int) -> DecodeResult:
@@ -198,7 +197,7 @@ class SpeculativeDecoder:
         # along (its depth); the per-request and metrics counts of proposed tokens are its nodes
         chain_like = Proposal([[0] * (t.depth if t is not None else 0) for t in trees], None,
                               [self.proposer.name if t is not None and len(t) else "none" for t in trees])
-        stats = self._record(reqs, plan, chain_like, [len(p) for p in paths])
+        stats = record_round(reqs, plan, chain_like, [len(p) for p in paths], self.acceptance)
         for r, tree in zip(reqs, trees):
             if tree is not None and len(tree):
                 r.spec.proposed_per_round[-1] = len(tree)
@@ -269,15 +268,27 @@ class SpeculativeDecoder:
         settled = self.policy.settled(len(reqs), caps)
         if settled is None and self.settings.k_per_request:
             return self._per_request_plan(reqs, caps)
-        choice = settled or self._adaptive_choice(reqs, caps, running)
+        choice = settled or self._one_k_verdict(reqs, caps, running)
         ks = [min(choice.k, c) for c in caps]
         if choice.reason == "probe":
-            ks = self._probe_one(reqs, ks)
+            ks = probe_rows(ks, self.proposer.lag(reqs), self.proposer.model_rows(reqs), self.proposer.long_catch_up)
         return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
+
+    def _one_k_verdict(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
+        """The adaptive one-K verdict; an exploring one the budget declines gives way to the
+        verdict (exploration.py)."""
+        choice = self._adaptive_choice(reqs, caps, running)
+        if not self.exploration.allow(choice.reason in EXPLORING):
+            choice = declined(choice, self._last_k, self.policy.k_max(caps))
+        if choice.k and choice.reason == "policy":
+            self._last_k = choice.k
+        return choice
 
     def _per_request_plan(self, reqs: list[Request], caps: list[int]) -> RoundPlan:
         """The adaptive policy's K for each request (policy/per_request.py): the last all-plain
-        verdict where it still holds, else one priced afresh."""
+        verdict where it still holds, else one priced afresh. A whole step that explores (a plain
+        batch's probe, a plain probe) and that the budget declines runs the verdict instead (all
+        plain; the last speculative K of each request)."""
         ids = [r.request_id for r in reqs]
         view = BatchView(ids, caps, self.settings.spec_length,
                          self.acceptance.tried(ids, TRIED_ROUNDS) if TRIED_ROUNDS else None, self.acceptance.version)
@@ -291,7 +302,14 @@ class SpeculativeDecoder:
                                self.runner.model.graphs is None, catch_ups,
                                [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
             chosen = self.per_request.choose(view, prices)
-        return RoundPlan(max(chosen.ks), chosen.reason, chosen.ks)
+        ks, reason = chosen.ks, chosen.reason
+        batch_probe = reason == "probe" and sum(1 for k in ks if k) == 1  # a plain batch probing one request
+        if not self.exploration.allow(reason == "plain_probe" or batch_probe):
+            ks = [0] * len(ks) if batch_probe else [min(self._last_ks.get(i, 0), c) for i, c in zip(ids, view.allowed())]
+            reason = "policy"
+        elif reason == "policy" and any(ks):
+            self._last_ks = dict(zip(ids, ks))
+        return RoundPlan(max(ks), reason, ks)
 
     def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
         """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
@@ -331,16 +349,6 @@ class SpeculativeDecoder:
             cap = min(cap, r.params.spec_length)
         return max(0, cap)
 
-    def _probe_one(self, reqs: list[Request], ks: list[int]) -> list[int]:
-        """A probe speculates for one request only, the one the proposer lags least behind
-        (catching the whole batch up after a run of plain steps would cost about a prefill)."""
-        candidates = [i for i, k in enumerate(ks) if k > 0]
-        if not candidates:
-            return ks
-        lag = self.proposer.lag(reqs)
-        pick = min(candidates, key=lambda i: lag[i])
-        return [k if i == pick else 0 for i, k in enumerate(ks)]
-
     def _plain(self, reqs: list[Request], reason: str, draft_seconds: float = 0.0) -> DecodeResult:
         self._last_round_tokens = 1
         result = self.runner.decode(reqs, reason)
@@ -353,38 +361,3 @@ class SpeculativeDecoder:
         if reason == "no_proposal":
             result.stats.rows_without_proposal = len(reqs)
         return result
-
-    def _commit(self, reqs: list[Request], starts: list[int], proposal: Proposal, num_accepted: list[int],
-                finals: list[int]) -> list[tuple[Request, list[int]]]:
-        """Rolls both pools back to each request's accepted length; its new tokens."""
-        out = []
-        for r, start, tokens, a, final in zip(reqs, starts, proposal.tokens, num_accepted, finals):
-            self.kv.rollback(r, start + a + 1)  # g and the accepted proposals have valid K/V
-            out.append((r, tokens[:a] + [final]))
-        return out
-
-    def _record(self, reqs: list[Request], plan: RoundPlan, proposal: Proposal, num_accepted: list[int]) -> DecodeStats:
-        """Per-request stats, acceptance estimates and the step's DecodeStats."""
-        k_max = proposal.k_max
-        stats = DecodeStats(batch_size=len(reqs), k=plan.k, reason=plan.reason,
-                            accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max,
-                            row_ks=list(plan.ks))
-        for r, k in zip(reqs, plan.ks):
-            r.spec.record_k(k)
-        for r, tokens, source, a in zip(reqs, proposal.tokens, proposal.sources, num_accepted):
-            k = len(tokens)
-            stats.num_tokens += a + 1
-            if k == 0:
-                stats.rows_without_proposal += 1
-                continue
-            r.spec.record_round(a, k, source)
-            self.acceptance.update(r.request_id, a, k)
-            stats.num_proposed += k
-            stats.num_accepted += a
-            stats.accepted_per_round.append(a)
-            stats.verified_per_round.append(k)
-            for j in range(k):
-                stats.proposed_by_position[j] += 1
-                stats.accepted_by_position[j] += int(j < a)
-        self.acceptance.end_step()
-        return stats
