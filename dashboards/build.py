@@ -68,6 +68,28 @@ PANELS = [
      "The K chosen for each request of each decode step while speculation is on: its mean, and the share of "
      "requests that decoded one token (K = 0). With k_per_request, requests that accept little sit at 0 while "
      "the others keep speculating; with one K a step, the share is all or nothing."),
+    ("K chosen and why", "percentunit",
+     [(f"{rate('specserve_spec_steps_total', 'k, reason')} / scalar({rate('specserve_spec_steps_total')})",
+       "K = {{k}} ({{reason}})")],
+     "Share of decode steps (speculation on) by the K they ran and why: policy (the adaptive verdict), fixed, "
+     "probe / k_probe / plain_probe (exploration, at most 2% of adaptive steps), or a reason for plain decoding. "
+     "Read the self-check panels beside it at the same K."),
+    ("Self-check: predicted ÷ realized step seconds", "short",
+     [(f"{rate('specserve_spec_predicted_seconds_total', 'batch, k')} / "
+       f"{rate('specserve_spec_realized_seconds_total', 'batch, k')}", "batch ≤ {{batch}}, K = {{k}}")],
+     "Σ predicted ÷ Σ realized decode step seconds per (batch, K chosen) over the rate window: the measured "
+     "costs' price of the plan each step ran against what it took. 1.0 = priced right; above 1 the policy "
+     "thinks that K dearer than it is. Steps that also prefill or finish a request are left out."),
+    ("Self-check: predicted ÷ realized tokens", "short",
+     [(f"{rate('specserve_spec_predicted_tokens_total', 'batch, k')} / "
+       f"{rate('specserve_spec_realized_tokens_total', 'batch, k')}", "batch ≤ {{batch}}, K = {{k}}")],
+     "Σ predicted ÷ Σ realized tokens per (batch, K chosen): the acceptance estimates' expected tokens against "
+     "the tokens the steps produced. Above 1 the policy expects more acceptance than it gets."),
+    ("Self-check: predicted ÷ realized seconds by phase", "short",
+     [(f"{rate('specserve_spec_predicted_seconds_total', 'phase')} / "
+       f"{rate('specserve_spec_realized_seconds_total', 'phase')}", "{{phase}}")],
+     "Σ predicted ÷ Σ realized seconds of each phase over every self-checked step: draft (the draft passes and "
+     "catch-ups), verify (the target pass with sampling and acceptance), other (the rest of the step)."),
     ("Engine time by phase", "percentunit",
      [(f"{rate('specserve_engine_seconds_total', 'phase')} / scalar(count(count by (replica)"
        f"(ray_specserve_running_requests{SEL})))", "{{phase}}")],

@@ -248,7 +248,7 @@ class LLMEngine:
             del self._requests[request_id]
 
     def stats(self) -> dict:
-        """Queue lengths, KV in use, the speculation settings and the forward plan."""
+        """Queue lengths, KV in use, the speculation settings, self-check and exploration, the forward plan."""
         out = {"running": self.num_running(), "waiting": self.num_waiting(), "num_kv_blocks": self.config.num_kv_blocks,
                "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan,
                "startup_s": dict(self.startup), "fused_kernels": dict(self.fused_kernels),
@@ -256,4 +256,6 @@ class LLMEngine:
                "weights": {role: dict(w) for role, w in self.weights.items()}}
         if self.speculation is not None:
             out["speculation"] = dataclasses.asdict(self.speculation.settings)
+            out["self_check"] = self.speculation.self_check.summary()  # predicted vs realized per (batch, K)
+            out["exploration"] = self.speculation.exploration.summary()  # the probes' share of the steps
         return out

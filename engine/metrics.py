@@ -83,6 +83,26 @@ METRICS: tuple[MetricSpec, ...] = (
                unit="tokens", buckets=LENGTH_BUCKETS),
     MetricSpec("specserve_spec_k", "gauge", "Tokens proposed per round chosen for the last decode step (0 = plain).",
                unit="tokens"),
+    MetricSpec("specserve_spec_steps_total", "counter",
+               "Decode steps while speculation is on, by the K the step ran (0 = plain) and why: policy, fixed, "
+               "probe, k_probe, plain_probe, or a reason for plain decoding.", ("model", "k", "reason"), "steps"),
+    MetricSpec("specserve_spec_predicted_seconds_total", "counter",
+               "Self-check: decode step seconds the measured costs predicted for the plan each step ran, by batch "
+               "(the decode batch size rounded up to a power of two), k (the K chosen, 0 = plain) and phase (draft, "
+               "verify, other). Steps that also prefill or finish a request are left out.",
+               ("model", "batch", "k", "phase"), "seconds"),
+    MetricSpec("specserve_spec_realized_seconds_total", "counter",
+               "Self-check: the seconds those steps took, by batch, k and phase; predicted / realized near 1 says "
+               "the prices the adaptive policy chooses by are right there.", ("model", "batch", "k", "phase"),
+               "seconds"),
+    MetricSpec("specserve_spec_predicted_tokens_total", "counter",
+               "Self-check: tokens the acceptance estimates predicted those steps would produce, by batch and k.",
+               ("model", "batch", "k"), "tokens"),
+    MetricSpec("specserve_spec_realized_tokens_total", "counter",
+               "Self-check: tokens those steps produced, by batch and k.", ("model", "batch", "k"), "tokens"),
+    MetricSpec("specserve_spec_prediction_ratio", "gauge",
+               "Self-check: sum predicted / sum realized since start-up, by batch, k and quantity (seconds: a "
+               "whole step's; tokens).", ("model", "batch", "k", "quantity")),
     MetricSpec("specserve_engine_seconds_total", "counter",
                "Engine step wall time by phase: prefill (prompt passes), draft (proposing, the draft's catch-up "
                "included), target (decode or verify pass with sampling and acceptance), other (scheduling, KV "
@@ -104,6 +124,7 @@ class StepMetrics:
         self.recorder = recorder
         self.model = model
         self._last_output_time: dict[str, float] = {}
+        self._self_check: dict[tuple[str, str], list[float]] = {}  # (batch, k) -> predicted/realized tokens, seconds
 
     def _labels(self, **extra) -> dict[str, str]:
         return {"model": self.model, **extra}
@@ -129,6 +150,7 @@ class StepMetrics:
         step = engine.last_step
         if step.decode is not None:
             self._on_decode(step.decode)
+            self._on_self_check(getattr(getattr(engine, "speculation", None), "self_check", None), step.decode)
         for phase, seconds in step.phases.items():
             if seconds > 0:
                 rec.inc("specserve_engine_seconds_total", seconds, self._labels(phase=phase))
@@ -147,6 +169,8 @@ class StepMetrics:
         rec.set("specserve_spec_k", s.k, base)
         for k in s.row_ks:
             rec.observe("specserve_spec_k_per_request", k, base)
+        if s.row_ks:  # speculation on
+            rec.inc("specserve_spec_steps_total", 1, self._labels(k=str(s.k), reason=s.reason))
         if s.k == 0:
             rec.inc("specserve_non_spec_decode_steps_total", 1, self._labels(reason=s.reason))
             return
@@ -161,6 +185,25 @@ class StepMetrics:
             rec.observe("specserve_accepted_length_per_round", a, base)
         for n in s.verified_per_round:
             rec.observe("specserve_verified_tokens_per_round", n, base)
+
+    def _on_self_check(self, check, stats: DecodeStats) -> None:
+        """The step's prediction against what it realized (speculative/self_check.py), if it kept one."""
+        record = getattr(check, "last", None)
+        if record is None or record.stats is not stats:
+            return
+        rec, p = self.recorder, record.predicted
+        labels = {"batch": str(1 << max(0, p.batch - 1).bit_length()), "k": str(p.k)}
+        for phase, seconds in p.seconds.items():
+            rec.inc("specserve_spec_predicted_seconds_total", seconds, self._labels(phase=phase, **labels))
+            rec.inc("specserve_spec_realized_seconds_total", record.seconds[phase], self._labels(phase=phase, **labels))
+        rec.inc("specserve_spec_predicted_tokens_total", p.tokens, self._labels(**labels))
+        rec.inc("specserve_spec_realized_tokens_total", record.tokens, self._labels(**labels))
+        sums = self._self_check.setdefault((labels["batch"], labels["k"]), [0.0] * 4)
+        for i, v in enumerate((p.tokens, record.tokens, sum(p.seconds.values()), sum(record.seconds.values()))):
+            sums[i] += v
+        for quantity, (predicted, realized) in (("tokens", sums[:2]), ("seconds", sums[2:])):
+            if realized > 0:
+                rec.set("specserve_spec_prediction_ratio", predicted / realized, self._labels(quantity=quantity, **labels))
 
     def _on_finish(self, engine, rid: str, reason: str | None, now: float) -> None:
         rec, base = self.recorder, self._labels()

@@ -27,6 +27,7 @@ from engine.speculative.proposers.base import Proposal
 from engine.speculative.proposers.registry import ProposerSources, build_proposer
 from engine.speculative.proposers.suffix import SuffixCache
 from engine.speculative.round_stats import RoundPlan, commit, record_round
+from engine.speculative.self_check import SelfCheck, plain_prediction, round_prediction
 from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
@@ -55,6 +56,7 @@ class SpeculativeDecoder:
         self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
         self.ranks = RankAcceptance()  # adaptive: a tree's width by its sibling ranks' measured acceptance
         self.exploration = ExplorationBudget()  # adaptive: probes held to a share of the steps
+        self.self_check = SelfCheck()  # each step's predicted tokens and seconds against what it took
         self._fresh()
 
     def _fresh(self) -> None:
@@ -114,16 +116,18 @@ class SpeculativeDecoder:
     def observe_step(self, decoded: DecodeResult, phases: PhaseSeconds) -> None:
         """A decode-only step's time outside its model passes, by its (B, K) (not that of a probe
         that left rows out: no (B, K) step), the proposer's own bookkeeping (inputs, the first
-        token's read, lookups) included."""
+        token's read, lookups) included; and the step's realized figures, for the self-check."""
         stats, overhead = decoded.stats, decoded.proposer_overhead
         if stats.reason != "probe" or all(stats.row_ks):
             self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position), phases.other + overhead)
+        self.self_check.realize(stats, decoded.draft_seconds - overhead, decoded.target_seconds, phases.other + overhead)
 
     def decode(self, reqs: list[Request], running: Sequence[Request] = ()) -> DecodeResult:
         """One step for `reqs`; `running`: every request the scheduler runs (reqs among them). The
         others decode from a coming step on (still prefilling, or prefilled this step): the
         adaptive choice prices a catch-up with them."""
         plan = self._plan(reqs, running)
+        self._expect(reqs, plan)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         # a K probe measures a chain of another K, and its rate is no shape's
@@ -361,3 +365,17 @@ class SpeculativeDecoder:
         if reason == "no_proposal":
             result.stats.rows_without_proposal = len(reqs)
         return result
+
+    def _expect(self, reqs: list[Request], plan: RoundPlan) -> None:
+        """The self-check's prediction for the step `plan` runs (self_check.py)."""
+        if not self.settings.use_speculative_decoding:
+            return
+        if plan.k == 0 or not any(plan.ks):
+            self.self_check.expect(plain_prediction(self.costs, len(reqs)))
+            return
+        models = self.proposer.model_rows(reqs)
+        behind = sum(self._long_lags(reqs, [m and k > 0 for m, k in zip(models, plan.ks)]))
+        rates = self.acceptance.rates([r.request_id for r in reqs], max(plan.ks))
+        per_request = self.settings.k_per_request and self.settings.spec_policy == "adaptive"
+        self.self_check.expect(round_prediction(self.costs, plan.ks, rates, models, self.proposer.catch_up, behind,
+                                                per_request, self.runner.model.graphs is None, plan.k))
