@@ -17,6 +17,7 @@ from engine.model.passes import computed_tokens, packs
 from engine.request import DecodeResult, PhaseSeconds, Request
 from engine.runner import ModelRunner
 from engine.speculative.exploration import EXPLORING, ExplorationBudget, declined, probe_rows
+from engine.speculative.plain_steps import PlainStretch, PlainVerdicts
 from engine.speculative.policy.calibration import Calibration
 from engine.speculative.policy.costs import MeasuredCosts
 from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
@@ -61,6 +62,7 @@ class SpeculativeDecoder:
 
     def _fresh(self) -> None:
         """What the plans remember from step to step, started afresh (new settings)."""
+        self.verdicts, self.stretch = PlainVerdicts(), PlainStretch()
         self._last_round_tokens: int | None = None  # the widest row of the last decode round
         self._last_k, self._last_ks = self.settings.spec_length, {}  # the last speculative verdict's
         self._capture_features()
@@ -110,6 +112,7 @@ class SpeculativeDecoder:
         """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
         self.acceptance.forget(request.request_id)
         self.per_request.forget(request.request_id)
+        self.stretch.forget(request.request_id)
         if self.proposer.learns:
             self.proposer.learn(request)
 
@@ -127,6 +130,9 @@ class SpeculativeDecoder:
         others decode from a coming step on (still prefilling, or prefilled this step): the
         adaptive choice prices a catch-up with them."""
         plan = self._plan(reqs, running)
+        if plan.k and self.stretch.lapsed and self.stretch.needs_features(reqs, plan.ks, self.proposer.model_rows(reqs)):
+            self.stretch.defer(reqs, plan)  # their features lapsed while plain: back first (plain_steps.py)
+            plan = RoundPlan(0, "no_proposal", [0] * len(reqs))
         self._expect(reqs, plan)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
@@ -153,6 +159,7 @@ class SpeculativeDecoder:
         self._last_round_tokens = max(len(c) for c in chunks)
         groups = self._verify_groups([len(c) for c in chunks])
         raw = logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
+        self.stretch.captured(reqs)
         if masks is not None:
             logits = mask_logits(logits, masks)
         num_accepted, finals = accept(reqs, proposal, logits, raw, self.runner.logprobs_mode,
@@ -185,6 +192,7 @@ class SpeculativeDecoder:
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
         self._last_round_tokens = max(len(c) for c in chunks)
         logits, features = self.runner.verify_trees(reqs, chunks, trees)  # features [N, T, F] while a head reads them
+        self.stretch.captured(reqs)
         raw = logits
         if masks is not None:
             logits = mask_logits(logits, masks[:, :logits.shape[1]])
@@ -269,6 +277,10 @@ class SpeculativeDecoder:
                 and self.calibration.needs(max(len(reqs), len(running))):  # no guesses beyond the sizes measured
             return RoundPlan(0, "unmeasured", [])
         caps = [self._cap(r) for r in reqs]
+        held = self.stretch.deferred(reqs)  # put off last step while features came back
+        if held is not None:
+            ks = [min(k, c) for k, c in zip(held.ks, caps)]
+            return RoundPlan(max(ks), held.reason, ks)
         settled = self.policy.settled(len(reqs), caps)
         if settled is None and self.settings.k_per_request:
             return self._per_request_plan(reqs, caps)
@@ -279,9 +291,14 @@ class SpeculativeDecoder:
         return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
 
     def _one_k_verdict(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
-        """The adaptive one-K verdict; an exploring one the budget declines gives way to the
-        verdict (exploration.py)."""
-        choice = self._adaptive_choice(reqs, caps, running)
+        """The adaptive one-K verdict: the last all-plain one while it holds (plain_steps.py), else
+        priced afresh; an exploring one the budget declines gives way to the verdict (exploration.py)."""
+        key = self.verdicts.key(reqs, caps, running, self.acceptance.version, self.policy.spec_length)
+        if self.verdicts.reuse(key, self.policy):
+            choice = Choice(0, "policy", {})
+        else:
+            choice = self._adaptive_choice(reqs, caps, running)
+            self.verdicts.keep(key, choice.k == 0 and choice.reason == "policy")
         if not self.exploration.allow(choice.reason in EXPLORING):
             choice = declined(choice, self._last_k, self.policy.k_max(caps))
         if choice.k and choice.reason == "policy":
@@ -355,7 +372,7 @@ class SpeculativeDecoder:
 
     def _plain(self, reqs: list[Request], reason: str, draft_seconds: float = 0.0) -> DecodeResult:
         self._last_round_tokens = 1
-        result = self.runner.decode(reqs, reason)
+        result = self.stretch.decode(self.runner, reqs, reason)  # no capture under a verdict that stays plain
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
         if reason != "disabled":  # speculation on, and K = 0 chosen for every request
             result.stats.row_ks = [0] * len(reqs)
