@@ -252,17 +252,14 @@ def judge(launch: Launch, capability: int, result: Result) -> list[str]:
 
 def targets() -> list[int]:
     """The targets the installed Triton can compile for (sm_100 where it knows Blackwell)."""
-    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
 
-    known = [80, 86, 89, 90]
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend as B
-        B(GPUTarget("cuda", 100, 32))
-        known.append(100)
+        CUDABackend(GPUTarget("cuda", 100, 32))
+        return [80, 86, 89, 90, 100]
     except Exception:  # an older Triton
-        pass
-    return known
+        return [80, 86, 89, 90]
 
 
 _UNIQUE: list[Launch] = []  # the launches a check compiles, read by its forked workers

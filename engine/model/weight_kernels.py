@@ -66,22 +66,29 @@ def _form(layer: QuantLinear) -> tuple:
     return layer.kind, layer.bits, layer.block, layer.group, layer.perm is not None
 
 
-def _probe_linear(layer: QuantLinear, dtype: torch.dtype) -> str | None:
-    """The kernel's result against the dequantized weight's; what is wrong, or None."""
+def _probe(width: int, dtype: torch.dtype, device: torch.device, run, reference: str, unit: str) -> str | None:
+    """run(x) -> (got, want) for random x [rows, width] at each of PROBE_ROWS, compared within the
+    dtype's tolerance relative to want's largest value; what is wrong, or None."""
     g = torch.Generator().manual_seed(0)
-    weight = layer.dequantize(torch.float32)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     try:
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, layer.shape[1], generator=g).to(device=weight.device, dtype=dtype)
-            got = layer(x).float()
-            want = F.linear((x if layer.perm is None else x.index_select(-1, layer.perm)).float(), weight)
-            worst, scale = (got - want).abs().max().item(), want.abs().max().item()
+            got, want = run(torch.randn(rows, width, generator=g).to(device=device, dtype=dtype))
+            worst, scale = (got.float() - want.float()).abs().max().item(), want.float().abs().max().item()
             if not worst <= tolerance * max(scale, 1.0):
-                return f"differs from the dequantized weight by {worst:.3g} (scale {scale:.3g}) at {rows} rows"
+                return f"differs from {reference} by {worst:.3g} (scale {scale:.3g}) at {rows} {unit}"
     except Exception as e:  # a kernel that does not build or run here
         return f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
     return None
+
+
+def _probe_linear(layer: QuantLinear, dtype: torch.dtype) -> str | None:
+    """The kernel's result against the dequantized weight's; what is wrong, or None."""
+    weight = layer.dequantize(torch.float32)
+
+    def run(x):
+        return layer(x), F.linear((x if layer.perm is None else x.index_select(-1, layer.perm)).float(), weight)
+    return _probe(layer.shape[1], dtype, weight.device, run, "the dequantized weight", "rows")
 
 
 def choose_moe(model, setting: str, role: str) -> str | None:
@@ -105,21 +112,14 @@ def choose_moe(model, setting: str, role: str) -> str | None:
 
 
 def _probe_experts(experts: Experts, dtype: torch.dtype) -> str | None:
-    g = torch.Generator().manual_seed(0)
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     static = experts.static
+
+    def run(x):
+        experts.static = False
+        want = experts(x[None], F.linear)
+        experts.static = True
+        return experts(x[None], F.linear), want
     try:
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, experts.shape[2], generator=g).to(device=experts.gate_up.device, dtype=dtype)
-            experts.static = False
-            want = experts(x[None], F.linear).float()
-            experts.static = True
-            got = experts(x[None], F.linear).float()
-            worst, scale = (got - want).abs().max().item(), want.abs().max().item()
-            if not worst <= tolerance * max(scale, 1.0):
-                return f"differs from the host-grouped experts by {worst:.3g} (scale {scale:.3g}) at {rows} tokens"
-    except Exception as e:  # a kernel that does not build or run here
-        return f"failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        return _probe(experts.shape[2], dtype, experts.gate_up.device, run, "the host-grouped experts", "tokens")
     finally:
         experts.static = static
-    return None

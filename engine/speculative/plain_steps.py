@@ -39,16 +39,11 @@ class PlainVerdicts:
 
     def reuse(self, key: tuple, policy) -> bool:
         """Whether the last verdict, all plain, holds for this step: counted as the plain choice
-        it stands for in the policy's probe schedule (SpecPolicy's streak), so a plain stretch
-        probes as often in steps as without reuse; where that choice would be a probe, the policy
-        chooses. (SpecPolicy has no public call for this: its streak is read where it exists,
-        and without it nothing is reused.)"""
-        if key != self._key or self._reused >= REUSE_PLAIN:
+        it stands for in the policy's probe schedule (SpecPolicy.count_reused_plain), so a plain
+        stretch probes as often in steps as without reuse; where that choice would be a probe,
+        the policy chooses."""
+        if key != self._key or self._reused >= REUSE_PLAIN or not policy.count_reused_plain():
             return False
-        streak, wait = getattr(policy, "_streak", None), getattr(policy, "_wait", {}).get(True)
-        if streak is None or wait is None or streak + 1 >= wait:
-            return False
-        policy._streak = streak + 1
         self._reused += 1
         return True
 

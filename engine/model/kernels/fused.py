@@ -16,8 +16,14 @@ CAPABILITIES = {"add_rms_norm": (8, 0), "rope_qk_write": (8, 0), "silu_mul": (8,
 
 
 @functools.cache
-def kernels():
-    """The jitted kernels (triton imported on first use: a CPU-only install need not have it)."""
+def kernels() -> tuple:
+    """The jitted kernels (add_rms_norm, rope_qk_write, silu_mul); triton imported on first use (a
+    CPU-only install need not have it)."""
+    return _add_rms_norm(), _rope_qk_write(), _silu_mul()
+
+
+@functools.cache
+def _add_rms_norm():
     import triton
     import triton.language as tl
 
@@ -38,6 +44,14 @@ def kernels():
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / cols + eps)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * cols + offs, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+    return add_rms_norm
+
+
+@functools.cache
+def _rope_qk_write():
+    import triton
+    import triton.language as tl
 
     @triton.jit(do_not_specialize=["heads", "kv_heads", "storage_rows"])  # no code depends on them
     def rope_qk_write(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, rows_ptr, heads, kv_heads,
@@ -70,6 +84,14 @@ def kernels():
             v = tl.load(qkv_ptr + t * width + (heads + kv_heads + h) * D + offs)
             tl.store(kv_ptr + ((kv_heads + h) * storage_rows + row) * D + offs, v.to(kv_ptr.dtype.element_ty))
 
+    return rope_qk_write
+
+
+@functools.cache
+def _silu_mul():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def silu_mul(gate_up_ptr, out_ptr, cols, BLOCK: tl.constexpr):
         """Row r, a block of columns: silu(gate) * up, gate and up the row's two halves."""
@@ -81,7 +103,7 @@ def kernels():
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * cols + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return add_rms_norm, rope_qk_write, silu_mul
+    return silu_mul
 
 
 def _pow2(n: int) -> int:

@@ -32,7 +32,14 @@ INTERPRETER_SMS = 4  # the SM count assumed off CUDA (the interpreter), so tests
 
 
 @functools.cache
-def kernels():
+def kernels() -> tuple:
+    """The jitted kernels (fp8, int4, split_sum); triton imported on first use."""
+    return _fp8(), _int4(), _split_sum()
+
+
+@functools.cache
+def _fp8():
+    """e4m3 weights with their block scales."""
     import triton
     import triton.language as tl
 
@@ -63,6 +70,15 @@ def kernels():
         out = out_ptr + split * M * N
         tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    return fp8
+
+
+@functools.cache
+def _int4():
+    """4-bit weights packed eight a word, a scale and zero point a group."""
+    import triton
+    import triton.language as tl
 
     @triton.jit(do_not_specialize=["groups", "group", "tiles_per_split"])
     def int4(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, groups, group, tiles_per_split, BLOCK_N: tl.constexpr,
@@ -100,6 +116,15 @@ def kernels():
         tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+    return int4
+
+
+@functools.cache
+def _split_sum():
+    """a K split's float32 partials summed in split order."""
+    import triton
+    import triton.language as tl
+
     @triton.jit(do_not_specialize=["splits"])
     def split_sum(part_ptr, y_ptr, total, splits, BLOCK: tl.constexpr):
         """y = the splits' partials [splits, total] summed in split order."""
@@ -110,7 +135,7 @@ def kernels():
             acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return fp8, int4, split_sum
+    return split_sum
 
 
 @functools.cache

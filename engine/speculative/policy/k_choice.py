@@ -266,6 +266,14 @@ class SpecPolicy:
             return Choice(max(range(1, k_max + 1), key=scores.get), "probe", scores)
         return Choice(0, "plain_probe", scores)
 
+    def count_reused_plain(self) -> bool:
+        """Counts a reused all-plain verdict in the probe schedule as the plain choice it stands
+        for; False (nothing counted) where that choice would be a probe."""
+        if self._streak + 1 >= self._wait[True]:
+            return False
+        self._streak += 1
+        return True
+
     def _k_probe(self, best: int, k_max: int, scores: dict[int, float]) -> Choice | None:
         """Every k_probe_every-th speculative choice: a K near `best` (K_PROBE_STEPS in turn, the
         next one in 1..k_max), and every FAR_PROBE_EVERY-th of those one further away (the K more
