@@ -88,7 +88,7 @@ def build(config: EngineConfig, free_memory: Callable[[str], int], defer_calibra
           graph_capture: Capture | None = None) -> EngineParts:
     """The engine's parts for `config` (written back into it: resolved paths, max_seq_len,
     num_kv_blocks). free_memory(device): bytes the device can still allocate; defer_calibration:
-    measure the adaptive policy's costs at batch 1 now and the largest batch later; graph_capture:
+    measure the adaptive policy's costs at batch 1 now and its other calibration sizes later; graph_capture:
     how a CUDA graph is recorded (tests inject failing ones)."""
     return _Startup(config).run(free_memory, defer_calibration, graph_capture)
 

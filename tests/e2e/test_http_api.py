@@ -45,7 +45,8 @@ def test_models_and_health(server):
     with server.client() as c:
         health = c.get("/health").json()
         assert health["status"] == "ok" and {"models", "kv_pools"} <= set(health["startup_s"])
-        assert health["calibration_pending"] in ([], [32])  # the largest batch is measured in the first idle moment
+        pending = health["calibration_pending"]  # the sizes past batch 1 are measured, one a call, while idle
+        assert pending in ([], [32], [16, 32], [4, 16, 32]), pending
         models = c.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "specserve-default"
 

@@ -1,7 +1,9 @@
 """The adaptive policy's start-up costs: read from a cache when this engine's fingerprint (host,
 torch, device, both models' shapes and plans, pool shape, the widest round, the largest batch) was
-measured before, else measured at batch 1 and the largest batch (a server measures batch 1 at start and the largest batch
-when it is first idle, decoding plainly beyond batch 1 until then).
+measured before, else measured at the batch sizes a server runs (CALIBRATED_BATCHES up to the
+largest batch, and the largest: `calibration_batches`), so verify costs between them are
+interpolated over a factor of 4 at most. A server measures batch 1 at start and the others, one a
+call, when it is first idle, decoding plainly beyond the sizes measured until then.
 The running engine's own observations refine the table in memory only: a table learnt under
 transient load (another replica starting, a burst) must not price the next start's choices.
 
@@ -30,7 +32,13 @@ from engine.speculative.policy.measure import CALIBRATION_CONTEXT, calibrate_bat
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # part of the fingerprint: bump when what calibration measures changes
+CACHE_VERSION = 2  # part of the fingerprint: bump when what calibration measures changes
+CALIBRATED_BATCHES = (1, 4, 16, 64)  # batch sizes measured at start-up (with the largest, capped by it)
+
+
+def calibration_batches(max_batch: int) -> list[int]:
+    """The batch sizes calibration measures for an engine of `max_batch` sequences, smallest first."""
+    return sorted({b for b in CALIBRATED_BATCHES if b < max_batch} | {max_batch})
 
 
 def cache_dir() -> Path:
@@ -76,10 +84,10 @@ class Calibration:
         self.source = "cached"  # "cached", or "measured" once this engine measured anything
 
     def start(self, defer: bool = False) -> None:
-        """Reads the cache, or measures batch 1 and the largest batch (with `defer`, batch 1 only:
-        the largest stays pending until run_next)."""
-        self.pending = sorted({1, self.max_batch})
-        if self._load():  # a cold start cut short may have left the largest batch unmeasured
+        """Reads the cache, or measures calibration_batches (with `defer`, batch 1 only: the
+        others stay pending until run_next)."""
+        self.pending = calibration_batches(self.max_batch)
+        if self._load():  # a cold start cut short may have left larger batches unmeasured
             if not defer:
                 while self.run_next():
                     pass
@@ -94,9 +102,14 @@ class Calibration:
         return bool(self.pending or self.failed) and batch > self.measured_up_to()
 
     def measured_up_to(self) -> int:
-        """The largest batch size calibrated so far (0: none)."""
-        done = [b for b in sorted({1, self.max_batch}) if b not in self.pending and b not in self.failed]
-        return max(done, default=0)
+        """The largest batch size calibrated so far with every smaller calibration size too (0:
+        none): a failed size is never priced past, even where a larger one was measured."""
+        done = 0
+        for b in calibration_batches(self.max_batch):
+            if b in self.pending or b in self.failed:
+                break
+            done = b
+        return done
 
     def run_next(self) -> bool:
         """Measures the next pending batch size; False when none was pending. An error other than a

@@ -254,9 +254,12 @@ class MeasuredCosts:
         return [line[0] if plain is None else plain] + line[1:]
 
     def other_times(self, batch: int, k_max: int) -> list[float]:
-        """A step's seconds outside its passes for K = 0..k_max: plain as measured, K >= 1 fitted."""
-        return [self.other.estimate(batch, 0) or 0.0] + self.other.fitted(batch, range(1, k_max + 1),
-                                                                        self.STALE_WEIGHT, 0.0)
+        """A step's seconds outside its passes for K = 0..k_max (other_fit: plain on its own fit,
+        K >= 1 on theirs); 0 until measured."""
+        if not self.other.batches(0) and not any(self.other.observed(k) for k in range(1, k_max + 1)):
+            return [0.0] * (k_max + 1)
+        return other_fit(self.other, batch, range(0, 1), self.STALE_WEIGHT) + other_fit(
+            self.other, batch, range(1, k_max + 1), self.STALE_WEIGHT)
 
     def draft_times(self, rows: int, k_max: int) -> tuple[list[float], list[float]]:
         """Over `rows` sequences (k_max >= 1): a round's first draft pass at widths 1..k_max + 1,
@@ -333,6 +336,54 @@ class PackedVerify:
 
 
 LINE_TRUST = 4.0  # observations' worth of trust a fitted line has against an entry's own figure
+
+
+def other_fit(table: TimingTable, batch: int, ks: range, least_weight: float) -> list[float]:
+    """A step's time outside its passes at `batch` for each K in `ks`, from every (B, K in ks)
+    entry of `table`: seconds = a + b B + c B K by weighted least squares (each entry weighted by
+    its trust, at least least_weight; a + b B (K + 1) while B or K has not varied enough, the
+    table's own estimate while neither fits), and an entry observed at this exact batch shrunk
+    towards it as in trusted_line. So a batch size never seen is priced by the whole table, never
+    extrapolated from its two nearest sizes."""
+    entries = [(b, k, table.estimate(b, k), max(table.weight(b, k), least_weight))
+               for k in ks if table.observed(k) for b in table.batches(k)]
+    fit = None
+    for features in ((lambda b, k: (1.0, b, b * k)), (lambda b, k: (1.0, b * (k + 1)))):
+        fit = _least_squares([features(b, k) for b, k, _, _ in entries], [y for *_, y, _ in entries],
+                             [w for *_, w in entries])
+        if fit is not None:
+            break
+    out = []
+    for k in ks:
+        line = (sum(c * x for c, x in zip(fit, features(batch, k))) if fit is not None
+                else table.estimate(batch, k) or 0.0)
+        line = max(line, 0.0)
+        if table.observed(k) and batch in table.batches(k):
+            w = table.weight(batch, k)
+            line = (w * table.estimate(batch, k) + LINE_TRUST * line) / (w + LINE_TRUST)
+        out.append(line)
+    return out
+
+
+def _least_squares(xs: list[tuple[float, ...]], ys: list[float], ws: list[float]) -> tuple[float, ...] | None:
+    """Weighted least-squares coefficients of y = c . x (Gaussian elimination on the normal
+    equations); None with fewer entries than coefficients or (near) collinear x."""
+    n = len(xs[0]) if xs else 0
+    if len(xs) < n or not n:
+        return None
+    m = [[sum(w * x[i] * x[j] for x, w in zip(xs, ws)) for j in range(n)]
+         + [sum(w * x[i] * y for x, y, w in zip(xs, ys, ws))] for i in range(n)]
+    scale = [m[i][i] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-9 * max(scale[col], 1e-30):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return tuple(m[i][n] / m[i][i] for i in range(n))
 
 
 def trusted_line(values: Sequence[float], weights: Sequence[float], least_weight: float) -> list[float]:

@@ -13,7 +13,7 @@ import pytest
 import engine.speculative.policy.measure as measure_module
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from engine.speculative.policy.calibration import Calibration
+from engine.speculative.policy.calibration import Calibration, calibration_batches
 
 
 @pytest.fixture
@@ -169,3 +169,28 @@ def test_a_failed_measurement_is_logged_and_never_guessed_past(tiny_model, tiny_
     assert calibration.failed == [4] and not calibration.pending and calibration.needs(2) and not calibration.needs(1)
     assert any("failed" in r.message for r in caplog.records)
     assert not engine.run_idle_work()  # not retried
+
+
+def test_calibration_measures_the_batch_sizes_a_server_runs():
+    assert calibration_batches(1) == [1] and calibration_batches(4) == [1, 4]
+    assert calibration_batches(32) == [1, 4, 16, 32] and calibration_batches(64) == [1, 4, 16, 64]
+    assert calibration_batches(256) == [1, 4, 16, 64, 256]
+
+
+def test_a_failed_middle_size_is_never_priced_past(tiny_model, tiny_draft, cache, monkeypatch):
+    engine = adaptive(tiny_model, tiny_draft, defer=True, max_batch_size=20)
+    calibration = engine.speculation.calibration
+    assert calibration.pending == [4, 16, 20]
+    original = measure_module.calibrate_batch
+
+    def failing_at_four(costs, target, draft, max_tokens, batch, *rest):
+        if batch == 4:
+            raise RuntimeError("no room")
+        return original(costs, target, draft, max_tokens, batch, *rest)
+
+    monkeypatch.setattr("engine.speculative.policy.calibration.calibrate_batch", failing_at_four)
+    while engine.run_idle_work():
+        pass
+    assert calibration.failed == [4] and not calibration.pending
+    assert calibration.measured_up_to() == 1 and calibration.needs(2) and calibration.needs(18)
+    assert set(calibration.costs.target.batches(1)) == {1, 16, 20}  # measured, never priced past the failure

@@ -543,25 +543,54 @@ def test_a_rounds_further_draft_steps_are_priced_with_the_fixed_cost_of_their_ca
 
 def test_time_outside_the_passes_growing_with_k_moves_the_policy_to_a_smaller_k():
     """Sampling, acceptance and bookkeeping over B x (K + 1) logits, which the pass times do not
-    see: measured per (bucket, K), fitted on a line over K >= 1, it moves the policy to a smaller K."""
+    see: measured per (batch, K), fitted over the table (other_fit), it moves the policy to a smaller K."""
     costs = MemoryBoundCosts(draft=0.3e-3)
     before = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
     assert before.k >= 4
     measured = MeasuredCosts()
     for k, seconds in [(0, 1e-3), (1, 2e-3), (2, 5e-3), (4, 7e-3)]:
         measured.observe_other(8, k, seconds)
-    other = measured.other_times(6, 6)  # bucket 8
+    other = measured.other_times(8, 6)
     assert other[0] == pytest.approx(1e-3)
-    # K = 3, 5, 6 never measured (nearest K, little weight): on the line, 1.41 ms a K; K = 1, 2, 4
-    # measured once each keep a fifth of their own figures
-    line = line_fit([2.0, 5.0, 5.0, 7.0, 7.0, 7.0], [max(measured.other.weight(8, k), MeasuredCosts.STALE_WEIGHT)
-                                                    for k in range(1, 7)])
-    assert line[1] - line[0] == pytest.approx(1.41, rel=0.01)
-    assert other[3] * 1e3 == pytest.approx(line[2], rel=0.02) and other[1] * 1e3 == pytest.approx(0.8 * line[0] + 0.2 * 2.0, rel=0.02)
+    # one batch size seen: K >= 1 on a + b B (K + 1), least squares over K = 1, 2, 4; K = 3, 5, 6
+    # never measured lie on it, K = 1, 2, 4 measured once each keep a fifth of their own figures
+    weights = [measured.other.weight(8, k) for k in (1, 2, 4)]
+    xs, ys = [8.0 * (k + 1) for k in (1, 2, 4)], [2e-3, 5e-3, 7e-3]
+    mx = sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+    my = sum(w * y for w, y in zip(weights, ys)) / sum(weights)
+    slope = (sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys))
+             / sum(w * (x - mx) ** 2 for w, x in zip(weights, xs)))
+    line = {k: my + slope * (8.0 * (k + 1) - mx) for k in range(1, 7)}
+    assert other[3] == pytest.approx(line[3], rel=1e-6) and other[6] == pytest.approx(line[6], rel=1e-6)
+    w1 = weights[0]
+    assert other[1] == pytest.approx((w1 * 2e-3 + 4.0 * line[1]) / (w1 + 4.0), rel=1e-6)
     assert all(a < b for a, b in zip(other[1:], other[2:]))  # dearer with every K
+    assert all(a < b for a, b in zip(measured.other_times(6, 6)[1:], other[1:]))  # fewer rows, cheaper
     costs.per_k = 1.5e-3
     after = SpecPolicy(costs, spec_length=6, mode="adaptive", hysteresis=0.0).choose([0.8] * 8, [100] * 8)
     assert 0 < after.k < before.k
+
+
+def test_time_outside_the_passes_at_a_batch_never_seen_comes_from_the_whole_table():
+    """Seen at batch 1, 4 and 16, a step's other time at batch 64 is priced on the plane through
+    them all, not extrapolated from 4 and 16 (a burst at 16 more than doubles that extrapolation;
+the plane moves by half as much)."""
+    def true(b, k):
+        return 0.2e-3 + 0.05e-3 * b + 0.02e-3 * b * k
+    measured = MeasuredCosts()
+    for _ in range(20):
+        for b in (1, 4, 16):
+            for k in (0, 1, 2, 3):
+                measured.observe_other(b, k, true(b, k))
+    assert measured.other_times(64, 3)[1:] == pytest.approx([true(64, k) for k in (1, 2, 3)], rel=1e-6)
+    assert measured.other_times(8, 3)[1:] == pytest.approx([true(8, k) for k in (1, 2, 3)], rel=1e-6)
+    assert measured.other_times(64, 3)[0] == pytest.approx(true(64, 0), rel=1e-6)  # plain: a + b B
+    for _ in range(3):
+        measured.observe_other(16, 2, 3 * true(16, 2))  # a burst at batch 16
+    two_point = measured.other.estimate(64, 2)  # the table's own extrapolation from 4 and 16
+    fitted = measured.other_times(64, 3)[2]
+    assert two_point > 2 * true(64, 2) and abs(fitted / true(64, 2) - 1) < 0.5 * abs(two_point / true(64, 2) - 1)
+    assert MeasuredCosts().other_times(8, 3) == [0.0] * 4  # nothing measured yet
 
 
 def test_a_long_catch_up_is_priced_by_a_line_not_by_the_small_ones_per_token():
