@@ -45,7 +45,7 @@ def record_round(reqs: list[Request], plan: RoundPlan, proposal: Proposal, num_a
             stats.rows_without_proposal += 1
             continue
         r.spec.record_round(a, k, source)
-        acceptance.update(r.request_id, a, k)
+        acceptance.update(r.request_id, a, k, (source, not r.params.greedy))
         stats.num_proposed += k
         stats.num_accepted += a
         stats.accepted_per_round.append(a)

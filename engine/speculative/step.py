@@ -319,7 +319,7 @@ class SpeculativeDecoder:
             catch_ups = None
             if any(models):  # a request the draft lags far behind pays its catch-up when it drafts
                 catch_ups = [self.costs.catch_up_time(n) if n else 0.0 for n in self._long_lags(reqs, models)]
-            prices = RowPrices(self.acceptance.rates(ids, view.k_max), models, self.proposer.catch_up,
+            prices = RowPrices(self._rates(reqs, view.k_max), models, self.proposer.catch_up,
                                self.runner.model.graphs is None, catch_ups,
                                [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
             chosen = self.per_request.choose(view, prices)
@@ -338,20 +338,26 @@ class SpeculativeDecoder:
         requests are joining, those run at the batch they make, so the choice is priced there
         (the joining requests' proposer has read none of their text yet). Drafting and catch-ups
         are priced for the rows a model drafts (proposer.model_rows: none of hybrid's lookup rows)."""
-        ids = [r.request_id for r in reqs]
+        rows = list(reqs)
         models = self.proposer.model_rows(reqs)
         behind = sum(self._long_lags(reqs, models))
         if behind:
             decoding = {id(r) for r in reqs}
             joining = [r for r in running if id(r) not in decoding]
-            ids += [r.request_id for r in joining]
+            rows += joining
             caps = caps + [self._cap(r) for r in joining]
             joining_models = self.proposer.model_rows(joining)
             models += joining_models
             long = self.proposer.long_catch_up
             behind += sum(r.num_tokens for r, m in zip(joining, joining_models) if m and r.num_tokens > long)
-        rates = self.acceptance.rates(ids, self.policy.spec_length)
+        rates = self._rates(rows, self.policy.spec_length)
         return self.policy.choose(rates, caps, sum(models), behind, self.proposer.catch_up)
+
+    def _rates(self, reqs: list[Request], positions: int) -> list[tuple[float, ...]]:
+        """Each request's acceptance by draft position, from the proposer its proposals will
+        come from and whether it samples (AcceptanceKey)."""
+        keys = [(source, not r.params.greedy) for r, source in zip(reqs, self.proposer.row_sources(reqs))]
+        return self.acceptance.rates([r.request_id for r in reqs], positions, keys)
 
     def _long_lags(self, reqs: list[Request], models: list[bool]) -> list[int]:
         """Each request's long catch-up (the tokens its draft lags, where more than
@@ -375,6 +381,7 @@ class SpeculativeDecoder:
         result = self.stretch.decode(self.runner, reqs, reason)  # no capture under a verdict that stays plain
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
         if reason != "disabled":  # speculation on, and K = 0 chosen for every request
+            self.acceptance.end_step(plain=True)
             result.stats.row_ks = [0] * len(reqs)
             for r in reqs:
                 r.spec.record_k(0)
@@ -392,7 +399,7 @@ class SpeculativeDecoder:
             return
         models = self.proposer.model_rows(reqs)
         behind = sum(self._long_lags(reqs, [m and k > 0 for m, k in zip(models, plan.ks)]))
-        rates = self.acceptance.rates([r.request_id for r in reqs], max(plan.ks))
+        rates = self._rates(reqs, max(plan.ks))
         per_request = self.settings.k_per_request and self.settings.spec_policy == "adaptive"
         self.self_check.expect(round_prediction(self.costs, plan.ks, rates, models, self.proposer.catch_up, behind,
                                                 per_request, self.runner.model.graphs is None, plan.k))

@@ -6,6 +6,7 @@ verify passes stop being free; the model, probes and hysteresis: docs/performanc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,9 +44,10 @@ class AcceptanceByPosition:
             self.judged[j] += 1
             self.accepted[j] += int(j < num_accepted)
 
-    def age(self) -> None:
-        self.judged = [n * self.decay for n in self.judged]
-        self.accepted = [n * self.decay for n in self.accepted]
+    def age(self, steps: int = 1) -> None:
+        factor = self.decay ** steps
+        self.judged = [n * factor for n in self.judged]
+        self.accepted = [n * factor for n in self.accepted]
 
     def rates(self, prior: Sequence[float], weight: float, positions: int) -> tuple[float, ...]:
         """h_1..h_positions: (accepted + weight * prior) / (judged + weight) at each position.
@@ -62,45 +64,84 @@ class AcceptanceByPosition:
         return tuple(out)
 
 
+AcceptanceKey = tuple[str, bool]  # (the proposer a row's proposals come from, whether the row samples)
+
+
 class AcceptanceEstimates:
-    """Each request's acceptance rates by draft position, shrunk towards those of all rounds of
-    recent steps (decayed per step, not per round: a batch's last step must not outweigh the
-    steps before it), which start from a prior rate."""
+    """Each request's acceptance rates by draft position, per proposer it takes proposals from
+    (hybrid: its lookup's and its model's apart), shrunk towards the rates of recent rounds of
+    the same key (AcceptanceKey: proposer, sampled or greedy), those towards all recent rounds',
+    and those towards a prior rate. The recent pools decay per step, not per round (a batch's last
+    step must not outweigh the steps before it), plain steps included: a plain stretch's
+    verdict rests on evidence that fades as it would while speculating. A plain step's ageing
+    waits until the estimates are next read or updated (`version` stays, so a plain verdict can
+    be reused: plain_steps.py)."""
 
     PRIOR_RATE = 0.6  # acceptance assumed before any round was judged
-    RECENT_WEIGHT = 2.0  # rounds' worth of evidence the prior is worth against recent rounds
-    REQUEST_WEIGHT = 16.0  # ... and recent rounds against a request's own
+    RECENT_WEIGHT = 2.0  # rounds' worth of evidence the prior is worth against recent rounds (and they against a key's)
+    REQUEST_WEIGHT = 16.0  # ... and recent rounds of the request's key against a request's own
+    DECAY = 0.98  # the recent pools' ageing a step
+    ANY: AcceptanceKey = ("any", False)  # the key of a caller that names none
 
     def __init__(self):
-        self._by_request: dict[str, AcceptanceByPosition] = {}
-        self._recent = AcceptanceByPosition(decay=0.98)
+        self._by_request: dict[str, dict[str, AcceptanceByPosition]] = {}  # request id -> proposer -> counts
+        self._all = AcceptanceByPosition(decay=self.DECAY)
+        self._pools: dict[AcceptanceKey, AcceptanceByPosition] = {}
+        self._unaged = 0  # plain steps whose ageing is still to apply
         self.version = 0  # changes whenever any estimate may have
 
-    def rates(self, request_ids: list[str], positions: int) -> list[tuple[float, ...]]:
-        """h_1..h_positions for each request."""
-        recent = self._recent.rates((self.PRIOR_RATE,), self.RECENT_WEIGHT, positions)
+    def rates(self, request_ids: list[str], positions: int,
+              keys: Sequence[AcceptanceKey] | None = None) -> list[tuple[float, ...]]:
+        """h_1..h_positions for each request, keys[i] naming where its proposals will come from
+        (None: ANY for every request)."""
+        self._catch_up_ageing()
+        keys = [self.ANY] * len(request_ids) if keys is None else keys
+        mixed = self._all.rates((self.PRIOR_RATE,), self.RECENT_WEIGHT, positions)
+        pooled = {key: self._pools[key].rates(mixed, self.RECENT_WEIGHT, positions) if key in self._pools else mixed
+                  for key in set(keys)}
         fresh = AcceptanceByPosition()
-        return [self._by_request.get(rid, fresh).rates(recent, self.REQUEST_WEIGHT, positions) for rid in request_ids]
+        return [self._by_request.get(rid, {}).get(key[0], fresh).rates(pooled[key], self.REQUEST_WEIGHT, positions)
+                for rid, key in zip(request_ids, keys, strict=True)]
 
-    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
-        self._by_request.setdefault(request_id, AcceptanceByPosition()).update(num_accepted, num_proposed)
-        self._recent.update(num_accepted, num_proposed)
+    def update(self, request_id: str, num_accepted: int, num_proposed: int, key: AcceptanceKey = ANY) -> None:
+        self._catch_up_ageing()
+        own = self._by_request.setdefault(request_id, {})
+        own.setdefault(key[0], AcceptanceByPosition()).update(num_accepted, num_proposed)
+        self._pools.setdefault(key, AcceptanceByPosition(decay=self.DECAY)).update(num_accepted, num_proposed)
+        self._all.update(num_accepted, num_proposed)
         self.version += 1
 
     def tried(self, request_ids: list[str], rounds: int = 1) -> list[int]:
-        """How many leading draft positions each request has had judged in at least `rounds` rounds."""
+        """How many leading draft positions each request has had judged in at least `rounds`
+        rounds (over all its proposers)."""
         out = []
         for rid in request_ids:
-            judged = self._by_request[rid].judged if rid in self._by_request else []
+            judged: list[float] = []
+            for counts in self._by_request.get(rid, {}).values():
+                judged = [a + b for a, b in itertools.zip_longest(judged, counts.judged, fillvalue=0.0)]
             out.append(next((j for j, n in enumerate(judged) if n < rounds), len(judged)))
         return out
 
     def forget(self, request_id: str) -> None:
         self._by_request.pop(request_id, None)
 
-    def end_step(self) -> None:
-        self._recent.age()
+    def end_step(self, plain: bool = False) -> None:
+        """A decode step ended: the recent pools age (a plain step's when next read)."""
+        if plain:
+            self._unaged += 1
+            return
+        self._catch_up_ageing()
+        self._age(1)
         self.version += 1
+
+    def _catch_up_ageing(self) -> None:
+        if self._unaged:
+            self._age(self._unaged)
+            self._unaged = 0
+
+    def _age(self, steps: int) -> None:
+        for pool in (self._all, *self._pools.values()):
+            pool.age(steps)
 
 
 def expected_tokens(acceptance: Acceptance, k: int) -> float:

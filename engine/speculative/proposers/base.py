@@ -105,6 +105,11 @@ class Proposer:
         (runs_model), none for a lookup."""
         return [self.runs_model] * len(requests)
 
+    def row_sources(self, requests: list[Request]) -> list[str]:
+        """The name each request's proposals would come from this round (Proposal.sources'
+        names): the policy keeps acceptance apart by it."""
+        return [self.name] * len(requests)
+
 
 class CostObserver(Protocol):
     """Where proposers and the step report what their passes took."""

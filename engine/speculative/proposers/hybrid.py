@@ -51,3 +51,5 @@ class HybridProposer(Proposer):
         is expected to find one again, with no model pass); a new request's is the model's."""
         return [r.spec.last_proposer != self.lookup.name for r in requests]
 
+    def row_sources(self, requests: list[Request]) -> list[str]:
+        return [self.model.name if m else self.lookup.name for m in self.model_rows(requests)]

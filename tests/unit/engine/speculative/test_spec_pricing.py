@@ -61,7 +61,7 @@ class ScriptedCosts:
 
 
 def _request(last_proposer: str | None, rid: str = "r") -> SimpleNamespace:
-    params = SimpleNamespace(max_tokens=1000, spec_length=None)
+    params = SimpleNamespace(max_tokens=1000, spec_length=None, greedy=True)
     return SimpleNamespace(request_id=rid, spec=SpecStats(last_proposer=last_proposer), num_tokens=10,
                            output_token_ids=[1], params=params)
 
@@ -134,3 +134,18 @@ def test_a_catch_up_is_charged_for_the_rows_the_model_drafts_only():
     assert costs.catch_up_tokens == [50]
     decoder, costs = _hybrid_decoder(lags)  # no row the model's: nothing to catch up on
     assert _one_k_catch_up(decoder, _batch(0)) == 0 and costs.catch_up_tokens == []
+
+
+def test_each_row_is_priced_at_the_acceptance_of_the_proposer_it_will_take():
+    """Hybrid's lookup rounds (all accepted) and model rounds (none) are kept apart: a new
+    request the lookup serves is priced near the lookup's rate, one the model drafts near the
+    model's, where one pool for both would price both at the mix."""
+    decoder, _ = _hybrid_decoder()
+    for step in range(40):
+        decoder.acceptance.update(f"old{step % 4}", 4, 4, ("ngram", False))
+        decoder.acceptance.update(f"old{4 + step % 4}", 0, 4, ("model", False))
+        decoder.acceptance.end_step()
+    lookup_row, model_row = decoder._rates([_request("ngram", "new0"), _request("model", "new1")], 4)
+    assert min(lookup_row) > 0.9 and model_row[0] < 0.1  # (the model's later positions never judged)
+    mixed = decoder.acceptance.rates(["new2"], 4)[0]  # no key: all rounds together
+    assert 0.3 < mixed[0] < 0.7
