@@ -64,7 +64,7 @@ class LLMEngine:
         """Runs work left from start-up while no request is in flight: the adaptive policy's
         calibration at a batch size not measured yet (with `batch`: only if a step of that many
         sequences needs it). Whether anything ran; a caller with nothing else to do calls again."""
-        calibration = self.speculation.calibration if self.speculation is not None else None
+        calibration = self.speculation.planner.calibration if self.speculation is not None else None
         if calibration is None or self.has_unfinished_requests():
             return False
         if batch is not None and not calibration.needs(batch):
@@ -256,6 +256,6 @@ class LLMEngine:
                "weights": {role: dict(w) for role, w in self.weights.items()}}
         if self.speculation is not None:
             out["speculation"] = dataclasses.asdict(self.speculation.settings)
-            out["self_check"] = self.speculation.self_check.summary()  # predicted vs realized per (batch, K)
-            out["exploration"] = self.speculation.exploration.summary()  # the probes' share of the steps
+            out["self_check"] = self.speculation.planner.self_check.summary()  # predicted vs realized per (batch, K)
+            out["exploration"] = self.speculation.planner.exploration.summary()  # the probes' share of the steps
         return out

@@ -150,7 +150,8 @@ class StepMetrics:
         step = engine.last_step
         if step.decode is not None:
             self._on_decode(step.decode)
-            self._on_self_check(getattr(getattr(engine, "speculation", None), "self_check", None), step.decode)
+            speculation = getattr(engine, "speculation", None)
+            self._on_self_check(speculation.planner.self_check if speculation is not None else None, step.decode)
         for phase, seconds in step.phases.items():
             if seconds > 0:
                 rec.inc("specserve_engine_seconds_total", seconds, self._labels(phase=phase))

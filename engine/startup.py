@@ -134,7 +134,7 @@ class _Startup:
             clock.done("cuda_graphs", "cuda_graphs: %s", ", ".join(
                 f"{role} {r.graphs} graphs" if r.fallback is None else f"{role} eager" for role, r in self.cuda_graphs.items()))
         self.speculation = self._build_speculation(defer_calibration) if config.use_speculative_decoding else None
-        calibration = self.speculation.calibration if self.speculation is not None else None
+        calibration = self.speculation.planner.calibration if self.speculation is not None else None
         if calibration is not None:
             clock.done("calibration", "adaptive policy's costs %s (%d passes%s)", calibration.source,
                        calibration.passes, f"; batch {calibration.pending} when first needed" if calibration.pending else "")
@@ -318,10 +318,10 @@ class _Startup:
                                   SuffixCache(settings.suffix_cache_tokens))
         decoder = SpeculativeDecoder(self.runner, self.kv, settings, sources, costs)
         if settings.spec_policy == "adaptive":
-            decoder.calibration = Calibration(costs, (self.model, self.kv.target),
+            decoder.planner.calibration = Calibration(costs, (self.model, self.kv.target),
                                               (self.draft_model, self.kv.draft) if self.draft_model is not None else None,
                                               max(settings.spec_length, 8) + 1, self.config.max_batch_size,
                                               settings.speculative_method)
-            decoder.calibration.start(defer=defer_calibration)
+            decoder.planner.calibration.start(defer=defer_calibration)
         return decoder
 

@@ -1,4 +1,4 @@
-"""A speculative decode step: plan (the policy's K, capped per request by KV and max_tokens) ->
+"""A speculative decode step, which executes its plan (planner.py): plan (each request's k) ->
 propose (up to k tokens each, with q when sampling needs it) -> verify (one target pass over
 [g, t_1..t_k], g the last sampled token) -> accept (exact) -> commit (both pools roll back to the
 accepted length). Requests without a proposal ride along with k = 0 (padded in the verify pass, or
@@ -16,19 +16,14 @@ from engine.kv import KVManager
 from engine.model.passes import computed_tokens, packs
 from engine.request import DecodeResult, PhaseSeconds, Request
 from engine.runner import ModelRunner
-from engine.speculative.exploration import EXPLORING, ExplorationBudget, declined, probe_rows
-from engine.speculative.plain_steps import PlainStretch, PlainVerdicts
-from engine.speculative.policy.calibration import Calibration
+from engine.speculative.planner import RoundPlanner
 from engine.speculative.policy.costs import MeasuredCosts
-from engine.speculative.policy.k_choice import AcceptanceEstimates, Choice, SpecPolicy
-from engine.speculative.policy.per_request import TRIED_ROUNDS, BatchView, PerRequestPolicy, RowPrices
 from engine.speculative.policy.shape_choice import ShapeChoice
 from engine.speculative.policy.tree_width import RankAcceptance
-from engine.speculative.proposers.base import Proposal
+from engine.speculative.proposers.base import Proposal, Proposer
 from engine.speculative.proposers.registry import ProposerSources, build_proposer
 from engine.speculative.proposers.suffix import SuffixCache
 from engine.speculative.round_stats import RoundPlan, commit, record_round
-from engine.speculative.self_check import SelfCheck, plain_prediction, round_prediction
 from engine.speculative.verify.chain import accept
 from engine.speculative.verify.tree import accept_trees, grammar_masks, takes_trees, tree_logprobs
 
@@ -48,33 +43,33 @@ class SpeculativeDecoder:
         self.kv = kv
         self.sources = sources
         self.costs = costs
-        self.policy = SpecPolicy(costs, settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
-        self.per_request = PerRequestPolicy(costs)  # adaptive with k_per_request: a K for each request
-        self.acceptance = AcceptanceEstimates()
         self.settings = settings
-        self.proposer = build_proposer(settings, sources)
-        self.calibration: Calibration | None = None  # the adaptive policy's start-up costs, when it has them
+        self._proposer = build_proposer(settings, sources)
+        self.planner = RoundPlanner(settings, costs, self._proposer, runner.model, kv.target.max_seq_len)
         self.shapes = ShapeChoice()  # adaptive: chain or tree by their measured rates
         self.ranks = RankAcceptance()  # adaptive: a tree's width by its sibling ranks' measured acceptance
-        self.exploration = ExplorationBudget()  # adaptive: probes held to a share of the steps
-        self.self_check = SelfCheck()  # each step's predicted tokens and seconds against what it took
         self._fresh()
 
     def _fresh(self) -> None:
-        """What the plans remember from step to step, started afresh (new settings)."""
-        self.verdicts, self.stretch = PlainVerdicts(), PlainStretch()
+        """What the steps remember, started afresh (new settings)."""
         self._last_round_tokens: int | None = None  # the widest row of the last decode round
-        self._last_k, self._last_ks = self.settings.spec_length, {}  # the last speculative verdict's
         self._capture_features()
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:  # the planner reads the same one
+        self._proposer = proposer
+        self.planner.configure(self.settings, proposer)
 
     def reconfigure(self, changes: dict) -> SpecConfig:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
         settings = self.settings.updated(changes)
         self.suffix_cache.evict(settings.suffix_cache_tokens)
-        self.proposer = build_proposer(settings, self.sources)
-        self.policy.configure(settings.spec_length, settings.spec_policy, settings.spec_disable_batch_size)
-        self.per_request = PerRequestPolicy(self.costs)
         self.settings = settings
+        self.proposer = build_proposer(settings, self.sources)
         self._fresh()
         return settings
 
@@ -110,9 +105,7 @@ class SpeculativeDecoder:
 
     def forget(self, request: Request) -> None:
         """A request ended: its acceptance estimate is dropped; a suffix proposer stores its output."""
-        self.acceptance.forget(request.request_id)
-        self.per_request.forget(request.request_id)
-        self.stretch.forget(request.request_id)
+        self.planner.forget(request.request_id)
         if self.proposer.learns:
             self.proposer.learn(request)
 
@@ -123,17 +116,13 @@ class SpeculativeDecoder:
         stats, overhead = decoded.stats, decoded.proposer_overhead
         if stats.reason != "probe" or all(stats.row_ks):
             self.costs.observe_other(stats.batch_size, len(stats.proposed_by_position), phases.other + overhead)
-        self.self_check.realize(stats, decoded.draft_seconds - overhead, decoded.target_seconds, phases.other + overhead)
+        self.planner.realized(stats, decoded.draft_seconds - overhead, decoded.target_seconds, phases.other + overhead)
 
     def decode(self, reqs: list[Request], running: Sequence[Request] = ()) -> DecodeResult:
         """One step for `reqs`; `running`: every request the scheduler runs (reqs among them). The
         others decode from a coming step on (still prefilling, or prefilled this step): the
         adaptive choice prices a catch-up with them."""
-        plan = self._plan(reqs, running)
-        if plan.k and self.stretch.lapsed and self.stretch.needs_features(reqs, plan.ks, self.proposer.model_rows(reqs)):
-            self.stretch.defer(reqs, plan)  # their features lapsed while plain: back first (plain_steps.py)
-            plan = RoundPlan(0, "no_proposal", [0] * len(reqs))
-        self._expect(reqs, plan)
+        plan = self.planner.plan(reqs, running)
         if plan.k == 0:
             return self._plain(reqs, plan.reason)
         # a K probe measures a chain of another K, and its rate is no shape's
@@ -159,7 +148,7 @@ class SpeculativeDecoder:
         self._last_round_tokens = max(len(c) for c in chunks)
         groups = self._verify_groups([len(c) for c in chunks])
         raw = logits = self.runner.verify(reqs, chunks, groups)  # [N, K+1, V]
-        self.stretch.captured(reqs)
+        self.planner.stretch.captured(reqs)
         if masks is not None:
             logits = mask_logits(logits, masks)
         num_accepted, finals = accept(reqs, proposal, logits, raw, self.runner.logprobs_mode,
@@ -170,7 +159,7 @@ class SpeculativeDecoder:
         tokens = commit(self.kv, reqs, starts, proposal, num_accepted, finals)
         if trees:
             self._observe_shape(reqs, False, tokens, time.perf_counter() - t0)
-        stats = record_round(reqs, plan, proposal, num_accepted, self.acceptance)
+        stats = record_round(reqs, plan, proposal, num_accepted, self.planner.acceptance)
         return DecodeResult(tokens, stats, draft_seconds, target_seconds, overhead)
 
     def _decode_trees(self, reqs: list[Request], plan: RoundPlan, nodes: int, width: int) -> DecodeResult:
@@ -192,7 +181,7 @@ class SpeculativeDecoder:
         chunks = [[r.output_token_ids[-1]] + (list(t.tokens) if t is not None else []) for r, t in zip(reqs, trees)]
         self._last_round_tokens = max(len(c) for c in chunks)
         logits, features = self.runner.verify_trees(reqs, chunks, trees)  # features [N, T, F] while a head reads them
-        self.stretch.captured(reqs)
+        self.planner.stretch.captured(reqs)
         raw = logits
         if masks is not None:
             logits = mask_logits(logits, masks[:, :logits.shape[1]])
@@ -209,7 +198,7 @@ class SpeculativeDecoder:
         # along (its depth); the per-request and metrics counts of proposed tokens are its nodes
         chain_like = Proposal([[0] * (t.depth if t is not None else 0) for t in trees], None,
                               [self.proposer.name if t is not None and len(t) else "none" for t in trees])
-        stats = record_round(reqs, plan, chain_like, [len(p) for p in paths], self.acceptance)
+        stats = record_round(reqs, plan, chain_like, [len(p) for p in paths], self.planner.acceptance)
         for r, tree in zip(reqs, trees):
             if tree is not None and len(tree):
                 r.spec.proposed_per_round[-1] = len(tree)
@@ -268,120 +257,12 @@ class SpeculativeDecoder:
         apart = self.costs.verify_times(len(bare), 0)[0] + self.costs.verify_times(len(proposing), k)[k]
         return [proposing, bare] if apart < together else everyone
 
-    def _plan(self, reqs: list[Request], running: Sequence[Request]) -> RoundPlan:
-        if not self.settings.use_speculative_decoding:
-            return RoundPlan(0, "disabled", [])
-        if all(r.params.spec_length == 0 for r in reqs):
-            return RoundPlan(0, "request_opt_out", [])
-        if self.settings.spec_policy == "adaptive" and self.calibration is not None \
-                and self.calibration.needs(max(len(reqs), len(running))):  # no guesses beyond the sizes measured
-            return RoundPlan(0, "unmeasured", [])
-        caps = [self._cap(r) for r in reqs]
-        held = self.stretch.deferred(reqs)  # put off last step while features came back
-        if held is not None:
-            ks = [min(k, c) for k, c in zip(held.ks, caps)]
-            return RoundPlan(max(ks), held.reason, ks)
-        settled = self.policy.settled(len(reqs), caps)
-        if settled is None and self.settings.k_per_request:
-            return self._per_request_plan(reqs, caps)
-        choice = settled or self._one_k_verdict(reqs, caps, running)
-        ks = [min(choice.k, c) for c in caps]
-        if choice.reason == "probe":
-            ks = probe_rows(ks, self.proposer.lag(reqs), self.proposer.model_rows(reqs), self.proposer.long_catch_up)
-        return RoundPlan(min(choice.k, max(caps)), choice.reason, ks)  # (priced with joining rows, K may pass these caps)
-
-    def _one_k_verdict(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
-        """The adaptive one-K verdict: the last all-plain one while it holds (plain_steps.py), else
-        priced afresh; an exploring one the budget declines gives way to the verdict (exploration.py)."""
-        key = self.verdicts.key(reqs, caps, running, self.acceptance.version, self.policy.spec_length)
-        if self.verdicts.reuse(key, self.policy):
-            choice = Choice(0, "policy", {})
-        else:
-            choice = self._adaptive_choice(reqs, caps, running)
-            self.verdicts.keep(key, choice.k == 0 and choice.reason == "policy")
-        if not self.exploration.allow(choice.reason in EXPLORING):
-            choice = declined(choice, self._last_k, self.policy.k_max(caps))
-        if choice.k and choice.reason == "policy":
-            self._last_k = choice.k
-        return choice
-
-    def _per_request_plan(self, reqs: list[Request], caps: list[int]) -> RoundPlan:
-        """The adaptive policy's K for each request (policy/per_request.py): the last all-plain
-        verdict where it still holds, else one priced afresh. A whole step that explores (a plain
-        batch's probe, a plain probe) and that the budget declines runs the verdict instead (all
-        plain; the last speculative K of each request)."""
-        ids = [r.request_id for r in reqs]
-        view = BatchView(ids, caps, self.settings.spec_length,
-                         self.acceptance.tried(ids, TRIED_ROUNDS) if TRIED_ROUNDS else None, self.acceptance.version)
-        chosen = self.per_request.reuse(view)
-        if chosen is None:
-            models = self.proposer.model_rows(reqs)
-            catch_ups = None
-            if any(models):  # a request the draft lags far behind pays its catch-up when it drafts
-                catch_ups = [self.costs.catch_up_time(n) if n else 0.0 for n in self._long_lags(reqs, models)]
-            prices = RowPrices(self._rates(reqs, view.k_max), models, self.proposer.catch_up,
-                               self.runner.model.graphs is None, catch_ups,
-                               [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
-            chosen = self.per_request.choose(view, prices)
-        ks, reason = chosen.ks, chosen.reason
-        batch_probe = reason == "probe" and sum(1 for k in ks if k) == 1  # a plain batch probing one request
-        if not self.exploration.allow(reason == "plain_probe" or batch_probe):
-            ks = [0] * len(ks) if batch_probe else [min(self._last_ks.get(i, 0), c) for i, c in zip(ids, view.allowed())]
-            reason = "policy"
-        elif reason == "policy" and any(ks):
-            self._last_ks = dict(zip(ids, ks))
-        return RoundPlan(max(ks), reason, ks)
-
-    def _adaptive_choice(self, reqs: list[Request], caps: list[int], running: Sequence[Request]) -> Choice:
-        """The policy's K from the requests' acceptance estimates. A long catch-up (prompts the
-        model proposer has not read) is paid now and paid back by the steps after it: while
-        requests are joining, those run at the batch they make, so the choice is priced there
-        (the joining requests' proposer has read none of their text yet). Drafting and catch-ups
-        are priced for the rows a model drafts (proposer.model_rows: none of hybrid's lookup rows)."""
-        rows = list(reqs)
-        models = self.proposer.model_rows(reqs)
-        behind = sum(self._long_lags(reqs, models))
-        if behind:
-            decoding = {id(r) for r in reqs}
-            joining = [r for r in running if id(r) not in decoding]
-            rows += joining
-            caps = caps + [self._cap(r) for r in joining]
-            joining_models = self.proposer.model_rows(joining)
-            models += joining_models
-            long = self.proposer.long_catch_up
-            behind += sum(r.num_tokens for r, m in zip(joining, joining_models) if m and r.num_tokens > long)
-        rates = self._rates(rows, self.policy.spec_length)
-        return self.policy.choose(rates, caps, sum(models), behind, self.proposer.catch_up)
-
-    def _rates(self, reqs: list[Request], positions: int) -> list[tuple[float, ...]]:
-        """Each request's acceptance by draft position, from the proposer its proposals will
-        come from and whether it samples (AcceptanceKey)."""
-        keys = [(source, not r.params.greedy) for r, source in zip(reqs, self.proposer.row_sources(reqs))]
-        return self.acceptance.rates([r.request_id for r in reqs], positions, keys)
-
-    def _long_lags(self, reqs: list[Request], models: list[bool]) -> list[int]:
-        """Each request's long catch-up (the tokens its draft lags, where more than
-        long_catch_up), for the rows a model drafts (models[i]); 0 for the others (a lookup's row
-        never feeds the model, so its lag grows without a catch-up being paid)."""
-        if not any(models):
-            return [0] * len(reqs)
-        long = self.proposer.long_catch_up
-        return [n if m and n > long else 0 for n, m in zip(self.proposer.lag(reqs), models)]
-
-    def _cap(self, r: Request) -> int:
-        """Most tokens r may propose: its KV positions (max_seq_len), its max_tokens budget (the
-        final token needs one) and its own spec_length."""
-        cap = min(self.kv.target.max_seq_len - r.num_tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
-        if r.params.spec_length is not None:
-            cap = min(cap, r.params.spec_length)
-        return max(0, cap)
-
     def _plain(self, reqs: list[Request], reason: str, draft_seconds: float = 0.0) -> DecodeResult:
         self._last_round_tokens = 1
-        result = self.stretch.decode(self.runner, reqs, reason)  # no capture under a verdict that stays plain
+        result = self.planner.stretch.decode(self.runner, reqs, reason)  # no capture under a verdict that stays plain
         self.costs.observe_target(len(reqs), 1, result.target_seconds)
         if reason != "disabled":  # speculation on, and K = 0 chosen for every request
-            self.acceptance.end_step(plain=True)
+            self.planner.acceptance.end_step(plain=True)
             result.stats.row_ks = [0] * len(reqs)
             for r in reqs:
                 r.spec.record_k(0)
@@ -389,17 +270,3 @@ class SpeculativeDecoder:
         if reason == "no_proposal":
             result.stats.rows_without_proposal = len(reqs)
         return result
-
-    def _expect(self, reqs: list[Request], plan: RoundPlan) -> None:
-        """The self-check's prediction for the step `plan` runs (self_check.py)."""
-        if not self.settings.use_speculative_decoding:
-            return
-        if plan.k == 0 or not any(plan.ks):
-            self.self_check.expect(plain_prediction(self.costs, len(reqs)))
-            return
-        models = self.proposer.model_rows(reqs)
-        behind = sum(self._long_lags(reqs, [m and k > 0 for m, k in zip(models, plan.ks)]))
-        rates = self._rates(reqs, max(plan.ks))
-        per_request = self.settings.k_per_request and self.settings.spec_policy == "adaptive"
-        self.self_check.expect(round_prediction(self.costs, plan.ks, rates, models, self.proposer.catch_up, behind,
-                                                per_request, self.runner.model.graphs is None, plan.k))

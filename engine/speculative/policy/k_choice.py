@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.speculative.policy.corrections import Corrections
 from engine.speculative.policy.costs import MeasuredCosts, interpolated
 from engine.speculative.proposers.base import CatchUp
 
@@ -224,15 +225,17 @@ class SpecPolicy:
 
     def __init__(self, costs: MeasuredCosts, spec_length: int, mode: Literal["fixed", "adaptive"],
                  disable_batch_size: int | None = None, hysteresis: float = 0.03,
-                 probe_every: int = 32, k_probe_every: int = 8):
+                 probe_every: int = 32, k_probe_every: int = 8, corrections: Corrections | None = None):
+        """corrections: what the self-check found, scaling each priced component (None: none)."""
         self.costs, self.hysteresis, self.probe_every = costs, hysteresis, probe_every
+        self.corrections = corrections
         self.k_probe_every = k_probe_every  # 0: never
         self.configure(spec_length, mode, disable_batch_size)
 
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
         """New settings; the adaptive choice starts afresh (no streak, probe waits reset)."""
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
-        self._last_k = spec_length
+        self._last_k = 0  # a fresh policy starts on plain's side of the margin
         self._streak = 0  # consecutive adaptive verdicts on _last_k's side (plain, or K > 0)
         self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
         self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a K probe; the next neighbour
@@ -243,11 +246,13 @@ class SpecPolicy:
         widths[k]), its verify pass and the rest."""
         verify, other = self.costs.verify_times(batch, k_max), self.costs.other_times(batch, k_max)
         draft_rows = batch if draft_rows is None else draft_rows
-        if not draft_rows:
-            return [v + o for v, o in zip(verify, other)]
-        first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
-        return [verify[0] + other[0]] + [interpolated(first, widths[k] - 1) + further[k - 1] + verify[k] + other[k]
-                                         for k in range(1, k_max + 1)]
+        draft = [0.0] * (k_max + 1)
+        if draft_rows:
+            first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
+            draft = [0.0] + [interpolated(first, widths[k] - 1) + further[k - 1] for k in range(1, k_max + 1)]
+        fix = self.corrections.factor if self.corrections is not None else (lambda batch, k, component: 1.0)
+        return [fix(batch, k, "draft") * d + fix(batch, k, "verify") * v + fix(batch, k, "other") * o
+                for k, (d, v, o) in enumerate(zip(draft, verify, other))]
 
     def _goodput(self, k: int, tokens: float, seconds: float, catch_up_tokens: int, round_tokens_left: int) -> float:
         """Expected tokens/s with K = k for a step of `seconds` yielding `tokens` (the batch's E(k);
@@ -286,14 +291,16 @@ class SpecPolicy:
         table = expected_tokens_table(alphas, k_caps, k_max)  # [B][k_max + 1]
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
         tokens = [sum(column) for column in zip(*table)]  # the batch's expected tokens at K = 0..k_max
+        if self.corrections is not None:  # the tokens gained over plain, as the self-check found them
+            tokens = [batch + (t - batch) * self.corrections.factor(batch, k, "gain") for k, t in enumerate(tokens)]
         left = sum(k_caps) + batch
         scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
-        last = min(self._last_k, k_max)
-        # a margin between plain and speculation (estimates wobble, a switch is not free); between
-        # two K > 0 the best is taken
-        if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
-            best = last
+        # from plain, speculation must win by the margin (estimates wobble, a switch is not free, and
+        # what a step desynchronises costs a closed batch its drain); it stays while it prices at
+        # least plain's rate; between two K > 0 the best is taken
+        if best and self._last_k == 0 and scores[0] >= (1.0 - self.hysteresis) * scores[best]:
+            best = 0
         plain, was_plain = best == 0, self._last_k == 0
         self._last_k = best
         if plain != was_plain:  # the other side won on its merits

@@ -33,7 +33,7 @@ def test_each_variant_learns_as_if_it_ran_alone(tiny_model):
     assert spec.shapes.__dict__ == start  # a new variant starts from the start
     learning.switch_to("trees")
     assert spec.shapes._sums is trees_state
-    assert spec.costs is costs and spec.policy.costs is costs and spec.shapes is shapes
+    assert spec.costs is costs and spec.planner.policy.costs is costs and spec.shapes is shapes
 
 
 def test_interleave_reverses_the_order_every_other_repeat():

@@ -152,10 +152,10 @@ def test_a_cold_server_start_measures_the_largest_batch_in_its_first_idle_moment
         use_speculative_decoding=True, draft_model=str(tiny_draft[0]), spec_policy="adaptive", spec_length=3)))
 
     async def pending_after_calls(n):
-        return [await aeng.call(lambda e: list(e.speculation.calibration.pending)) for _ in range(n)]
+        return [await aeng.call(lambda e: list(e.speculation.planner.calibration.pending)) for _ in range(n)]
 
     seen = asyncio.run(pending_after_calls(3))
     assert seen[-1] == [] and all(p in ([4], []) for p in seen), seen
-    assert aeng.engine.speculation.calibration.measured_up_to() == 4
+    assert aeng.engine.speculation.planner.calibration.measured_up_to() == 4
     assert measured == [(1, threading.current_thread().name), (4, "engine-loop")]  # at start, then while idle
     aeng.shutdown()

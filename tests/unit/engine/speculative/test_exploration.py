@@ -34,9 +34,9 @@ def _reasons(verify_token_s: float, share: float, n: int = 5000, **settings) -> 
     pricing.VERIFY_TOKEN_S = verify_token_s
     try:
         decoder, _ = _hybrid_decoder(**settings)
-        decoder.exploration = ExplorationBudget(share)
+        decoder.planner.exploration = ExplorationBudget(share)
         reqs = _batch(0)  # every row the lookup's: no draft priced
-        return Counter(decoder._plan(reqs, reqs).reason for _ in range(n))
+        return Counter(decoder.planner._plan(reqs, reqs).reason for _ in range(n))
     finally:
         pricing.VERIFY_TOKEN_S = 0.1e-3
 
@@ -85,7 +85,7 @@ def test_a_probe_over_every_row_feeds_the_tables_the_one_k_plan_reads(tiny_model
     eng = llm.engine
     spec = eng.speculation
     turn = iter(range(10 ** 6))
-    spec.policy.choose = lambda *a, **k: Choice(2, "probe", {}) if next(turn) == 2 else Choice(2, "policy", {})
+    spec.planner.policy.choose = lambda *a, **k: Choice(2, "probe", {}) if next(turn) == 2 else Choice(2, "policy", {})
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     probes = []
     while eng.has_unfinished_requests():

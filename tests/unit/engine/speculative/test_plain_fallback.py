@@ -37,8 +37,8 @@ def _counted(eng, monkeypatch) -> dict[str, int]:
     if spec is not None:
         for attr in ("propose", "propose_trees"):
             monkeypatch.setattr(spec.proposer, attr, counting("draft", getattr(spec.proposer, attr)))
-        monkeypatch.setattr(spec.policy, "choose", counting("choose", spec.policy.choose))
-        monkeypatch.setattr(spec.per_request, "choose", counting("choose", spec.per_request.choose))
+        monkeypatch.setattr(spec.planner.policy, "choose", counting("choose", spec.planner.policy.choose))
+        monkeypatch.setattr(spec.planner.per_request, "choose", counting("choose", spec.planner.per_request.choose))
     if eng.kv.features is not None:
         monkeypatch.setattr(eng.kv.features, "append", counting("features", eng.kv.features.append))
     monkeypatch.setattr(runner_module, "forward_chunks_features",
@@ -106,13 +106,13 @@ def test_coming_back_from_a_plain_stretch_captures_first_then_drafts(tiny_model,
         _dear_verify(spec, m)
         ids = _prefilled(eng)
         assert all(s.k == 0 for s in _decode_steps(eng, 12))
-    assert spec.stretch.lapsed == set(ids)  # every row's features lapsed while plain
+    assert spec.planner.stretch.lapsed == set(ids)  # every row's features lapsed while plain
     monkeypatch.setattr(spec.costs, "verify_times", lambda batch, k_max: [0.01] * (k_max + 1))  # now verify is free
     steps = []
     while not steps or steps[-1].k == 0:
         assert len(steps) < 3 * REUSE_PLAIN, [s.reason for s in steps]
         steps += _decode_steps(eng, 1)
-    assert steps[-2].reason == "no_proposal" and not spec.stretch.lapsed  # the step that captured them again
+    assert steps[-2].reason == "no_proposal" and not spec.planner.stretch.lapsed  # the step that captured them again
     assert steps[-1].rows_without_proposal < steps[-1].batch_size  # then the head drafted from them
     while eng.has_unfinished_requests():
         eng.step()
@@ -130,15 +130,15 @@ def test_a_reused_plain_verdict_keeps_the_probe_schedule(monkeypatch):
         decoder, _ = pricing._hybrid_decoder()
         reqs = pricing._batch(0)
         calls[reuse] = 0
-        choose = decoder.policy.choose
+        choose = decoder.planner.policy.choose
 
         def counted(*args, _choose=choose, _reuse=reuse):
             calls[_reuse] += 1
             return _choose(*args)
 
-        monkeypatch.setattr(decoder.policy, "choose", counted)
+        monkeypatch.setattr(decoder.planner.policy, "choose", counted)
         if not reuse:
-            monkeypatch.setattr(decoder.verdicts, "reuse", lambda key, policy: False)
-        reasons[reuse] = [decoder._plan(reqs, reqs).reason for _ in range(70)]
+            monkeypatch.setattr(decoder.planner.verdicts, "reuse", lambda key, policy: False)
+        reasons[reuse] = [decoder.planner._plan(reqs, reqs).reason for _ in range(70)]
     assert reasons[True] == reasons[False] and reasons[True].index("probe") == 31
     assert calls[False] == 70 and calls[True] <= 2 * math.ceil(70 / (REUSE_PLAIN + 1))

@@ -82,7 +82,7 @@ def test_every_decode_only_step_keeps_its_prediction_and_the_metrics_agree(tiny_
                                           ignore_eos=True))
     while eng.has_unfinished_requests():
         metrics.on_step(eng, eng.step())
-    rows = spec.self_check.summary()
+    rows = spec.planner.self_check.summary()
     assert eng.stats()["self_check"] == rows and eng.stats()["exploration"]["budget"] == 0.02
     assert observed and sum(r["steps"] for r in rows) == len(observed)
     assert sum(r["tokens"]["realized"] for r in rows) == sum(n for n, _ in observed)

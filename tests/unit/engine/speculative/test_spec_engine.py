@@ -225,7 +225,7 @@ def test_a_probe_speculates_for_one_request_and_the_rest_decode_plainly(tiny_mod
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
     llm = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive")
     eng = llm.engine
-    eng.speculation.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
+    eng.speculation.planner.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     speculating_rows = []
     while eng.has_unfinished_requests():
@@ -316,7 +316,7 @@ def test_a_probe_whose_verify_pass_is_split_stays_exact(tiny_model, tiny_draft, 
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160).generate(PROMPTS, greedy)
     eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive").engine
     _priced(eng.speculation.costs, verify_per_token=0.1)
-    eng.speculation.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
+    eng.speculation.planner.policy.choose = lambda alphas, caps, *rest: Choice(2, "probe", {})
     passes = []
     verify = eng.runner.verify
     eng.runner.verify = lambda reqs, chunks, groups: passes.append(len(groups)) or verify(reqs, chunks, groups)
@@ -342,7 +342,7 @@ def test_a_plain_probe_decodes_the_whole_step_plainly_and_measures_the_plain_pas
     rec = InMemoryRecorder()
     metrics = StepMetrics(rec, "m")
     turn = iter(range(10 ** 6))
-    eng.speculation.policy.choose = lambda *a, **k: Choice(0, "plain_probe", {}) if next(turn) % 2 else \
+    eng.speculation.planner.policy.choose = lambda *a, **k: Choice(0, "plain_probe", {}) if next(turn) % 2 else \
         Choice(2, "policy", {})
     ids = [eng.add_request(p, greedy) for p in PROMPTS]
     while not all(eng.get_output(i).token_ids for i in ids):  # prefills
@@ -379,7 +379,7 @@ def test_the_proposers_time_outside_its_passes_counts_in_the_steps_other_time(ti
     phases, drafted = eng.last_step.phases, costs.draft_pass_seconds - passes
     assert eng.last_step.decode.k == 3 and phases.draft > drafted > 0
     assert seen == [(4, 3, pytest.approx(phases.other + phases.draft - drafted))]
-    eng.speculation.policy.settled = lambda *a: Choice(0, "policy", {})  # fixed mode: settled without estimates
+    eng.speculation.planner.policy.settled = lambda *a: Choice(0, "policy", {})  # fixed mode: settled without estimates
     eng.step()
     assert eng.last_step.decode.k == 0 and seen[1:] == [(4, 0, pytest.approx(eng.last_step.phases.other))]
 
@@ -446,13 +446,13 @@ def test_a_catch_up_is_priced_at_the_batch_the_joining_requests_make(tiny_model,
     eng = spec_llm(tiny_model[0], tiny_draft[0], spec_policy="adaptive", max_num_batched_tokens=40).engine
     spec = eng.speculation
     seen = []
-    choose = spec.policy.choose
+    choose = spec.planner.policy.choose
 
     def spy(alphas, caps, draft_rows=None, catch_up_tokens=0, catch_up="own"):
         seen.append((len(alphas), list(caps), catch_up_tokens))
         return choose(alphas, caps, draft_rows, catch_up_tokens, catch_up)
 
-    spec.policy.choose = spy
+    spec.planner.policy.choose = spy
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     long_req = eng.scheduler.waiting[-1]
     joined = []

@@ -104,22 +104,22 @@ def test_one_k_drafting_is_priced_for_the_rows_the_model_drafts():
     all 8 rows the model's, drafting costs 4x as much and the batch decodes plainly."""
     decoder, costs = _hybrid_decoder()
     reqs = _batch(2)
-    choice = decoder._adaptive_choice(reqs, [4] * 8, reqs)
+    choice = decoder.planner._adaptive_choice(reqs, [4] * 8, reqs)
     assert set(costs.draft_rows) == {2} and choice.k == 1
     decoder, costs = _hybrid_decoder()
     reqs = _batch(8)
-    choice = decoder._adaptive_choice(reqs, [4] * 8, reqs)
+    choice = decoder.planner._adaptive_choice(reqs, [4] * 8, reqs)
     assert set(costs.draft_rows) == {8} and choice.k == 0
     decoder, costs = _hybrid_decoder()
     reqs = _batch(0)  # every row the lookup's: no draft priced at all
-    assert decoder._adaptive_choice(reqs, [4] * 8, reqs).k > 0 and costs.draft_rows == []
+    assert decoder.planner._adaptive_choice(reqs, [4] * 8, reqs).k > 0 and costs.draft_rows == []
 
 
 def _one_k_catch_up(decoder: SpeculativeDecoder, reqs: list) -> int:
     """The catch-up tokens the one-K choice is priced with."""
-    priced, choose = [], decoder.policy.choose
-    decoder.policy.choose = lambda *args: priced.append(args[3]) or choose(*args)
-    decoder._adaptive_choice(reqs, [4] * len(reqs), reqs)
+    priced, choose = [], decoder.planner.policy.choose
+    decoder.planner.policy.choose = lambda *args: priced.append(args[3]) or choose(*args)
+    decoder.planner._adaptive_choice(reqs, [4] * len(reqs), reqs)
     return priced[0]
 
 
@@ -130,7 +130,7 @@ def test_a_catch_up_is_charged_for_the_rows_the_model_drafts_only():
     decoder, costs = _hybrid_decoder(lags)
     assert _one_k_catch_up(decoder, _batch(2)) == 50 and set(costs.catch_up_tokens) == {50}
     decoder, costs = _hybrid_decoder(lags, k_per_request=True)
-    decoder._per_request_plan(_batch(2), [4] * 8)
+    decoder.planner._per_request_plan(_batch(2), [4] * 8)
     assert costs.catch_up_tokens == [50]
     decoder, costs = _hybrid_decoder(lags)  # no row the model's: nothing to catch up on
     assert _one_k_catch_up(decoder, _batch(0)) == 0 and costs.catch_up_tokens == []
@@ -142,10 +142,10 @@ def test_each_row_is_priced_at_the_acceptance_of_the_proposer_it_will_take():
     model's, where one pool for both would price both at the mix."""
     decoder, _ = _hybrid_decoder()
     for step in range(40):
-        decoder.acceptance.update(f"old{step % 4}", 4, 4, ("ngram", False))
-        decoder.acceptance.update(f"old{4 + step % 4}", 0, 4, ("model", False))
-        decoder.acceptance.end_step()
-    lookup_row, model_row = decoder._rates([_request("ngram", "new0"), _request("model", "new1")], 4)
+        decoder.planner.acceptance.update(f"old{step % 4}", 4, 4, ("ngram", False))
+        decoder.planner.acceptance.update(f"old{4 + step % 4}", 0, 4, ("model", False))
+        decoder.planner.acceptance.end_step()
+    lookup_row, model_row = decoder.planner._rates([_request("ngram", "new0"), _request("model", "new1")], 4)
     assert min(lookup_row) > 0.9 and model_row[0] < 0.1  # (the model's later positions never judged)
-    mixed = decoder.acceptance.rates(["new2"], 4)[0]  # no key: all rounds together
+    mixed = decoder.planner.acceptance.rates(["new2"], 4)[0]  # no key: all rounds together
     assert 0.3 < mixed[0] < 0.7

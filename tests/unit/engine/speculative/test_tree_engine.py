@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine.speculative.planner as planner_module
 import engine.speculative.step as step_module
 import engine.speculative.verify.tree as tree_round
 from engine import LLM, SamplingParams
@@ -216,7 +217,7 @@ def test_the_adaptive_policy_takes_trees_only_as_probes_where_they_measure_slowe
 
     monkeypatch.setattr(shape_choice.ShapeChoice, "observe", observe)
     # every step speculates (the K choice would follow this host's timings, and plain steps take no shape)
-    monkeypatch.setattr(step_module.SpeculativeDecoder, "_adaptive_choice",
+    monkeypatch.setattr(planner_module.RoundPlanner, "_adaptive_choice",
                         lambda self, reqs, caps, running: Choice(4, "adaptive", {}))
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy="adaptive", spec_length=4, tree_width=3, dtype="float32", max_seq_len=256, max_batch_size=8)
@@ -347,7 +348,7 @@ def test_a_k_probe_round_runs_as_a_chain_kept_out_of_the_shape_rates(tiny_model,
     from engine.speculative.policy.k_choice import Choice
 
     turn = iter(range(10**6))
-    monkeypatch.setattr(step_module.SpeculativeDecoder, "_adaptive_choice",
+    monkeypatch.setattr(planner_module.RoundPlanner, "_adaptive_choice",
                         lambda self, reqs, caps, running: Choice(2, "k_probe", {}) if next(turn) % 2 else
                         Choice(4, "policy", {}))
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",

@@ -51,12 +51,12 @@ def adaptive(tiny_model, tiny_draft, defer: bool = False, **kw) -> LLMEngine:
 
 def test_a_warm_start_reads_the_costs_and_runs_no_calibration_pass(tiny_model, tiny_draft, cache, passes):
     cold = adaptive(tiny_model, tiny_draft)
-    first = cold.speculation.calibration
+    first = cold.speculation.planner.calibration
     assert first.source == "measured" and first.passes == passes[0] > 0 and not first.pending
     assert list(cache.glob("*.json")) == [first.path]
     passes[0] = 0
     warm = adaptive(tiny_model, tiny_draft)
-    second = warm.speculation.calibration
+    second = warm.speculation.planner.calibration
     assert passes[0] == 0 and second.passes == 0 and second.source == "cached" and not second.pending
     assert as_json(warm.speculation.costs.snapshot()) == as_json(cold.speculation.costs.snapshot())
     assert "calibration" in warm.stats()["startup_s"]
@@ -66,14 +66,14 @@ def test_another_fingerprint_measures_again(tiny_model, tiny_draft, cache, passe
     adaptive(tiny_model, tiny_draft)
     passes[0] = 0
     other = adaptive(tiny_model, tiny_draft, max_batch_size=2)  # the largest batch is part of the fingerprint
-    assert other.speculation.calibration.source == "measured" and passes[0] > 0
+    assert other.speculation.planner.calibration.source == "measured" and passes[0] > 0
     assert len(list(cache.glob("*.json"))) == 2
 
 
 def test_a_deferred_cold_start_decodes_plainly_beyond_batch_one_until_the_largest_batch_is_measured(
         tiny_model, tiny_draft, cache):
     engine = adaptive(tiny_model, tiny_draft, defer=True)
-    calibration = engine.speculation.calibration
+    calibration = engine.speculation.planner.calibration
     assert calibration.pending == [4] and calibration.measured_up_to() == 1
     assert json.loads(calibration.path.read_text())["pending"] == [4]  # written after each batch size
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -102,7 +102,7 @@ def test_a_start_after_a_cold_start_cut_short_measures_only_what_is_missing(tiny
         return original(costs, target, draft, max_tokens, batch, *rest)
 
     monkeypatch.setattr("engine.speculative.policy.calibration.calibrate_batch", recording)
-    again = adaptive(tiny_model, tiny_draft).speculation.calibration
+    again = adaptive(tiny_model, tiny_draft).speculation.planner.calibration
     assert calls == [4] and again.source == "cached" and not again.pending
 
 
@@ -110,7 +110,7 @@ def test_the_running_engines_refinements_stay_in_memory(tiny_model, tiny_draft, 
     """Steps refine the table, but the cache keeps what calibration measured: a table learnt under
     a passing load must not price the next start's choices."""
     engine = adaptive(tiny_model, tiny_draft, max_batch_size=1)
-    calibration = engine.speculation.calibration
+    calibration = engine.speculation.planner.calibration
     written = calibration.path.read_text()
     before = as_json(engine.speculation.costs.snapshot())
     engine.add_request([5, 9, 30, 7, 5, 9, 30, 7], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -122,7 +122,7 @@ def test_the_running_engines_refinements_stay_in_memory(tiny_model, tiny_draft, 
 
 @pytest.mark.parametrize("damage", ["not json", '{"key": {}, "costs": {}}', '{"costs": 1}', "moments", "nan"])
 def test_an_unusable_cache_is_measured_again_with_a_warning(tiny_model, tiny_draft, cache, passes, caplog, damage):
-    first = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
+    first = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.planner.calibration
     if damage in ("moments", "nan"):  # the right shape, a bad value: caught at load, not at the first step
         data = json.loads(first.path.read_text())
         if damage == "moments":
@@ -133,7 +133,7 @@ def test_an_unusable_cache_is_measured_again_with_a_warning(tiny_model, tiny_dra
     first.path.write_text(damage)
     passes[0] = 0
     with caplog.at_level(logging.WARNING, logger="engine.speculative.policy.calibration"):
-        again = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.calibration
+        again = adaptive(tiny_model, tiny_draft, max_batch_size=1).speculation.planner.calibration
     assert again.source == "measured" and passes[0] > 0
     assert any("unusable" in r.message for r in caplog.records)
     assert json.loads(again.path.read_text())["key"]  # rewritten
@@ -149,16 +149,16 @@ def test_a_restore_of_a_bad_snapshot_leaves_the_costs_as_they_were(tiny_model, t
 
 def test_the_fingerprint_names_what_timings_depend_on(tiny_model, tiny_draft, cache):
     engine = adaptive(tiny_model, tiny_draft, max_batch_size=1)
-    key = engine.speculation.calibration.key
+    key = engine.speculation.planner.calibration.key
     assert {"host", "torch", "device", "kernels", "target", "draft", "pool", "method", "max_tokens",
             "max_batch"} <= set(key)
     assert key["max_batch"] == 1 and key["max_tokens"] == 9 and key["target"]["plan"]["dtype"] == "float32"
-    assert isinstance(engine.speculation.calibration, Calibration)
+    assert isinstance(engine.speculation.planner.calibration, Calibration)
 
 
 def test_a_failed_measurement_is_logged_and_never_guessed_past(tiny_model, tiny_draft, cache, monkeypatch, caplog):
     engine = adaptive(tiny_model, tiny_draft, defer=True)
-    calibration = engine.speculation.calibration
+    calibration = engine.speculation.planner.calibration
 
     def broken(*args, **kwargs):
         raise RuntimeError("no room for the calibration's sequences")
@@ -179,7 +179,7 @@ def test_calibration_measures_the_batch_sizes_a_server_runs():
 
 def test_a_failed_middle_size_is_never_priced_past(tiny_model, tiny_draft, cache, monkeypatch):
     engine = adaptive(tiny_model, tiny_draft, defer=True, max_batch_size=20)
-    calibration = engine.speculation.calibration
+    calibration = engine.speculation.planner.calibration
     assert calibration.pending == [4, 16, 20]
     original = measure_module.calibrate_batch
 

@@ -638,7 +638,7 @@ def test_a_round_after_a_full_acceptance_is_a_steady_first_pass_not_a_catch_up(t
         behind.append(catch_up_tokens)
         return Choice(min(5, max(caps)), "policy", {})
 
-    head.propose, spec.policy.choose = propose, choose
+    head.propose, spec.planner.policy.choose = propose, choose
     out = llm.generate(PROMPTS[0], greedy())[0]
     assert out.token_ids == want and out.num_accepted_tokens == out.num_draft_tokens
     firsts = [s for s in recorder.seen if s[0] in ("first", "catch_up")]  # each round's first pass
