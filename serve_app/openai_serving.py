@@ -140,7 +140,7 @@ class OpenAIServing:
         if not self.engine.is_alive:
             return {"status": "unhealthy", "error": self.engine.fatal_error}, 503
         engine = self.engine.engine
-        calibration = engine.speculation.calibration if engine.speculation is not None else None
+        calibration = engine.speculation.planner.calibration if engine.speculation is not None else None
         return {"status": "ok", "startup_s": engine.startup,  # each start-up phase (the engine is built before Serve routes here)
                 "calibration_pending": list(calibration.pending) if calibration is not None else []}, 200
 
