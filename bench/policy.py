@@ -15,8 +15,9 @@ adaptive policy twice (the A/A pair: the noise floor) and the per-request policy
 cell: end-to-end tok/s first (every request submitted at once, run to its max_tokens with
 ignore_eos, prefill and drain included), the window second (bench sweep's: while every request
 is in flight); adaptive ÷ plain and adaptive ÷ the best fixed K, that best picked on the other
-repeats (sweep.held_out_ratios), never on the run it is judged by; and the policy's own
-prediction check where the engine reports one (stats()["self_check"]).
+repeats (sweep.held_out_ratios), never on the run it is judged by; and, per proposer, the policy's
+own prediction check over the whole grid (stats()["self_check"]: Σpredicted ÷ Σrealized at every
+(batch, K chosen) with at least PREDICTION_STEPS steps).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ BATCHES = (1, 4, 16, 64)
 MIX_BATCHES = (1, 4, 16, 32, 64)
 FIXED_KS = (1, 2, 3, 4)
 ADAPTIVE, AA, PER_REQUEST = "adaptive", "adaptive (A/A)", "per-request"
+PREDICTION_STEPS = 200  # the self-check is judged at a (batch, K) with at least this many steps
 
 
 def variants(method: str) -> dict[str, dict]:
@@ -79,7 +81,6 @@ def run_cell(llm, method: str, workload: str, batch: int, args) -> dict:
     row = {"variants": {n: {"end_to_end": summarize(rs, "tok_s_end_to_end"), "window": summarize(rs, "tok_s"),
                             "k_steps": _k_steps(rs)} for n, rs in runs.items()}}
     row["ratios"] = ratios(runs)
-    row["self_check"] = llm.engine.stats().get("self_check")
     return row
 
 
@@ -141,7 +142,23 @@ def table(r: dict) -> list[str]:
                      f"{cell(e2e.get('per_request_vs_adaptive'))} | {cell(win.get('adaptive_vs_plain'))} |")
     lines += ["", f"Geometric means over the grid, end to end: adaptive ÷ plain {geomean(vs_plain):.3f}, "
               f"adaptive ÷ best fixed {geomean(vs_best):.3f}.", ""]
-    return lines
+    return lines + prediction_table(r.get("self_check") or {})
+
+
+def prediction_table(checks: dict[str, list[dict]]) -> list[str]:
+    """The self-check over the grid: Σpredicted ÷ Σrealized per (batch, K chosen) with at least
+    PREDICTION_STEPS steps, every variant's steps together."""
+    rows = [(m, c) for m, cs in checks.items() for c in cs if c["steps"] >= PREDICTION_STEPS]
+    if not rows:
+        return []
+    lines = [f"Predicted ÷ realized over the grid, at every (batch, K chosen) with at least {PREDICTION_STEPS} "
+             "steps:", "", "| proposer | batch | K | steps | tokens | seconds | draft | verify | other |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m, c in rows:
+        cells = [c[q]["ratio"] for q in ("tokens", "seconds", "draft", "verify", "other")]
+        lines.append(f"| {m} | {c['batch']} | {c['k']} | {c['steps']} | "
+                     + " | ".join("—" if v is None else f"{v:.3f}" for v in cells) + " |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
             e2e = row["ratios"]["end_to_end"]
             print(f"{method} {workload} batch {batch}: " + ", ".join(
                 f"{name} {d['median']:.3f}" for name, d in e2e.items()), flush=True)
-    payload = {"tokens": args.tokens, "repeats": args.repeats, "cells": cells}
+    payload = {"tokens": args.tokens, "repeats": args.repeats, "cells": cells,
+               "self_check": {m: [r for r in llm.engine.stats().get("self_check") or [] if r["steps"] >= 20]
+                              for m, llm in engines.items()}}
     print("\n".join(table(payload)))
     print(f"wrote {write(args.out, payload, next(iter(engines.values())))}")
 

@@ -290,56 +290,60 @@ class Transformer:
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView, logits_index: torch.Tensor | None,
              capture: tuple[int, ...], packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder, one loop for every path: each layer's attention and MLP, each after the
+        residual add and the norm before it (`add_norm`); the pointwise work in the fused
+        kernels (kernels/fused.py: the add and norm, q/k norm + RoPE + the K/V write,
+        SiLU-and-multiply) where they are on and the pass is not the one-sequence kernel's."""
         B, T = input_ids.shape
         few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
+        layers, linear, head = (self.layers, self._linear, self.lm_head) if few is None else \
+            (few.layers, few.kernel, few.lm_head)
+        groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask
         if self.fused and few is None:
-            return self._run_fused(input_ids, position_ids, kv, logits_index, capture, packing)
-        layers, linear = (self.layers, self._linear) if few is None else (few.layers, few.kernel)
+            add_norm = functools.partial(fused.add_rms_norm, eps=self.shape.rms_norm_eps)
+            final_norm = self.final_norm  # normed with the last add, every row
+
+            def attention(y, lw, i):
+                return self._fused_attention(y, lw, kv, i, groups, position_ids, packing)
+
+            def mlp(y, lw):
+                return linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down) if lw.experts is None \
+                    else lw.experts(y, linear)
+        else:
+            add_norm, final_norm = self._add_norm, None  # the final norm after the logits' rows are picked
+            rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
+
+            def attention(y, lw, i):
+                return self._attention_block(y, lw, linear, rope, kv, i, groups, packing)
+
+            def mlp(y, lw):
+                return self._mlp(y, lw, linear)  # the family's
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         if packing is not None:
             h = packing.take(h)  # [N, hidden]
-        rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
-        groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask
+        h, y = add_norm(h, None, layers[0].attn_norm)  # the residual stream, and its normed input to the next block
         captured = {}  # layer -> its input
         with self._attention_backends():
             for i, lw in enumerate(layers):
                 if i in capture:
                     captured[i] = h
-                h = h + self._attention_block(self._rms_norm(h, lw.attn_norm), lw, linear, rope, kv, i, groups, packing)
-                h = h + self._mlp_block(h, lw, linear)
-        if logits_index is not None:
-            h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
-        h = self._rms_norm(h, self.final_norm)
-        logits = linear(h, self.lm_head if few is None else few.lm_head).float()  # [B, (T,) vocab] ([N, vocab] packed)
+                h, y = add_norm(attention(y, lw, i), h, lw.mlp_norm)
+                h, y = add_norm(mlp(y, lw), h, layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm)
+        if final_norm is None:
+            if logits_index is not None:
+                h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
+            y = self._rms_norm(h, self.final_norm)
+        elif logits_index is not None:
+            y = y[torch.arange(B, device=y.device), logits_index]  # [B, hidden]
+        logits = linear(y, head).float()  # [B, (T,) vocab] ([N, vocab] packed)
         return _outputs(logits, captured, capture, packing)
 
-    def _run_fused(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: KVView,
-                   logits_index: torch.Tensor | None, capture: tuple[int, ...],
-                   packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """_run with each layer's pointwise work in the fused kernels (kernels/fused.py): the
-        residual add and the norm after it, q/k norm + RoPE + the KV write, SiLU-and-multiply."""
-        B, T = input_ids.shape
-        eps, layers, linear = self.shape.rms_norm_eps, self.layers, self._linear
-        h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
-        if packing is not None:
-            h = packing.take(h)  # [N, hidden]
-        _, y = fused.add_rms_norm(h, None, layers[0].attn_norm, eps)  # the first layer's normed input
-        groups = self._attention_inputs(kv, position_ids)
-        captured = {}  # layer -> its input
-        with self._attention_backends():
-            for i, lw in enumerate(layers):
-                if i in capture:
-                    captured[i] = h
-                h, y = fused.add_rms_norm(self._fused_attention(y, lw, kv, i, groups, position_ids, packing), h,
-                                          lw.mlp_norm, eps)
-                out = linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down) if lw.experts is None \
-                    else lw.experts(y, linear)  # [B, T, hidden]
-                after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.final_norm
-                h, y = fused.add_rms_norm(out, h, after, eps)
-        if logits_index is not None:
-            y = y[torch.arange(B, device=y.device), logits_index]  # [B, hidden]
-        logits = linear(y, self.lm_head).float()  # [B, (T,) vocab] ([N, vocab] packed)
-        return _outputs(logits, captured, capture, packing)
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual + x, its RMSNorm by weight): fused.add_rms_norm's contract in plain ops (no
+        residual: x itself; no weight: no norm)."""
+        h = x if residual is None else residual + x
+        return h, None if weight is None else self._rms_norm(h, weight)
 
     def _fused_attention(self, x: torch.Tensor, lw: LayerWeights, kv: KVView, i: int,
                          groups: list[AttentionGroup] | PagedMask, position_ids: torch.Tensor,
