@@ -1,12 +1,14 @@
 """K = 0 does what plain does: an all-plain adaptive step runs no draft (it never proposes), no
 planning while the last all-plain verdict can be reused (`PlainVerdicts`; the per-request
-policy's own `reuse` likewise) and no feature capture for rows that will not draft
+policy's own `reuse` likewise) and no feature capture for rows that cannot draft
 (`PlainStretch`).
 
 Which rows stop capturing: every row of a plain step under a verdict that keeps the batch plain
-(QUIET: the adaptive verdict, a batch at spec_disable_batch_size, every request at its length
-guard); a plain probe, a step whose proposer proposed nothing, a cold start's unmeasured steps and
-prefill passes keep capturing. What coming back costs: a row whose features lapsed cannot draft
+whatever the estimates say (QUIET: a batch at spec_disable_batch_size, every request at its length
+guard). The adaptive policy's own plain verdict keeps capturing: coming back from a lapse, the
+head drafts from a short context and accepts little, which kept a batch-1 server plain (its
+estimates fell with every restart). A plain probe, a step whose proposer proposed nothing, a cold
+start's unmeasured steps and prefill passes keep capturing too. What coming back costs: a row whose features lapsed cannot draft
 from them, so a plan that drafts for it is put off one step, which decodes plainly with capture on
 (reason no_proposal); the head then restarts from that position (its earlier context is dropped,
 eagle.py's new run), so its first rounds draft from a short context.
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from engine.request import DecodeResult, Request
 from engine.speculative.policy.per_request import REUSE_PLAIN
 
-QUIET = frozenset({"policy", "disabled_batch_size", "length_guard"})  # plain verdicts that capture nothing
+QUIET = frozenset({"disabled_batch_size", "length_guard"})  # plain verdicts that capture nothing
 
 
 class PlainVerdicts:

@@ -235,7 +235,7 @@ class SpecPolicy:
     def configure(self, spec_length: int, mode: Literal["fixed", "adaptive"], disable_batch_size: int | None) -> None:
         """New settings; the adaptive choice starts afresh (no streak, probe waits reset)."""
         self.spec_length, self.mode, self.disable_batch_size = spec_length, mode, disable_batch_size
-        self._last_k = 0  # a fresh policy starts on plain's side of the margin
+        self._last_k = spec_length
         self._streak = 0  # consecutive adaptive verdicts on _last_k's side (plain, or K > 0)
         self._wait = {True: self.probe_every, False: self.probe_every}  # by "the streak is plain": before a probe
         self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a K probe; the next neighbour
@@ -296,11 +296,11 @@ class SpecPolicy:
         left = sum(k_caps) + batch
         scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)
-        # from plain, speculation must win by the margin (estimates wobble, a switch is not free, and
-        # what a step desynchronises costs a closed batch its drain); it stays while it prices at
-        # least plain's rate; between two K > 0 the best is taken
-        if best and self._last_k == 0 and scores[0] >= (1.0 - self.hysteresis) * scores[best]:
-            best = 0
+        last = min(self._last_k, k_max)
+        # a margin between plain and speculation (estimates wobble, a switch is not free); between
+        # two K > 0 the best is taken
+        if (best == 0) != (last == 0) and scores[last] >= (1.0 - self.hysteresis) * scores[best]:
+            best = last
         plain, was_plain = best == 0, self._last_k == 0
         self._last_k = best
         if plain != was_plain:  # the other side won on its merits

@@ -10,8 +10,8 @@ Probes carry over from the one-K policy (k_choice.SpecPolicy): while others spec
 held at K = 0 for `probe_every` allocations is given PROBE_K once (a few a step, the longest held
 first; each probe that leaves it at 0 doubles its wait, up to MAX_PROBE_BACKOFF times); a batch
 decoding plainly probes one request at a time on the same schedule; after as many speculative
-steps in a row, one step decodes plainly to re-measure the plain pass. From plain (and at the
-start), speculation must win by the hysteresis margin; it stays while it prices at least plain's rate.
+steps in a row, one step decodes plainly to re-measure the plain pass. Between plain and
+speculation the hysteresis margin keeps the side the last step took while within it.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class PerRequestPolicy:
         self._wait: dict[str, int] = {}  # request -> allocations at 0 before its next probe
         self._speculated = 0  # speculative steps in a row
         self._plain_wait = probe_every
-        self._was_plain = True  # a fresh policy starts on plain's side of the margin
+        self._was_plain = False
         self._plain_streak, self._batch_wait = 0, probe_every  # all-plain verdicts in a row; before a probe
         self._last: tuple[tuple, float] | None = None  # what the last all-plain verdict was judged on, its rate
         self._reused = 0  # verdicts taken from it since it was computed
@@ -187,8 +187,8 @@ class PerRequestPolicy:
             left = prices.tokens_left or [1] * n
             catch_ups = [c / max(1.0, t / (1.0 + sum(sv))) for c, t, sv in zip(catch_ups, left, survivals)]
         ks, rate, plain = allocate(survivals, cost, prices.drafts, catch_ups)
-        margin = (1.0 + self.hysteresis) if self._was_plain else 1.0
-        if rate < margin * plain:  # plain decoding, unless speculation wins (from plain: by the margin)
+        margin = (1.0 + self.hysteresis) if self._was_plain else 1.0 / (1.0 + self.hysteresis)
+        if rate < margin * plain:  # plain decoding, unless speculation wins by the margin (or loses within it)
             ks, self._plain_wait = [0] * n, self.probe_every
         key = (tuple(view.ids), tuple(caps), view.version)
         self._last, self._reused = ((key, plain), 0) if not any(ks) else (None, 0)

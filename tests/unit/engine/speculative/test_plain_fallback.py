@@ -10,6 +10,7 @@ import math
 import pytest
 
 import engine.runner as runner_module
+import engine.speculative.plain_steps as plain_steps
 from engine import LLM, SamplingParams
 from engine.speculative.policy.per_request import REUSE_PLAIN
 
@@ -75,6 +76,9 @@ def _dear_verify(spec, monkeypatch) -> None:
 
 @pytest.mark.parametrize("policy", [{}, {"k_per_request": True}], ids=["one_k", "per_request"])
 def test_an_all_plain_adaptive_step_does_no_more_than_a_plain_engine(tiny_model, tiny_head, monkeypatch, policy):
+    """Under a verdict that captures nothing (QUIET; the policy's own plain verdict made one here:
+    by default it keeps capturing, test below)."""
+    monkeypatch.setattr(plain_steps, "QUIET", plain_steps.QUIET | {"policy"})
     plain = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160, max_batch_size=4)
     plain_ids = _prefilled(plain.engine)
     plain_counts = _counted(plain.engine, monkeypatch)
@@ -98,6 +102,7 @@ def test_an_all_plain_adaptive_step_does_no_more_than_a_plain_engine(tiny_model,
 
 @pytest.mark.parametrize("policy", [{}, {"k_per_request": True}], ids=["one_k", "per_request"])
 def test_coming_back_from_a_plain_stretch_captures_first_then_drafts(tiny_model, tiny_head, monkeypatch, policy):
+    monkeypatch.setattr(plain_steps, "QUIET", plain_steps.QUIET | {"policy"})  # the policy's verdict lapses them too
     reference = LLM(model=str(tiny_model[0]), dtype="float32", max_seq_len=160,
                     max_batch_size=4).generate(PROMPTS, _greedy())
     llm = _eagle(tiny_model, tiny_head, **policy)
@@ -117,6 +122,19 @@ def test_coming_back_from_a_plain_stretch_captures_first_then_drafts(tiny_model,
     while eng.has_unfinished_requests():
         eng.step()
     assert [eng.get_output(i).token_ids for i in ids] == [o.token_ids for o in reference]
+
+
+def test_the_policys_plain_verdict_keeps_the_heads_features(tiny_model, tiny_head, monkeypatch):
+    """A lapse restarts the head from a short context, whose first rounds accept little, which
+    kept the verdict plain (a batch-1 server drafted 0-9 tokens a 64-token request): under the
+    policy's own plain verdict the pass keeps capturing, and no row lapses."""
+    llm = _eagle(tiny_model, tiny_head)
+    eng, spec = llm.engine, llm.engine.speculation
+    _dear_verify(spec, monkeypatch)
+    _prefilled(eng)
+    counts = _counted(eng, monkeypatch)
+    assert all(s.k == 0 and s.reason == "policy" for s in _decode_steps(eng, 12))
+    assert counts["capture_passes"] > 0 and counts["draft"] == 0 and not spec.planner.stretch.lapsed
 
 
 def test_a_reused_plain_verdict_keeps_the_probe_schedule(monkeypatch):

@@ -63,9 +63,8 @@ def test_a_request_that_accepts_gets_k_and_one_that_does_not_gets_none():
 
 def test_in_a_larger_batch_only_the_accepting_half_speculates():
     rounds = {f"edit{i}": (5, 6) for i in range(4)} | {f"code{i}": (0, 3) for i in range(4)}
-    ks = choose(rounds, costs_at(8, token_ms=0.8))  # (at 1 ms a token, speculation wins by 0.3%: within the margin)
+    ks = choose(rounds, costs_at(8))
     assert all(k > 0 for k in ks[:4]) and ks[4:] == [0, 0, 0, 0]
-    assert choose(rounds, costs_at(8)) == [0] * 8
 
 
 def test_uniform_batches_all_speculate_or_all_decode_plainly():

@@ -228,25 +228,13 @@ def test_k_falls_monotonically_with_batch_size_without_cliff():
 
 def test_hysteresis_holds_the_switch_between_plain_and_speculation_not_between_ks():
     """Near the batch size where plain decoding starts to win, the choice does not flip between
-    K = 0 and K > 0 as estimates wobble: speculation stays while it prices at least plain's rate,
-    and once plain, it must win by the margin to come back; between two K > 0 each step takes the
-    better one."""
+    K = 0 and K > 0 as estimates wobble; between two K > 0 each step takes the better one."""
     policy = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05, k_probe_every=0)
     free = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0, k_probe_every=0)
-
-    def gain(b: int, a: float = 0.7) -> float:  # the best K's priced rate over plain's
-        g = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.0).choose([a] * b, [100] * b).goodput
-        return max(g[k] for k in g if k) / g[0]
-    batch = next(b for b in range(1, 257) if all(gain(b, a) < 1.0 for a in (0.68, 0.69, 0.70, 0.71, 0.72)))
-    near = next(b for b in range(batch - 1, 0, -1) if all(1.0 < gain(b, a) < 1.05 for a in (0.69, 0.70, 0.71)))
-    first = policy.choose([0.9] * near, [100] * near).k  # a clear win first: speculating
-    seq = [policy.choose([a] * near, [100] * near).k for a in [0.69, 0.71, 0.70] * 4]
-    assert first > 0 and set(seq) == {first}  # speculation stays while it prices at least plain's rate
+    batch = next(b for b in range(1, 257) if free.choose([0.7] * b, [100] * b).k == 0)  # plain just wins
+    first = policy.choose([0.7] * (batch - 1), [100] * (batch - 1)).k
     seq = [policy.choose([a] * batch, [100] * batch).k for a in [0.69, 0.71, 0.70, 0.68, 0.72] * 4]
-    assert set(seq) == {0}  # plain from the first step it wins
-    assert {policy.choose([a] * near, [100] * near).k for a in [0.69, 0.71, 0.70] * 3} == {0}  # and held there
-    fresh = SpecPolicy(MemoryBoundCosts(), spec_length=5, mode="adaptive", hysteresis=0.05, k_probe_every=0)
-    assert fresh.choose([0.7] * near, [100] * near).k == 0  # a fresh policy starts on plain's side
+    assert first > 0 and set(seq) == {first}
     wobble = [0.45, 0.75] * 4  # at batch 1 the best K changes with the acceptance rate
     best = [free.choose([a], [100]).k for a in wobble]
     assert len(set(best)) == 2 and [policy.choose([a], [100]).k for a in wobble] == best
