@@ -61,8 +61,7 @@ class SpeculativeDecoder:
 
     @proposer.setter
     def proposer(self, proposer: Proposer) -> None:  # the planner reads the same one
-        self._proposer = proposer
-        self.planner.configure(self.settings, proposer)
+        self._proposer = self.planner.proposer = proposer
 
     def reconfigure(self, changes: dict) -> SpecConfig:
         """Applies new speculation settings from the next step on (validated as SpecConfig)."""
@@ -70,6 +69,7 @@ class SpeculativeDecoder:
         self.suffix_cache.evict(settings.suffix_cache_tokens)
         self.settings = settings
         self.proposer = build_proposer(settings, self.sources)
+        self.planner.configure(settings, self.proposer)  # what the plans remember starts afresh
         self._fresh()
         return settings
 
