@@ -264,6 +264,10 @@ class EngineConfig:
     # each layer's pointwise work (residual add + RMSNorm, q/k norm + RoPE + KV write, SiLU-and-multiply)
     # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused.py); "auto": CUDA only
     fused_kernels: FusedKernels = "auto"
+    # the target's passes on the rule that keeps each row's bits independent of its pass, so greedy
+    # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU where the
+    # load-time harness passes; "on": on CPU whatever it says (a warning); CUDA: not built yet ("on" refused)
+    batch_invariant: FusedKernels = "auto"
     # quantized linears (FP8, INT4) read as stored by Triton kernels, each checked at load against the
     # dequantized weight (engine/model/weight_kernels.py); "auto": CUDA only; else dequantized a layer a call
     quant_kernels: FusedKernels = "auto"
@@ -293,6 +297,10 @@ class EngineConfig:
         check_choice("cuda_graphs", self.cuda_graphs, get_args(CudaGraphs))
         check_choice("paged_attention", self.paged_attention, get_args(PagedAttentionSetting))
         check_choice("fused_kernels", self.fused_kernels, get_args(FusedKernels))
+        check_choice("batch_invariant", self.batch_invariant, get_args(FusedKernels))
+        if self.batch_invariant == "on" and self.device.startswith("cuda"):
+            raise ValueError("batch_invariant: 'on' is not built for CUDA yet (fixed-tile kernels: docs/exactness.md); "
+                             "use 'auto' or 'off'")
         check_choice("quant_kernels", self.quant_kernels, get_args(FusedKernels))
         check_choice("moe_kernels", self.moe_kernels, get_args(FusedKernels))
         if isinstance(self.speculative, dict):

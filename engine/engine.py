@@ -45,6 +45,7 @@ class LLMEngine:
         self.forward_plan, self.paged_attention, self.cuda_graphs = parts.forward_plan, parts.paged_attention, \
             parts.cuda_graphs
         self.fused_kernels = parts.fused_kernels
+        self.batch_invariant = parts.batch_invariant
         self.weight_kernels = parts.weight_kernels
         self.weights = parts.weights  # model role -> bytes on the device and format
         self.startup = parts.seconds  # each start-up phase's seconds (stats, benches)
@@ -252,6 +253,7 @@ class LLMEngine:
         out = {"running": self.num_running(), "waiting": self.num_waiting(), "num_kv_blocks": self.config.num_kv_blocks,
                "preemptions_total": self.num_preemptions_total, **self.kv.counts(), "forward_plan": self.forward_plan,
                "startup_s": dict(self.startup), "fused_kernels": dict(self.fused_kernels),
+               "batch_invariant": self.batch_invariant,
                "weight_kernels": dict(self.weight_kernels),
                "weights": {role: dict(w) for role, w in self.weights.items()}}
         if self.speculation is not None:

@@ -30,6 +30,7 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
 from engine.model.fused import check_fused, fused_on
+from engine.model.invariance import choose_invariance
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
@@ -77,6 +78,7 @@ class EngineParts:
     forward_plan: dict  # each model's plan (engine/model/plan.py), as stats report it
     paged_attention: dict[str, str]  # model role -> "inplace", or why it gathers ({}: gather)
     fused_kernels: dict[str, str]  # model role -> "fused", or why it runs eager ({}: off)
+    batch_invariant: str  # "on", or "off: why" (engine/model/invariance.py)
     weight_kernels: dict[str, dict[str, str]]  # model role -> {"quant" / "moe": the path its layers took}
     weights: dict[str, dict]  # model role -> {"bytes": on the device, "format": e.g. "int4 group 128 + bfloat16"}
     cuda_graphs: dict[str, CaptureReport]  # model role -> what capture did ({}: off)
@@ -129,6 +131,10 @@ class _Startup:
         self.fused_kernels = self._fuse()  # model role -> "fused", or why eager ({}: off)
         if self.fused_kernels:
             clock.done("fused_kernels", "fused_kernels: %s", self.fused_kernels)
+        self.batch_invariant = choose_invariance(self.model, self.kv.target, config.batch_invariant)
+        clock.done("batch_invariant", "batch_invariant: %s (the target's rows %s)", self.batch_invariant,
+                   "independent of their pass: speculation = plain bitwise" if self.batch_invariant == "on"
+                   else "may differ with their pass")
         self.cuda_graphs = self._capture_graphs(graph_capture)  # model role -> what capture did ({}: off)
         if self.cuda_graphs:
             clock.done("cuda_graphs", "cuda_graphs: %s", ", ".join(
@@ -141,7 +147,7 @@ class _Startup:
         log.info("engine built in %.1f s (%s)", clock.total(),
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in clock.seconds.items()))
         return EngineParts(self.tokenizer, self.model, self.draft_model, self.kv, self.runner, self.forward_plan,
-                           self.paged_attention, self.fused_kernels, self.weight_kernels, self.weights, self.cuda_graphs, self.speculation, clock.seconds)
+                           self.paged_attention, self.fused_kernels, self.batch_invariant, self.weight_kernels, self.weights, self.cuda_graphs, self.speculation, clock.seconds)
 
     def _resolve_checkpoints(self):
         """Resolves model paths (written back into the config), the tokenizer and max_seq_len."""

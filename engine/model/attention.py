@@ -19,7 +19,8 @@ _CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch)
 def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
                      flash_gqa: bool = False) -> str:
     """Which attention code a pass of B rows of T queries over L keys (H query heads, Hkv KV
-    heads) takes on `device_type`; mask: "none" (every key visible), "causal_tail" (each row's
+    heads) takes on `device_type` ("cpu", "cuda", or "cpu_invariant": the CPU rule under row-count
+    invariance, engine/model/invariance.py); mask: "none" (every key visible), "causal_tail" (each row's
     queries are exactly its last T keys: lower-right causal) or "general" (any boolean mask);
     flash_gqa: flash attention takes these inputs with GQA (half precision, head_dim, GPU).
 
@@ -31,6 +32,8 @@ def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int,
     rule keeps masked GQA passes off the math kernel, whose scores are [B, heads, T, L] float32.
     """
     few = T <= FEW_QUERY_ROWS
+    if device_type == "cpu_invariant":  # row-count invariance (invariance.py): one path for every pass
+        return "grouped"
     if device_type != "cuda":
         return "sdpa" if B == 1 or not few else "grouped"
     gqa = H != Hkv

@@ -20,6 +20,7 @@ from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
 from engine.model.families import family_of
+from engine.model.invariance import at_least_rows
 from engine.model.kernels import fused, one_sequence
 from engine.model.linears import any_linear, cpu_packs, packed_linear
 from engine.model.packing import Packing
@@ -29,6 +30,7 @@ from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
 
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
+GROUPED_QUERY_CHUNK = 128  # queries per call of the grouped attention matmuls (a prefill's, under invariance)
 
 
 class CapturedPassesLike(Protocol):
@@ -61,6 +63,7 @@ class Transformer:
     graphs: CapturedPassesLike | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
     paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
     fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused.py), set at load
+    row_invariant: bool = False  # each row's bits independent of its pass (engine/model/invariance.py), set at load
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -94,6 +97,30 @@ class Transformer:
             if self.device.type == "cuda" else contextlib.nullcontext
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
+
+    def make_row_invariant(self, min_rows: int | None) -> None:
+        """Every pass on the rule that keeps a row's bits independent of its pass (invariance.py):
+        grouped attention, linears of at least `min_rows` rows; None: back to the plan's paths."""
+        if not hasattr(self, "_plan_linear"):
+            self._plan_linear, self._plan_rule = self._linear, self.attention_rule
+        on = min_rows is not None
+        self.attention_rule = "cpu_invariant" if on else self._plan_rule
+        self._linear = at_least_rows(self._plan_linear, min_rows) if on else self._plan_linear
+        self.row_invariant = on
+
+    def linear_probe(self) -> tuple[Callable, list, list[int]]:
+        """(this model's linear, a weight of each matmul and the output layer, their input widths),
+        for invariance.linear_rows_rule; experts are left out (torch's grouped matmuls, not ours)."""
+        s = self.shape
+        widths = {"qkv": s.hidden_size, "o": s.num_heads * s.head_dim, "gate_up": s.hidden_size,
+                  "down": s.intermediate_size}
+        weights, ins = [self.lm_head], [s.hidden_size]
+        for name, k in widths.items():
+            w = next((getattr(lw, name) for lw in self.layers if getattr(lw, name) is not None), None)
+            if w is not None:
+                weights.append(w)
+                ins.append(k)
+        return self._linear, weights, ins
 
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
@@ -171,7 +198,7 @@ class Transformer:
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
         if branch is None:
-            branch = attention_branch("cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
+            branch = attention_branch(self.attention_rule or "cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
         if branch == "grouped":
             return self._grouped_matmuls(q, k, v, mask)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
@@ -191,9 +218,14 @@ class Transformer:
 
     def _grouped_matmuls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
-        """_attention as explicit matmuls (few queries: no copy of K/V, small float32 scores)."""
+        """_attention as explicit matmuls (few queries: no copy of K/V, small float32 scores; many,
+        under row-count invariance: GROUPED_QUERY_CHUNK queries a call, to bound the scores)."""
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
+        if T > GROUPED_QUERY_CHUNK:
+            return torch.cat([self._grouped_matmuls(q[:, :, t:t + GROUPED_QUERY_CHUNK], k, v,
+                                                    None if mask is None else mask[:, :, t:t + GROUPED_QUERY_CHUNK])
+                              for t in range(0, T, GROUPED_QUERY_CHUNK)], dim=2)
         # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,
         # sequence), the order keys and values arrive in, so only queries and outputs are reordered
         G = H // Hkv

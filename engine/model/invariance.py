@@ -1,0 +1,119 @@
+"""Row-count invariance (EngineConfig.batch_invariant): each row's bits independent of how many rows
+and tokens share its pass, so a verify pass computes exactly what one-token decode steps compute
+and speculation never changes a greedy token (docs/exactness.md).
+
+On CPU two things break it, both measured (docs/performance-notes.md#row-invariance):
+- oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
+  (a gemv whose k-sums run in another order); from two rows on, a row's bits never depend on M.
+  So a one-row linear is run as two copies of the row (`at_least_rows`), where the probe says so.
+- SDPA's CPU kernel blocks keys by the query count. The grouped matmuls (bf16 in, float32
+  scores) do not, so the invariant rule sends every pass there (attention.py "cpu_invariant").
+
+`linear_rows_rule` probes a model's weights at load; `check_passes` is the harness: a multi-token
+pass against the same tokens decoded one at a time, bitwise on logits and the K/V written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = (2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192)  # row counts a linear is probed at
+
+
+def at_least_rows(linear: Callable, rows: int) -> Callable:
+    """`linear` with a pass of a single row run as `rows` copies of it (its first row kept)."""
+    if rows <= 1:
+        return linear
+
+    def padded(x: torch.Tensor, weight) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:  # more than one row
+            return linear(x, weight)
+        y = linear(x.reshape(1, -1).expand(rows, -1).contiguous(), weight)  # [rows, out]
+        return y[:1].reshape(*x.shape[:-1], y.shape[-1])
+    return padded
+
+
+def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dtype: torch.dtype,
+                     device: torch.device) -> tuple[int | None, str]:
+    """The fewest rows a pass of `linear` must have for every row's bits to be independent of the
+    row count, over one weight of each distinct shape: 1, 2 (a single row differs), or None (rows
+    differ from one row count to another); and what was seen."""
+    generator = torch.Generator().manual_seed(0)
+    need, seen = 1, set()
+    for weight, k in zip(weights, in_features):
+        x = torch.randn(max(PROBE_ROWS) + 8, k, generator=generator).to(dtype=dtype, device=device)
+        wide = linear(x, weight)  # [200, out]: the reference rows
+        for m in PROBE_ROWS:
+            for r in (0, 1, 3):  # rows that start off the allocation's alignment too
+                if not torch.equal(linear(x[r:r + m], weight), wide[r:r + m]):
+                    return None, f"a {k}-wide linear's rows differ between {m} and {len(x)} rows"
+        if not all(torch.equal(linear(x[r:r + 1], weight), wide[r:r + 1]) for r in range(8)):
+            need = 2
+            seen.add(k)
+    return need, (f"one row takes another kernel at width {', '.join(map(str, sorted(seen)))}" if seen
+                  else "every row count agrees")
+
+
+def choose_invariance(model, pool, setting: str) -> str:
+    """Puts the target `model` on the invariant rule where `setting` asks for it and this device
+    can (auto: where the harness then passes at batch 1 and 2, else back off); "on" or "off: why"."""
+    if setting == "off":
+        return "off: batch_invariant is off"
+    if model.device.type != "cpu":
+        return "off: not built for CUDA yet"
+    rows, seen = linear_rows_rule(*model.linear_probe(), model.dtype, model.device)
+    if rows is None:
+        return f"off: {seen}"
+    model.make_row_invariant(rows)
+    problem = check_passes(model, pool, batch=1) or check_passes(model, pool, batch=2)
+    if problem is None:
+        return "on"
+    if setting == "on":
+        log.warning("batch_invariant on, but the harness finds rows differing with their pass: %s", problem)
+        return "on"
+    model.make_row_invariant(None)
+    return f"off: {problem}"
+
+
+def check_passes(model, pool, context: int = 40, tokens: int = 5, batch: int = 2) -> str | None:
+    """The harness at one shape: `batch` sequences (ragged contexts from `context`) each take
+    `tokens` tokens in one pass, and the same tokens one step at a time in a second slot set;
+    what differs (logits or the K/V written), or None. Slots are freed after."""
+    vocab = model.shape.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    lengths = [min(context + 7 * r, pool.max_seq_len - tokens - 1) for r in range(batch)]
+    seqs = [torch.randint(3, vocab, (n + tokens,), generator=generator).tolist() for n in lengths]
+    slots = [[pool.allocate_slot([])[0] for _ in seqs] for _ in range(2)]
+    from engine.model.passes import forward_chunks  # passes.py imports the transformer this module serves
+    try:
+        for s in slots:
+            forward_chunks(model, pool, s, [q[:n] for q, n in zip(seqs, lengths)], [0] * batch)
+        wide = forward_chunks(model, pool, slots[0], [q[n:] for q, n in zip(seqs, lengths)], lengths,
+                              all_logits=True)  # [batch, tokens, vocab]
+        steps = torch.stack([forward_chunks(model, pool, slots[1], [[q[n + t]] for q, n in zip(seqs, lengths)],
+                                            [n + t for n in lengths]) for t in range(tokens)], 1)
+        for r, n in enumerate(lengths):
+            for t in range(tokens):
+                if not torch.equal(wide[r, t], steps[r, t]):
+                    return (f"logits differ at token {t} of {tokens} (batch {batch}, context {n}) by "
+                            f"{(wide[r, t] - steps[r, t]).abs().max().item():.3g}")
+            if not torch.equal(_slot_kv(pool, slots[0][r], n + tokens), _slot_kv(pool, slots[1][r], n + tokens)):
+                return f"the K/V written differ (batch {batch}, context {n})"
+    finally:
+        for s in slots:
+            for slot in s:
+                pool.free_slot(slot)
+    return None
+
+
+def _slot_kv(pool, slot: int, n: int) -> torch.Tensor:
+    """The K/V of a slot's first n positions, every layer [layers, 2, kv_heads, n, head_dim]."""
+    view = pool.view([slot], [0])
+    layers = view.storage.shape[0]
+    return torch.stack([torch.stack(view.read(i, view.read_rows)) for i in range(layers)])[..., 0, :n, :]
