@@ -265,8 +265,9 @@ class EngineConfig:
     # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused.py); "auto": CUDA only
     fused_kernels: FusedKernels = "auto"
     # the target's passes on the rule that keeps each row's bits independent of its pass, so greedy
-    # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU where the
-    # load-time harness passes; "on": on CPU whatever it says (a warning); CUDA: not built yet ("on" refused)
+    # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU in a speculative
+    # engine where the load-time harness passes (a plain-only engine keeps its faster paths); "on": on CPU
+    # whatever it says (a warning); CUDA: not built yet ("on" refused)
     batch_invariant: FusedKernels = "auto"
     # quantized linears (FP8, INT4) read as stored by Triton kernels, each checked at load against the
     # dequantized weight (engine/model/weight_kernels.py); "auto": CUDA only; else dequantized a layer a call

@@ -4,8 +4,9 @@ and speculation never changes a greedy token (docs/exactness.md).
 
 On CPU two things break it, both measured (docs/performance-notes.md#row-invariance):
 - oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
-  (a gemv whose k-sums run in another order); from two rows on, a row's bits never depend on M.
-  So a one-row linear is run as two copies of the row (`at_least_rows`), where the probe says so.
+  (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
+  row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
+  row (`at_least_rows`), the widths probed at load.
 - SDPA's CPU kernel blocks keys by the query count. The grouped matmuls (bf16 in, float32
   scores) do not, so the invariant rule sends every pass there (attention.py "cpu_invariant").
 
@@ -26,26 +27,26 @@ log = logging.getLogger(__name__)
 PROBE_ROWS = (2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192)  # row counts a linear is probed at
 
 
-def at_least_rows(linear: Callable, rows: int) -> Callable:
-    """`linear` with a pass of a single row run as `rows` copies of it (its first row kept)."""
-    if rows <= 1:
+def at_least_rows(linear: Callable, widths: frozenset[int]) -> Callable:
+    """`linear` with a pass of a single row whose width is in `widths` run as two copies of it."""
+    if not widths:
         return linear
 
     def padded(x: torch.Tensor, weight) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:  # more than one row
+        if x.numel() != x.shape[-1] or x.shape[-1] not in widths:  # more than one row, or a width that agrees
             return linear(x, weight)
-        y = linear(x.reshape(1, -1).expand(rows, -1).contiguous(), weight)  # [rows, out]
+        y = linear(x.reshape(1, -1).expand(2, -1).contiguous(), weight)  # [2, out]
         return y[:1].reshape(*x.shape[:-1], y.shape[-1])
     return padded
 
 
 def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dtype: torch.dtype,
-                     device: torch.device) -> tuple[int | None, str]:
-    """The fewest rows a pass of `linear` must have for every row's bits to be independent of the
-    row count, over one weight of each distinct shape: 1, 2 (a single row differs), or None (rows
-    differ from one row count to another); and what was seen."""
+                     device: torch.device) -> tuple[frozenset[int] | None, str]:
+    """The input widths whose one-row passes must run as two rows for every row's bits to be
+    independent of the row count (one weight of each matmul probed), or None where rows differ
+    between two row counts of two or more; and what was seen."""
     generator = torch.Generator().manual_seed(0)
-    need, seen = 1, set()
+    seen = set()
     for weight, k in zip(weights, in_features):
         x = torch.randn(max(PROBE_ROWS) + 8, k, generator=generator).to(dtype=dtype, device=device)
         wide = linear(x, weight)  # [200, out]: the reference rows
@@ -54,17 +55,19 @@ def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dt
                 if not torch.equal(linear(x[r:r + m], weight), wide[r:r + m]):
                     return None, f"a {k}-wide linear's rows differ between {m} and {len(x)} rows"
         if not all(torch.equal(linear(x[r:r + 1], weight), wide[r:r + 1]) for r in range(8)):
-            need = 2
             seen.add(k)
-    return need, (f"one row takes another kernel at width {', '.join(map(str, sorted(seen)))}" if seen
+    return frozenset(seen), (f"one row takes another kernel at width {', '.join(map(str, sorted(seen)))}" if seen
                   else "every row count agrees")
 
 
-def choose_invariance(model, pool, setting: str) -> str:
+def choose_invariance(model, pool, setting: str, speculative: bool = True) -> str:
     """Puts the target `model` on the invariant rule where `setting` asks for it and this device
-    can (auto: where the harness then passes at batch 1 and 2, else back off); "on" or "off: why"."""
+    can (auto: in a speculative engine, where the harness then passes at batch 1 and 2, else back
+    off; a plain-only engine keeps its plan's faster paths); "on" or "off: why"."""
     if setting == "off":
         return "off: batch_invariant is off"
+    if setting == "auto" and not speculative:
+        return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
     if model.device.type != "cpu":
         return "off: not built for CUDA yet"
     rows, seen = linear_rows_rule(*model.linear_probe(), model.dtype, model.device)

@@ -98,14 +98,15 @@ class Transformer:
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
 
-    def make_row_invariant(self, min_rows: int | None) -> None:
+    def make_row_invariant(self, pad_widths: frozenset[int] | None) -> None:
         """Every pass on the rule that keeps a row's bits independent of its pass (invariance.py):
-        grouped attention, linears of at least `min_rows` rows; None: back to the plan's paths."""
+        grouped attention, one-row linears of `pad_widths` input features run as two rows; None:
+        back to the plan's paths."""
         if not hasattr(self, "_plan_linear"):
             self._plan_linear, self._plan_rule = self._linear, self.attention_rule
-        on = min_rows is not None
+        on = pad_widths is not None
         self.attention_rule = "cpu_invariant" if on else self._plan_rule
-        self._linear = at_least_rows(self._plan_linear, min_rows) if on else self._plan_linear
+        self._linear = at_least_rows(self._plan_linear, pad_widths) if on else self._plan_linear
         self.row_invariant = on
 
     def linear_probe(self) -> tuple[Callable, list, list[int]]:

@@ -52,7 +52,8 @@ def fingerprint(target: Transformer, draft: Transformer | None, pool: CachePool,
     from engine.model.plan import host_info
 
     def model(m: Transformer | None) -> dict | None:
-        return None if m is None else {"shape": repr(m.shape), "plan": dataclasses.asdict(m.plan), "dtype": str(m.dtype)}
+        return None if m is None else {"shape": repr(m.shape), "plan": dataclasses.asdict(m.plan), "dtype": str(m.dtype),
+                                       "row_invariant": getattr(m, "row_invariant", False)}
 
     device = target.device
     blocks = getattr(pool, "blocks", None)

@@ -1,0 +1,119 @@
+"""Row-count invariance (engine/model/invariance.py): on the shipped target in bf16, a multi-token
+pass computes bitwise what one-token steps compute (logits and the K/V written), in both pools, at
+batch 1 and 8; today's rule does not (the harness's teeth); the probe and the load-time choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelPlan
+from engine.model.invariance import at_least_rows, check_passes, choose_invariance, linear_rows_rule
+from engine.model.linears import cpu_packs
+from engine.model.loader import load_model
+from engine.model.passes import pool_for
+from tests.helpers import REPO
+
+needs_bf16 = pytest.mark.skipif(not cpu_packs(torch.bfloat16), reason="this CPU has no bf16 matmul kernels")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(REPO / "models" / "target", ModelPlan("bfloat16"), "cpu", 1024)
+
+
+@pytest.fixture
+def invariant(target):
+    rows, _ = linear_rows_rule(*target.linear_probe(), target.dtype, target.device)
+    assert rows is not None
+    target.make_row_invariant(rows)
+    yield target
+    target.make_row_invariant(None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("backend", ["paged", "slotted"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_pass_equals_its_steps_bitwise(invariant, backend, batch):
+    pool = pool_for(invariant, 16, 1024, backend)
+    for context in (40, 300):
+        for tokens in (2, 5, 17):  # a verify pass, K = 4, and wider than the few-query rule
+            assert check_passes(invariant, pool, context, tokens, batch) is None, (context, tokens)
+
+
+@needs_bf16
+def test_todays_rule_differs(target):
+    """The teeth: the plan's own paths (SDPA at batch 1, oneDNN's one-row kernel) give other bits."""
+    assert not target.row_invariant
+    pool = pool_for(target, 4, 1024, "paged")
+    assert check_passes(target, pool, 300, 5, 1) is not None
+
+
+def test_at_least_rows_pads_one_row_only():
+    seen = []
+
+    def linear(x, w):
+        seen.append(tuple(x.shape))
+        return x @ w.T
+    w = torch.randn(3, 4)
+    padded = at_least_rows(linear, frozenset({4}))
+    x = torch.randn(1, 1, 4)
+    assert torch.equal(padded(x, w), x @ w.T) and seen[-1] == (2, 4)
+    assert padded(torch.randn(2, 5, 4), w).shape == (2, 5, 3) and seen[-1] == (2, 5, 4)
+    assert at_least_rows(linear, frozenset({8}))(x, w).shape == (1, 1, 3) and seen[-1] == (1, 1, 4)
+
+
+def test_the_probe_finds_row_dependence():
+    """A linear whose rows change from one row count to another is refused; one whose single row
+    alone differs needs two rows; an exact one needs one."""
+    w, k = [torch.randn(8, 16)], [16]
+    exact = lambda x, w: (x.double() @ w.double().T).float()  # noqa: E731
+    one_row = lambda x, w: exact(x, w) + (1e-3 if x.shape[0] == 1 else 0.0)  # noqa: E731
+    by_count = lambda x, w: exact(x, w) + 1e-3 * x.shape[0]  # noqa: E731
+    assert linear_rows_rule(exact, w, k, torch.float32, torch.device("cpu"))[0] == frozenset()
+    assert linear_rows_rule(one_row, w, k, torch.float32, torch.device("cpu"))[0] == {16}
+    rows, why = linear_rows_rule(by_count, w, k, torch.float32, torch.device("cpu"))
+    assert rows is None and "differ" in why
+
+
+@needs_bf16
+def test_auto_backs_off_where_the_harness_fails(target, monkeypatch):
+    pool = pool_for(target, 4, 1024, "paged")
+    rule = target.attention_rule
+    monkeypatch.setattr("engine.model.invariance.check_passes", lambda *a, **k: "logits differ (scripted)")
+    assert choose_invariance(target, pool, "auto") == "off: logits differ (scripted)"
+    assert not target.row_invariant and target.attention_rule == rule
+    assert choose_invariance(target, pool, "on") == "on" and target.row_invariant
+    target.make_row_invariant(None)
+    assert choose_invariance(target, pool, "off").startswith("off")
+    assert choose_invariance(target, pool, "auto", speculative=False).startswith("off: a plain-only engine")
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(model="x", batch_invariant="yes")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(model="x", device="cuda", batch_invariant="on")
+
+
+@needs_bf16
+def test_greedy_speculation_equals_plain_in_bf16(tmp_path: Path):
+    """Every proposer, batch 1 and 3, the shipped pair in bf16: token for token."""
+    from engine import LLM, SamplingParams
+    prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\ndef main("]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    common = dict(dtype="bfloat16", forward_plan={"target": {"dtype": "bfloat16"}}, max_batch_size=4)
+
+    def run(llm, batch):
+        return [o.token_ids for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]
+    assert LLM(use_speculative_decoding=False, **common).engine.stats()["batch_invariant"].startswith("off")
+    plain = LLM(use_speculative_decoding=False, batch_invariant="on", **common)  # the speculative engines' rule
+    assert plain.engine.stats()["batch_invariant"] == "on"
+    want = {b: run(plain, b) for b in (1, 3)}
+    assert want[1] == want[3]  # a request alone = the same request in a batch
+    for method in ("eagle", "draft", "hybrid", "ngram", "suffix"):
+        llm = LLM(speculative_method=method, **common)
+        for b in (1, 3):
+            assert run(llm, b) == want[b], (method, b)
