@@ -300,7 +300,7 @@ class EngineConfig:
         check_choice("fused_kernels", self.fused_kernels, get_args(FusedKernels))
         check_choice("batch_invariant", self.batch_invariant, get_args(FusedKernels))
         if self.batch_invariant == "on" and self.device.startswith("cuda"):
-            raise ValueError("batch_invariant: 'on' is not built for CUDA yet (fixed-tile kernels: docs/exactness.md); "
+            raise ValueError("batch_invariant: 'on' is not built for CUDA yet (fixed-tile kernels: docs/speculative/exactness.md); "
                              "use 'auto' or 'off'")
         check_choice("quant_kernels", self.quant_kernels, get_args(FusedKernels))
         check_choice("moe_kernels", self.moe_kernels, get_args(FusedKernels))

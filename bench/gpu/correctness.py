@@ -19,6 +19,7 @@ from bench.gpu.context import Context, check
 from bench.gpu.stats import chi_square_pvalue
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan
+from engine.model.linears import cpu_packs
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
 from engine.sampling import Adjustments, SamplingRows, adjusted_probs
@@ -50,6 +51,7 @@ def run(ctx: Context, out: dict) -> None:
                      two_back=target_hf.model.embed_tokens.weight.detach())
     _transformers_parity(ctx, out, work / "target", target_hf)
     _speculative_equals_plain(ctx, out, work)
+    _row_invariance_bf16(ctx, out, work / "target")
     _seeds_reproduce(ctx, out, work)
     _chi_square(ctx, out, work, tok)
     out["summary"] = [f"{name}: {'ok' if c['ok'] else 'FAILED'}" for name, c in out["checks"].items()] + (
@@ -115,6 +117,26 @@ def _speculative_equals_plain(ctx: Context, out: dict, work: Path) -> None:
             ctx.free()
         ctx.log(f"greedy parity {backend}: " + ", ".join(f"{k.split()[0]} b{k.split()[-1]} {'ok' if v['equal'] else 'DIFF'}"
                                                         for k, v in results.items() if backend in k))
+
+
+def _row_invariance_bf16(ctx: Context, out: dict, path: Path) -> None:
+    """The row-invariance harness (engine/model/invariance.py) in bf16: a multi-token pass against
+    its one-token steps, bitwise. On CPU under the invariant rule (checked); on CUDA the plan's own
+    paths, whose verdict is recorded (the rule is not built there yet)."""
+    from engine.model.invariance import check_passes, choose_invariance
+    if ctx.device == "cpu" and not cpu_packs(torch.bfloat16):
+        out["row_invariance_bf16"] = "skipped: no bf16 matmul kernels on this CPU"
+        return
+    model = load_model(path, ModelPlan("bfloat16"), ctx.device, 512)
+    pool = pool_for(model, 16, 512)  # two slot sets of batch 8
+    rule = choose_invariance(model, pool, "on") if ctx.device == "cpu" else "the plan's paths"
+    verdicts = {f"batch {b}, context {n}, {t} tokens": check_passes(model, pool, n, t, b) or "equal"
+                for b in (1, 8) for n in (40, 300) for t in (2, 5, 17)}
+    out["row_invariance_bf16"] = {"rule": rule, "verdicts": verdicts}
+    if ctx.device == "cpu":
+        check(out, "bf16 passes equal their one-token steps bitwise (invariant rule)",
+              all(v == "equal" for v in verdicts.values()), verdicts)
+    ctx.log("row invariance bf16: " + ", ".join(f"{k}: {v}" for k, v in verdicts.items()))
 
 
 def _seeds_reproduce(ctx: Context, out: dict, work: Path) -> None:

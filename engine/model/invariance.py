@@ -1,8 +1,8 @@
 """Row-count invariance (EngineConfig.batch_invariant): each row's bits independent of how many rows
 and tokens share its pass, so a verify pass computes exactly what one-token decode steps compute
-and speculation never changes a greedy token (docs/exactness.md).
+and speculation never changes a greedy token (docs/speculative/exactness.md).
 
-On CPU two things break it, both measured (docs/performance-notes.md#row-invariance):
+On CPU two things break it, both measured (docs/speculative/exactness.md):
 - oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
   (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
   row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
