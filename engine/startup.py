@@ -131,7 +131,7 @@ class _Startup:
         self.fused_kernels = self._fuse()  # model role -> "fused", or why eager ({}: off)
         if self.fused_kernels:
             clock.done("fused_kernels", "fused_kernels: %s", self.fused_kernels)
-        self.batch_invariant = choose_invariance(self.model, self.kv.target, config.batch_invariant,
+        self.batch_invariant = choose_invariance(self.model, config.batch_invariant,
                                                  config.use_speculative_decoding)
         clock.done("batch_invariant", "batch_invariant: %s (the target's rows %s)", self.batch_invariant,
                    "independent of their pass: speculation = plain bitwise" if self.batch_invariant == "on"

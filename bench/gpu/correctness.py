@@ -129,7 +129,7 @@ def _row_invariance_bf16(ctx: Context, out: dict, path: Path) -> None:
         return
     model = load_model(path, ModelPlan("bfloat16"), ctx.device, 512)
     pool = pool_for(model, 16, 512)  # two slot sets of batch 8
-    rule = choose_invariance(model, pool, "on") if ctx.device == "cpu" else "the plan's paths"
+    rule = choose_invariance(model, "on") if ctx.device == "cpu" else "the plan's paths"
     verdicts = {f"batch {b}, context {n}, {t} tokens": check_passes(model, pool, n, t, b) or "equal"
                 for b in (1, 8) for n in (40, 300) for t in (2, 5, 17)}
     out["row_invariance_bf16"] = {"rule": rule, "verdicts": verdicts}

@@ -16,9 +16,8 @@ pass against the same tokens decoded one at a time, bitwise on logits and the K/
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -60,10 +59,10 @@ def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dt
                   else "every row count agrees")
 
 
-def choose_invariance(model, pool, setting: str, speculative: bool = True) -> str:
+def choose_invariance(model, setting: str, speculative: bool = True) -> str:
     """Puts the target `model` on the invariant rule where `setting` asks for it and this device
-    can (auto: in a speculative engine, where the harness then passes at batch 1 and 2, else back
-    off; a plain-only engine keeps its plan's faster paths); "on" or "off: why"."""
+    can (auto: in a speculative engine, where the harness then passes at batch 1 and 2 over a pool
+    of its own, else back off; a plain-only engine keeps its plan's faster paths); "on" or "off: why"."""
     if setting == "off":
         return "off: batch_invariant is off"
     if setting == "auto" and not speculative:
@@ -74,7 +73,10 @@ def choose_invariance(model, pool, setting: str, speculative: bool = True) -> st
     if rows is None:
         return f"off: {seen}"
     model.make_row_invariant(rows)
-    problem = check_passes(model, pool, batch=1) or check_passes(model, pool, batch=2)
+    from engine.model.passes import pool_for  # passes.py imports the transformer this module serves
+    pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
+    problem = check_passes(model, pool, context=40, tokens=5, batch=1) or \
+        check_passes(model, pool, context=9, tokens=5, batch=2)
     if problem is None:
         return "on"
     if setting == "on":

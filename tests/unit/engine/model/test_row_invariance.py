@@ -80,15 +80,14 @@ def test_the_probe_finds_row_dependence():
 
 @needs_bf16
 def test_auto_backs_off_where_the_harness_fails(target, monkeypatch):
-    pool = pool_for(target, 4, 1024, "paged")
     rule = target.attention_rule
     monkeypatch.setattr("engine.model.invariance.check_passes", lambda *a, **k: "logits differ (scripted)")
-    assert choose_invariance(target, pool, "auto") == "off: logits differ (scripted)"
+    assert choose_invariance(target, "auto") == "off: logits differ (scripted)"
     assert not target.row_invariant and target.attention_rule == rule
-    assert choose_invariance(target, pool, "on") == "on" and target.row_invariant
+    assert choose_invariance(target, "on") == "on" and target.row_invariant
     target.make_row_invariant(None)
-    assert choose_invariance(target, pool, "off").startswith("off")
-    assert choose_invariance(target, pool, "auto", speculative=False).startswith("off: a plain-only engine")
+    assert choose_invariance(target, "off").startswith("off")
+    assert choose_invariance(target, "auto", speculative=False).startswith("off: a plain-only engine")
 
 
 def test_the_setting_is_checked():
