@@ -6,7 +6,7 @@ On CPU two things break it, both measured (docs/speculative/exactness.md):
 - oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
   (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
   row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
-  row (`at_least_rows`), the widths probed at load.
+  row (linears.at_least_rows), the widths probed at load.
 - SDPA's CPU kernel blocks keys by the query count. The grouped matmuls (bf16 in, float32
   scores) do not, so the invariant rule sends every pass there (attention.py "cpu_invariant").
 
@@ -21,22 +21,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.model.passes import forward_chunks, pool_for
+
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192)  # row counts a linear is probed at
-
-
-def at_least_rows(linear: Callable, widths: frozenset[int]) -> Callable:
-    """`linear` with a pass of a single row whose width is in `widths` run as two copies of it."""
-    if not widths:
-        return linear
-
-    def padded(x: torch.Tensor, weight) -> torch.Tensor:
-        if x.numel() != x.shape[-1] or x.shape[-1] not in widths:  # more than one row, or a width that agrees
-            return linear(x, weight)
-        y = linear(x.reshape(1, -1).expand(2, -1).contiguous(), weight)  # [2, out]
-        return y[:1].reshape(*x.shape[:-1], y.shape[-1])
-    return padded
 
 
 def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dtype: torch.dtype,
@@ -73,7 +62,6 @@ def choose_invariance(model, setting: str, speculative: bool = True) -> str:
     if rows is None:
         return f"off: {seen}"
     model.make_row_invariant(rows)
-    from engine.model.passes import pool_for  # passes.py imports the transformer this module serves
     pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
     problem = check_passes(model, pool, context=40, tokens=5, batch=1) or \
         check_passes(model, pool, context=9, tokens=5, batch=2)
@@ -95,7 +83,6 @@ def check_passes(model, pool, context: int = 40, tokens: int = 5, batch: int = 2
     lengths = [min(context + 7 * r, pool.max_seq_len - tokens - 1) for r in range(batch)]
     seqs = [torch.randint(3, vocab, (n + tokens,), generator=generator).tolist() for n in lengths]
     slots = [[pool.allocate_slot([])[0] for _ in seqs] for _ in range(2)]
-    from engine.model.passes import forward_chunks  # passes.py imports the transformer this module serves
     try:
         for s in slots:
             forward_chunks(model, pool, s, [q[:n] for q, n in zip(seqs, lengths)], [0] * batch)

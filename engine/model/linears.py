@@ -25,6 +25,20 @@ def any_linear(base: Callable, quantized: bool) -> Callable:
     return linear
 
 
+def at_least_rows(linear: Callable, widths: frozenset[int]) -> Callable:
+    """`linear` with a pass of a single row whose width is in `widths` run as two copies of it (row-count
+    invariance, engine/model/invariance.py: oneDNN's one-row kernel sums in another order at some widths)."""
+    if not widths:
+        return linear
+
+    def padded(x: torch.Tensor, weight) -> torch.Tensor:
+        if x.numel() != x.shape[-1] or x.shape[-1] not in widths:  # more than one row, or a width that agrees
+            return linear(x, weight)
+        y = linear(x.reshape(1, -1).expand(2, -1).contiguous(), weight)  # [2, out]
+        return y[:1].reshape(*x.shape[:-1], y.shape[-1])
+    return padded
+
+
 @functools.cache
 def cpu_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN can pack `dtype` matmul weights on this CPU (probed once on a tiny tensor).

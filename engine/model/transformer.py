@@ -20,9 +20,8 @@ from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
 from engine.model.families import family_of
-from engine.model.invariance import at_least_rows
 from engine.model.kernels import fused, one_sequence
-from engine.model.linears import any_linear, cpu_packs, packed_linear
+from engine.model.linears import any_linear, at_least_rows, cpu_packs, packed_linear
 from engine.model.packing import Packing
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.quant.linear import LinearParts, QuantLinear

@@ -36,7 +36,11 @@ def offline_reference(server):
     proven token for token in fp32 by the unit and integration suites."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(**server.engine_kwargs())
+    fields = ("dtype", "one_sequence_kernel", "token_step", "token_step_rows")
+    plans = {role: {k: p[k] for k in fields if k in p} for role, p in server.stats()["forward_plan"].items()
+             if role in ("target", "draft")}
+    # the replica's own plan: a plan measured here, at another thread count, may choose another dtype
+    llm = LLM(**{**server.engine_kwargs(), "forward_plan": plans})
     params = SamplingParams(temperature=0.0, max_tokens=48, spec_length=0)
     return {p: llm.generate(p, params)[0].text for p in PROMPTS}
 

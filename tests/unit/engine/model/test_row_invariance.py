@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelPlan
-from engine.model.invariance import at_least_rows, check_passes, choose_invariance, linear_rows_rule
-from engine.model.linears import cpu_packs
+from engine.model.invariance import check_passes, choose_invariance, linear_rows_rule
+from engine.model.linears import at_least_rows, cpu_packs
 from engine.model.loader import load_model
 from engine.model.passes import pool_for
 from tests.helpers import REPO
