@@ -19,21 +19,25 @@ _CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch)
 def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
                      flash_gqa: bool = False) -> str:
     """Which attention code a pass of B rows of T queries over L keys (H query heads, Hkv KV
-    heads) takes on `device_type` ("cpu", "cuda", or "cpu_invariant": the CPU rule under row-count
-    invariance, engine/model/invariance.py); mask: "none" (every key visible), "causal_tail" (each row's
-    queries are exactly its last T keys: lower-right causal) or "general" (any boolean mask);
+    heads) takes on `device_type` ("cpu", "cuda", or a CPU rule under row-count invariance,
+    engine/model/invariance.py: "cpu_invariant" in bf16, "cpu_fixed_order" in float32); mask:
+    "none" (every key visible), "causal_tail" (each row's queries are exactly its last T keys:
+    lower-right causal) or "general" (any boolean mask);
     flash_gqa: flash attention takes these inputs with GQA (half precision, head_dim, GPU).
 
     Branches: "sdpa" (SDPA, the boolean mask if any, GQA by enable_gqa); "grouped" (explicit
     matmuls, the query heads of a KV head stacked as rows: no copy of K/V); "sdpa_causal" (SDPA
     with is_causal or causal_lower_right, no mask tensor, GQA by enable_gqa); "sdpa_causal_expanded"
     and "sdpa_expanded" (the same, and the boolean mask, with K/V repeated to every query head, so
-    the memory-efficient kernel takes them). Every branch computes the same attention; on CUDA the
+    the memory-efficient kernel takes them); "fixed_order" (a C kernel summing each query row over
+    the keys it sees in key order). Every branch computes the same attention; on CUDA the
     rule keeps masked GQA passes off the math kernel, whose scores are [B, heads, T, L] float32.
     """
     few = T <= FEW_QUERY_ROWS
     if device_type == "cpu_invariant":  # row-count invariance (invariance.py): one path for every pass
         return "grouped"
+    if device_type == "cpu_fixed_order":
+        return "fixed_order"
     if device_type != "cuda":
         return "sdpa" if B == 1 or not few else "grouped"
     gqa = H != Hkv

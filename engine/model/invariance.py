@@ -2,13 +2,17 @@
 and tokens share its pass, so a verify pass computes exactly what one-token decode steps compute
 and speculation never changes a greedy token (docs/speculative/exactness.md).
 
-On CPU two things break it, both measured (docs/speculative/exactness.md):
+In bf16 on CPU two things break it, both measured (docs/speculative/exactness.md):
 - oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
   (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
   row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
   row (linears.at_least_rows), the widths probed at load.
 - SDPA's CPU kernel blocks keys by the query count. The grouped matmuls (bf16 in, float32
   scores) do not, so the invariant rule sends every pass there (attention.py "cpu_invariant").
+
+In float32 oneDNN's rows differ too, and the batched matmuls block the attention's key sums by the
+key count; so every pass takes the column-block kernel (each output one chain of multiply-adds
+over k in order, whatever the row count) and fixed-order attention (kernels/fixed_order_attention.c).
 
 `linear_rows_rule` probes a model's weights at load; `check_passes` is the harness: a multi-token
 pass against the same tokens decoded one at a time, bitwise on logits and the K/V written.
@@ -58,20 +62,38 @@ def choose_invariance(model, setting: str, speculative: bool = True) -> str:
         return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
     if model.device.type != "cpu":
         return "off: not built for CUDA yet"
-    rows, seen = linear_rows_rule(*model.linear_probe(), model.dtype, model.device)
-    if rows is None:
-        return f"off: {seen}"
-    model.make_row_invariant(rows)
-    pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
-    problem = check_passes(model, pool, context=40, tokens=5, batch=1) or \
-        check_passes(model, pool, context=9, tokens=5, batch=2)
+    problem = _apply_rule(model)
     if problem is None:
-        return "on"
+        pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
+        problem = check_passes(model, pool, context=40, tokens=5, batch=1) or \
+            check_passes(model, pool, context=9, tokens=5, batch=2)
+        if problem is None:
+            return "on"
     if setting == "on":
-        log.warning("batch_invariant on, but the harness finds rows differing with their pass: %s", problem)
-        return "on"
+        log.warning("batch_invariant on, but rows would differ with their pass (%s): %s", problem,
+                    "left on" if model.row_invariant else "left off")
+        return "on" if model.row_invariant else f"off: {problem}"
     model.make_row_invariant(None)
     return f"off: {problem}"
+
+
+def _apply_rule(model) -> str | None:
+    """Puts `model` on its dtype's rule (float32: every pass on the column-block kernel, which sums
+    each output in one order whatever the row count, and fixed-order attention; bf16: oneDNN with
+    the probed one-row widths padded, grouped attention); why it cannot, or None."""
+    if model.dtype == torch.float32:
+        if model.quantized or any(lw.experts is not None for lw in model.layers):
+            return "float32 takes the column-block kernel, which runs dense weights only (not quantized or experts)"
+        try:
+            model.make_row_invariant(frozenset(), columns=True)
+        except ValueError as e:  # the kernels do not build or run here
+            return str(e)
+        return None
+    rows, seen = linear_rows_rule(*model.linear_probe(), model.dtype, model.device)
+    if rows is None:
+        return seen
+    model.make_row_invariant(rows)
+    return None
 
 
 def check_passes(model, pool, context: int = 40, tokens: int = 5, batch: int = 2) -> str | None:

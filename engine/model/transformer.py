@@ -63,6 +63,7 @@ class Transformer:
     paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
     fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused.py), set at load
     row_invariant: bool = False  # each row's bits independent of its pass (engine/model/invariance.py), set at load
+    columns_always: bool = False  # every pass on the one-sequence path (its column-block kernel), under invariance
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -96,31 +97,38 @@ class Transformer:
             if self.device.type == "cuda" else contextlib.nullcontext
         if self.device.type == "cpu" and cpu_packs(self.dtype):
             self._pack_for_cpu()
+        self._plan_linear, self._plan_rule = self._linear, self.attention_rule  # make_row_invariant(None) restores them
 
-    def make_row_invariant(self, pad_widths: frozenset[int] | None) -> None:
-        """Every pass on the rule that keeps a row's bits independent of its pass (invariance.py):
-        grouped attention, one-row linears of `pad_widths` input features run as two rows; None:
-        back to the plan's paths."""
-        if not hasattr(self, "_plan_linear"):
-            self._plan_linear, self._plan_rule = self._linear, self.attention_rule
+    def make_row_invariant(self, pad_widths: frozenset[int] | None, columns: bool = False) -> None:
+        """Every pass on a rule that keeps a row's bits independent of its pass (invariance.py):
+        grouped attention and one-row linears of `pad_widths` input features run as two rows (bf16);
+        or, `columns`, every pass on the one-sequence path's column-block kernel with fixed-order
+        attention (float32, the kernels built: a ValueError where they cannot run). None: back to
+        the plan's paths."""
         on = pad_widths is not None
-        self.attention_rule = "cpu_invariant" if on else self._plan_rule
-        self._linear = at_least_rows(self._plan_linear, pad_widths) if on else self._plan_linear
+        if columns and on and self._one_sequence is None:
+            self._one_sequence = self._one_sequence_path()  # the plan did not take it: packed now
+        self.columns_always = columns and on
+        self.attention_rule = ("cpu_fixed_order" if columns else "cpu_invariant") if on else self._plan_rule
+        self._linear = at_least_rows(self._plan_linear, pad_widths) if on and not columns else self._plan_linear
         self.row_invariant = on
 
-    def linear_probe(self) -> tuple[Callable, list, list[int]]:
+    def linear_probe(self, columns: bool = False) -> tuple[Callable, list, list[int]]:
         """(this model's linear, a weight of each matmul and the output layer, their input widths),
-        for invariance.linear_rows_rule; experts are left out (torch's grouped matmuls, not ours)."""
+        for invariance.linear_rows_rule; columns: the column-block kernel's (the one-sequence path's);
+        experts are left out (torch's grouped matmuls, not ours)."""
         s = self.shape
         widths = {"qkv": s.hidden_size, "o": s.num_heads * s.head_dim, "gate_up": s.hidden_size,
                   "down": s.intermediate_size}
-        weights, ins = [self.lm_head], [s.hidden_size]
+        linear, layers, head = (self._one_sequence.kernel, self._one_sequence.layers, self._one_sequence.lm_head) \
+            if columns else (self._linear, self.layers, self.lm_head)
+        weights, ins = [head], [s.hidden_size]
         for name, k in widths.items():
-            w = next((getattr(lw, name) for lw in self.layers if getattr(lw, name) is not None), None)
+            w = next((getattr(lw, name) for lw in layers if getattr(lw, name) is not None), None)
             if w is not None:
                 weights.append(w)
                 ins.append(k)
-        return self._linear, weights, ins
+        return linear, weights, ins
 
     def _make_token_step(self) -> TokenStep:
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
@@ -154,10 +162,11 @@ class Transformer:
         if kernels is None:
             raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
                              "x86-64 CPU with AVX2 and FMA, and the kernels built)")
-        packed = [{n: one_sequence.pack_columns(one_sequence.bf16_if_exact(getattr(lw, n))) for n in MATMULS}
-                  for lw in self.layers]
+        def columns(w):  # packed for oneDNN already where the plan did not take this path (make_row_invariant)
+            return one_sequence.pack_columns(one_sequence.bf16_if_exact(w.to_dense() if w.is_mkldnn else w))
+        packed = [{n: columns(getattr(lw, n)) for n in MATMULS} for lw in self.layers]
         layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, packed)]
-        head = one_sequence.pack_columns(one_sequence.bf16_if_exact(self.lm_head))
+        head = columns(self.lm_head)
         return OneSequencePath(layers, kernels.column_linear, head)
 
     def _pack_for_cpu(self) -> None:
@@ -198,9 +207,11 @@ class Transformer:
         B, H, T, D = q.shape
         Hkv, L = k.shape[0], k.shape[2]
         if branch is None:
-            branch = attention_branch(self.attention_rule or "cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
+            branch = attention_branch(self.attention_rule if self.row_invariant else "cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
         if branch == "grouped":
             return self._grouped_matmuls(q, k, v, mask)
+        if branch == "fixed_order":  # row-count invariance in float32 (kernels/fixed_order_attention.c)
+            return one_sequence.load().attention(q, k, v, mask, self.scale).to(q.dtype)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
         gqa = H != Hkv
         if gqa and (branch in ("sdpa_expanded", "sdpa_causal_expanded")
@@ -327,7 +338,7 @@ class Transformer:
         kernels (kernels/fused.py: the add and norm, q/k norm + RoPE + the K/V write,
         SiLU-and-multiply) where they are on and the pass is not the one-sequence kernel's."""
         B, T = input_ids.shape
-        few = self._one_sequence if B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
+        few = self._one_sequence if self.columns_always or B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
         layers, linear, head = (self.layers, self._linear, self.lm_head) if few is None else \
             (few.layers, few.kernel, few.lm_head)
         groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask

@@ -26,7 +26,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("one_sequence.c", "column_blocks.c", "token_step.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("one_sequence.c", "column_blocks.c", "token_step.c", "fixed_order_attention.c")]
 HEADERS = [Path(__file__).with_name("row_groups.h")]  # included by the sources: part of the digest, not compiled alone
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 COLUMN_BLOCK = 16  # output columns per block of a packed weight (column_blocks.c)
@@ -86,6 +87,11 @@ class OneSequenceKernels:
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.draft_rows.restype = ctypes.c_int
+        # fixed_order_attention(q*, k*, v*, kv_bf16, visible*, out*, B, H, Hkv, T, L, D, scale, threads)
+        self._attention = lib.fixed_order_attention
+        self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._attention.restype = ctypes.c_int
         self.token_step_scratch_floats = lib.token_step_scratch_floats
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.token_step_scratch_floats.restype = ctypes.c_int64
@@ -101,6 +107,26 @@ class OneSequenceKernels:
         fn = self.column_bf16 if weight.blocks.dtype == torch.bfloat16 else self.column_f32
         blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
         return _matmul(fn, weight.blocks, x, blocks * COLUMN_BLOCK, in_features, weight.out_features)
+
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        """q [B, heads, T, D] over k/v [kv_heads, B, L, D] (float32 or bfloat16), visible [B, 1, T, L]
+        bool or None (every key) -> [B, heads, T, D] float32, each query row over the keys it sees in
+        key order (fixed_order_attention.c)."""
+        B, H, T, D = q.shape
+        Hkv, L = k.shape[0], k.shape[2]
+        if D % 8 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype or H % Hkv:
+            raise ValueError(f"fixed-order attention takes head_dim a multiple of 8 and float32 or bfloat16 K/V, "
+                             f"got head_dim {D}, {k.dtype}/{v.dtype}, {H} heads over {Hkv}")
+        q, k, v = q.float().contiguous(), k.contiguous(), v.contiguous()
+        seen = None if visible is None else visible.expand(B, 1, T, L).contiguous().view(torch.uint8)  # [B, 1, T, L]
+        out = torch.empty(B, H, T, D, dtype=torch.float32)
+        if self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                           None if seen is None else seen.data_ptr(), out.data_ptr(), B, H, Hkv, T, L, D, scale,
+                           torch.get_num_threads()):
+            raise MemoryError("fixed-order attention: no scratch for the scores")
+        return out
 
 
 def _matmul(fn, w: torch.Tensor, x: torch.Tensor, width: int, in_features: int, out_features: int) -> torch.Tensor:

@@ -1,39 +1,39 @@
-"""Row-count invariance (engine/model/invariance.py): on the shipped target in bf16, a multi-token
-pass computes bitwise what one-token steps compute (logits and the K/V written), in both pools, at
-batch 1 and 8; today's rule does not (the harness's teeth); the probe and the load-time choice."""
+"""Row-count invariance (engine/model/invariance.py): on the shipped target in bf16 and float32, a
+multi-token pass computes bitwise what one-token steps compute (logits and the K/V written), in
+both pools, at batch 1 and 8; the plan's own paths do not (the harness's teeth); the probe, the
+fixed-order attention kernel and the load-time choice."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.config import EngineConfig, ModelPlan
 from engine.model.invariance import check_passes, choose_invariance, linear_rows_rule
+from engine.model.kernels import one_sequence
 from engine.model.linears import at_least_rows, cpu_packs
 from engine.model.loader import load_model
 from engine.model.passes import pool_for
 from tests.helpers import REPO
 
 needs_bf16 = pytest.mark.skipif(not cpu_packs(torch.bfloat16), reason="this CPU has no bf16 matmul kernels")
+needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16), pytest.param("float32", marks=needs_kernels)]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_model(REPO / "models" / "target", ModelPlan("bfloat16"), "cpu", 1024)
+@pytest.fixture(scope="module", params=DTYPES)
+def target(request):
+    """The shipped target in each dtype, on the plan's own paths."""
+    return load_model(REPO / "models" / "target", ModelPlan(request.param), "cpu", 1024)
 
 
 @pytest.fixture
 def invariant(target):
-    rows, _ = linear_rows_rule(*target.linear_probe(), target.dtype, target.device)
-    assert rows is not None
-    target.make_row_invariant(rows)
+    assert choose_invariance(target, "on") == "on"
     yield target
     target.make_row_invariant(None)
 
 
-@needs_bf16
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_pass_equals_its_steps_bitwise(invariant, backend, batch):
@@ -43,12 +43,39 @@ def test_a_pass_equals_its_steps_bitwise(invariant, backend, batch):
             assert check_passes(invariant, pool, context, tokens, batch) is None, (context, tokens)
 
 
-@needs_bf16
 def test_todays_rule_differs(target):
-    """The teeth: the plan's own paths (SDPA at batch 1, oneDNN's one-row kernel) give other bits."""
+    """The teeth: the plan's own paths (bf16: SDPA at batch 1, oneDNN's one-row kernel; float32:
+    oneDNN's rows and the batched matmuls' key blocking) give other bits."""
     assert not target.row_invariant
     pool = pool_for(target, 4, 1024, "paged")
     assert check_passes(target, pool, 300, 5, 1) is not None
+
+
+@needs_kernels
+def test_fixed_order_attention():
+    """The float32 rule's attention: SDPA's values, and a verify row's bits = the decode step of the
+    same token (its keys alone), alone or in a batch; bf16 K/V = their float32 copies; a row that
+    sees no key gives zeros."""
+    import torch.nn.functional as F
+    kernels = one_sequence.load()
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, L, T = 3, 8, 4, 64, 300, 5
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(Hkv, B, L, D, generator=g), torch.randn(Hkv, B, L, D, generator=g)
+    seen = torch.ones(B, 1, T, L, dtype=torch.bool).tril(L - T)  # [B, 1, T, L] lower-right causal
+    out = kernels.attention(q, k, v, seen, 0.125)  # [B, H, T, D]
+    want = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=seen, scale=0.125,
+                                          enable_gqa=True)
+    assert torch.allclose(out, want, atol=1e-5)
+    for t in range(T):
+        n = L - T + t + 1
+        assert torch.equal(kernels.attention(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None, 0.125)[:, :, 0], out[:, :, t])
+    assert torch.equal(kernels.attention(q[1:2], k[:, 1:2], v[:, 1:2], seen[1:2], 0.125), out[1:2])
+    assert torch.equal(kernels.attention(q, k.bfloat16(), v.bfloat16(), seen, 0.125),
+                       kernels.attention(q, k.bfloat16().float(), v.bfloat16().float(), seen, 0.125))
+    seen[0, 0, 0] = False
+    assert torch.equal(kernels.attention(q, k, v, seen, 0.125)[0, :, 0], torch.zeros(H, D))
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.attention(q[..., :60], k[..., :60], v[..., :60], None, 0.125)
 
 
 def test_at_least_rows_pads_one_row_only():
@@ -73,12 +100,14 @@ def test_the_probe_finds_row_dependence():
     one_row = lambda x, w: exact(x, w) + (1e-3 if x.shape[0] == 1 else 0.0)  # noqa: E731
     by_count = lambda x, w: exact(x, w) + 1e-3 * x.shape[0]  # noqa: E731
     assert linear_rows_rule(exact, w, k, torch.float32, torch.device("cpu"))[0] == frozenset()
+    if one_sequence.load() is not None:  # the float32 rule's column-block kernel, on the shipped target's weights
+        model = load_model(REPO / "models" / "target", ModelPlan("float32", one_sequence_kernel=True), "cpu", 64)
+        assert linear_rows_rule(*model.linear_probe(columns=True), torch.float32, torch.device("cpu"))[0] == frozenset()
     assert linear_rows_rule(one_row, w, k, torch.float32, torch.device("cpu"))[0] == {16}
     rows, why = linear_rows_rule(by_count, w, k, torch.float32, torch.device("cpu"))
     assert rows is None and "differ" in why
 
 
-@needs_bf16
 def test_auto_backs_off_where_the_harness_fails(target, monkeypatch):
     rule = target.attention_rule
     monkeypatch.setattr("engine.model.invariance.check_passes", lambda *a, **k: "logits differ (scripted)")
@@ -97,13 +126,13 @@ def test_the_setting_is_checked():
         EngineConfig(model="x", device="cuda", batch_invariant="on")
 
 
-@needs_bf16
-def test_greedy_speculation_equals_plain_in_bf16(tmp_path: Path):
-    """Every proposer, batch 1 and 3, the shipped pair in bf16: token for token."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_speculation_equals_plain(dtype: str):
+    """Every proposer, batch 1 and 3, the shipped pair in each dtype: token for token."""
     from engine import LLM, SamplingParams
     prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\ndef main("]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    common = dict(dtype="bfloat16", forward_plan={"target": {"dtype": "bfloat16"}}, max_batch_size=4)
+    common = dict(dtype=dtype, forward_plan={"target": {"dtype": dtype}}, max_batch_size=4)
 
     def run(llm, batch):
         return [o.token_ids for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]

@@ -1,0 +1,76 @@
+"""What row-count invariance costs (EngineConfig.batch_invariant, docs/speculative/exactness.md).
+
+    python -m bench invariance [--tokens 64] [--repeats 5] [--prompts 8]
+
+Per method (EAGLE-3, hybrid), three engines of the shipped pair on this host's plan: invariance
+on, off, and off again (the A/A pair), every run interleaved across them. Cases, end to end:
+plain decoding in the speculative engine (its K = 0 steps) at batch 1 and 16, EAGLE-3 adaptive at
+batch 1, hybrid adaptive at batch 16; greedy, `ignore_eos`. Figures: on ÷ off and off ÷ off-again,
+the median over repeats of the per-repeat ratio of tokens/s, with its range.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.common import PLAIN, adaptive, host_class, interleave, parser, write
+from bench.workloads import load_prompts
+
+CASES = {"plain, batch 1": ("eagle", PLAIN, 1), "plain, batch 16": ("eagle", PLAIN, 16),
+         "EAGLE-3 adaptive, batch 1": ("eagle", adaptive("eagle"), 1),
+         "hybrid adaptive, batch 16": ("hybrid", adaptive("hybrid"), 16)}
+ENGINES = {"on": "on", "off": "off", "off (A/A)": "off"}  # variant -> batch_invariant
+
+
+def engine(method: str, setting: str):
+    from engine import LLM
+
+    return LLM(speculative_method=method, batch_invariant=setting, max_batch_size=16, max_seq_len=1024,
+               enable_prefix_caching=False)
+
+
+def timed(llm, spec: dict, prompts: list, batch: int, params):
+    def go() -> dict:
+        llm.engine.reconfigure_speculation(**spec)
+        t0 = time.perf_counter()
+        tokens = sum(len(o.token_ids) for i in range(0, len(prompts), batch)
+                     for o in llm.generate(prompts[i:i + batch], params))
+        return {"tok_s": tokens / (time.perf_counter() - t0)}
+    return go
+
+
+def ratios(runs: dict, a: str, b: str) -> dict:
+    r = [x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b])]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r), "n": len(r)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("invariance", __doc__, tokens=64, models=False)
+    ap.add_argument("--prompts", type=int, default=8, help="code prompts at batch 1 (twice as many at batch 16)")
+    ap.set_defaults(repeats=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llms = {(m, v): engine(m, s) for m in ("eagle", "hybrid") for v, s in ENGINES.items()}
+    states = {f"{m} {v}": llm.engine.stats()["batch_invariant"] for (m, v), llm in llms.items()}
+    results = {}
+    for case, (method, spec, batch) in CASES.items():
+        prompts = load_prompts("code", args.prompts * (2 if batch > 1 else 1))
+        variants = {v: timed(llms[method, v], spec, prompts, batch, params) for v in ENGINES}
+        runs = interleave(variants, args.repeats, case)
+        results[case] = {"on / off": ratios(runs, "on", "off"), "A/A": ratios(runs, "off", "off (A/A)"), "runs": runs}
+    host = host_class()
+    lines = [f"Host: {host}, {args.threads} threads; plan {llms['eagle', 'on'].engine.stats()['forward_plan']['target']}",
+             "", "| case | on ÷ off (median, range) | A/A |", "| --- | --- | --- |"]
+    for case, r in results.items():
+        on, aa = r["on / off"], r["A/A"]
+        lines.append(f"| {case} | {on['median']:.3f} ({on['min']:.3f}-{on['max']:.3f}) | {aa['median']:.3f} |")
+    print("\n".join(lines))
+    path = write("invariance_cost", {"host": host, "batch_invariant": states, "tokens": args.tokens,
+                                     "repeats": args.repeats, "results": results}, llms["eagle", "on"])
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
