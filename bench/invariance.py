@@ -64,8 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         variants = {v: timed(llms[method, v], spec, prompts, batch, params) for v in ENGINES}
         runs = interleave(variants, args.repeats, case)
         results[case] = {"on / off": ratios(runs, "on", "off"), "A/A": ratios(runs, "off", "off (A/A)"), "runs": runs}
-    host = host_class()
-    lines = [f"Host: {host}, {args.threads} threads; plan {llms['eagle', 'on'].engine.stats()['forward_plan']['target']}",
+    from engine.model.plan import label
+
+    host, plan = host_class(), label(llms["eagle", "on"].engine.forward_plan["target"])
+    lines = [f"Host: {host}, {args.threads} threads; the target's plan {plan}; {args.tokens} tokens, "
+             f"{args.repeats} repeats",
              "", "| case | on ÷ off (median, range) | A/A |", "| --- | --- | --- |"]
     for case, r in results.items():
         on, aa = r["on / off"], r["A/A"]

@@ -205,8 +205,8 @@ class _Startup:
         """Both models, each with its forward plan (engine/model/plan.py)."""
         config = self.config
         explicit = config.explicit_plan()
-        model, target_plan = load_planned(model_path, "target", config.dtype, config.device,
-                                          config.max_seq_len, explicit["target"])
+        model, target_plan = load_planned(model_path, "target", config.dtype, config.device, config.max_seq_len,
+                                          explicit["target"], plain=not config.use_speculative_decoding)
         self.forward_plan = {"target": target_plan.as_dict()}
         draft = None
         if draft_path is not None and is_eagle3(draft_path):  # computes in its target's dtype

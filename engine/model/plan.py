@@ -42,6 +42,9 @@ REPEATS = 5  # timed passes per candidate and shape, each after an untimed one (
 # target decodes (1 token) and verifies (6: K = 5), a draft catches up on 2 tokens and steps 4 times
 SCENARIOS = {"target": {"batch 1": [((1, 1), 1), ((1, 6), 1)], "batch 16": [((16, 1), 1), ((16, 6), 1)]},
              "draft": {"batch 1": [((1, 2), 1), ((1, 1), 4)], "batch 4": [((4, 1), 5)], "batch 16": [((16, 1), 5)]}}
+# a plain-only engine's target (use_speculative_decoding false at start-up) is chosen by the decode
+# passes it runs, from the same measurements
+PLAIN_SCENARIOS = {"batch 1": [((1, 1), 1)], "batch 16": [((16, 1), 1)]}
 CONTEXT = 256  # keys each measured sequence attends to (fewer if max positions are fewer)
 MEASURE_MEMORY_SHARE = 0.25  # measure only when every candidate's weights fit in this share of RAM
 
@@ -87,9 +90,10 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized:
 
 
 def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: int,
-                 explicit: ModelPlan | None = None) -> tuple[Transformer, PlanChoice]:
-    """The model at `path` loaded with its plan: the explicit one, the cached one, or the one
-    measured fastest now (then cached)."""
+                 explicit: ModelPlan | None = None, plain: bool = False) -> tuple[Transformer, PlanChoice]:
+    """The model at `path` loaded with its plan: the explicit one, or the fastest measured (now,
+    then cached, or read from the cache); plain: a plain-only engine's target, timed by its decode
+    passes alone."""
     if explicit is not None:
         if device == "cpu" and explicit.dtype != "float32" and not cpu_packs(getattr(torch, explicit.dtype)):
             log.warning("%s: this CPU has no %s matmul kernels; computing in float32", path.name, explicit.dtype)
@@ -98,7 +102,8 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
     cfg = read_config(path)
     options = candidates(role, dtype, device, shape_of(cfg), scheme_of(cfg) is not None)  # the first: the asked-for dtype
     load = functools.partial(load_model, path, device=device, max_positions=max_positions)
-    return _choose(path, role, dtype, device, options, load, max_positions)
+    return _choose(path, role, dtype, device, options, load, max_positions,
+                   scenarios=PLAIN_SCENARIOS if plain and role == "target" else None)
 
 
 def load_planned_head(path: Path, shape: ModelShape, load: Callable[[ModelPlan], Transformer], dtype: str,
@@ -116,25 +121,40 @@ def load_planned_head(path: Path, shape: ModelShape, load: Callable[[ModelPlan],
 
 def _choose(path: Path, role: str, dtype: str, device: str, options: list[ModelPlan],
             load: Callable[[ModelPlan], Transformer], max_positions: int,
-            cache_role: str | None = None) -> tuple[Transformer, PlanChoice]:
-    """The model loaded with the fastest of `options` for `role` (cached; unmeasured when only one
-    option runs or the candidates do not fit in memory together)."""
+            cache_role: str | None = None, scenarios: dict | None = None) -> tuple[Transformer, PlanChoice]:
+    """The model loaded with the fastest of `options` for `role` over `scenarios` (default: the
+    role's; measured over the role's shapes and cached, so every weighting reads one cache;
+    unmeasured when only one option runs or the candidates do not fit in memory together)."""
     if len(options) == 1 or not _fits_in_memory(path, len(options)):
         return load(options[0]), PlanChoice(options[0], "unmeasured")
     cache = _cache_file(path, cache_role or role, dtype, device)
     cached = _read_cache(cache)
-    if cached is not None and cached.plan in options:
-        return load(cached.plan), cached
-    models = {label(p): load(p) for p in options}
+    by_label = {label(p): p for p in options}
+    if cached is not None and set(by_label) <= set(cached.ms):
+        best = _fastest({n: cached.ms[n] for n in by_label}, scenarios or SCENARIOS[role], role, path)
+        return load(by_label[best]), dataclasses.replace(cached, plan=by_label[best])
+    models = {name: load(p) for name, p in by_label.items()}
     shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
     ms = measure(models, shapes, max_positions, all_logits=role == "target")
-    costs = relative_costs(ms, SCENARIOS[role])
+    usual = _fastest(ms, SCENARIOS[role], role, path)
+    _write_cache(cache, PlanChoice(models[usual].plan, "measured", ms))
+    best = usual if scenarios is None else _fastest(ms, scenarios, role, path)
+    return models[best], PlanChoice(models[best].plan, "measured", ms)
+
+
+def _fastest(ms: dict[str, dict[str, float]], scenarios: dict, role: str, path: Path) -> str:
+    """The label of the candidate with the least relative cost over `scenarios` (logged; a
+    plain-only target's choice says where a speculative engine's would differ)."""
+    costs = relative_costs(ms, scenarios)
     best = min(costs, key=costs.get)
-    choice = PlanChoice(models[best].plan, "measured", ms)
-    _write_cache(cache, choice)
-    log.info("forward plan for %s %s: %s (relative cost: %s)", role, path.name, best,
-             {name: round(c, 3) for name, c in costs.items()})
-    return models[best], choice
+    plain = scenarios is PLAIN_SCENARIOS
+    log.info("forward plan for %s %s%s: %s (relative cost: %s)", role, path.name, " by its decode passes" if plain else "",
+             best, {n: round(c, 3) for n, c in costs.items()})
+    usual = relative_costs(ms, SCENARIOS[role]) if plain else costs
+    if (other := min(usual, key=usual.get)) != best:
+        log.info("a plain-only engine's target takes %s; a speculative engine's would take %s (an explicit "
+                 "forward_plan makes them equal)", best, other)
+    return best
 
 
 def relative_costs(ms: dict[str, dict[str, float]], scenarios: dict) -> dict[str, float]:

@@ -70,6 +70,26 @@ def test_a_plan_is_measured_once_per_fingerprint_then_cached(tmp_path, tok_dir, 
     assert rebuilt.source == "measured" and len(measured) == 3
 
 
+def test_a_plain_only_target_is_weighed_by_its_decode_passes(tmp_path, tok_dir, monkeypatch):
+    """One measurement of the target's shapes, cached; a speculative engine's target weighs its
+    verify passes in, a plain-only one its decode passes alone, and reads the same cache."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    make_model(tmp_path / "m", tok_dir, seed=3, dtype=torch.float32)
+    names = [plan.label(p) for p in plan.candidates("target", "float32", "cpu", read_shape(tmp_path / "m"))]
+    if len(names) < 2:
+        pytest.skip("one candidate path on this host: nothing to weigh")
+    fast_verify, fast_decode = names[:2]
+    ms = {fast_verify: {"1x1": 2.0, "1x6": 2.0, "16x1": 8.0, "16x6": 10.0},  # the best at verify passes
+          fast_decode: {"1x1": 1.0, "1x6": 6.0, "16x1": 6.0, "16x6": 30.0}}  # the best at decode steps
+    ms.update({n: {"1x1": 9.0, "1x6": 9.0, "16x1": 90.0, "16x6": 90.0} for n in names[2:]})
+    measured = []
+    monkeypatch.setattr(plan, "measure", lambda *a, **k: measured.append(1) or ms)
+    _, speculative = plan.load_planned(tmp_path / "m", "target", "float32", "cpu", 128)
+    _, plain = plan.load_planned(tmp_path / "m", "target", "float32", "cpu", 128, plain=True)
+    assert plan.label(speculative.plan) == fast_verify and speculative.source == "measured"
+    assert plan.label(plain.plan) == fast_decode and plain.source == "cached" and len(measured) == 1
+
+
 def test_the_engine_reports_its_plan_and_takes_explicit_ones(tiny_model, tiny_draft):
     llm = LLM(model=str(tiny_model[0]), draft_model=str(tiny_draft[0]), use_speculative_decoding=True,
               dtype="float32", max_seq_len=128, forward_plan={"target": {"dtype": "float32"}})
