@@ -145,3 +145,17 @@ def test_greedy_speculation_equals_plain(dtype: str):
         llm = LLM(speculative_method=method, **common)
         for b in (1, 3):
             assert run(llm, b) == want[b], (method, b)
+
+
+@needs_kernels
+def test_a_pass_the_rule_cannot_run_leaves_it_off(monkeypatch):
+    """A harness pass that raises (a shape the fixed-order kernels refuse) turns the rule off with
+    the reason, under "on" too, instead of failing the load or every later pass."""
+    model = load_model(REPO / "models" / "target", ModelPlan("float32"), "cpu", 256)
+
+    def refuses(*args, **kwargs):
+        raise ValueError("fixed-order attention takes head_dim a multiple of 8 (scripted)")
+    monkeypatch.setattr("engine.model.invariance.check_passes", refuses)
+    for setting in ("auto", "on"):
+        verdict = choose_invariance(model, setting)
+        assert verdict.startswith("off: the harness failed") and "head_dim" in verdict and not model.row_invariant

@@ -1,5 +1,5 @@
-"""One target pass over token trees: every node's logits equal those of its path run as a chain;
-after the accepted path's K/V is moved into place, the sequence continues as if the path had
+"""One target pass over token trees: every node's logits equal those of its path run as a chain
+(bitwise under the float32 row-invariant rule); after the accepted path's K/V is moved into place, the sequence continues as if the path had
 been decoded one token at a time (float32; slotted and paged pools; one sequence and a batch
 mixing trees with chains)."""
 
@@ -12,6 +12,8 @@ import torch
 
 from engine.config import ModelPlan
 from engine.kv import make_pool
+from engine.model.invariance import choose_invariance
+from engine.model.kernels import one_sequence
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
 from engine.token_tree import TokenTree
@@ -27,9 +29,22 @@ TREE = TokenTree((21, 40, 22, 57, 41, 23), (-1, -1, 0, 0, 1, 2))
 PROMPTS = [[(7 * i) % 300 + 3 for i in range(n)] for n in (19, 33, 5)]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return load_model(Path(tiny_model[0]), ModelPlan("float32"), "cpu", max_positions=512)
+@pytest.fixture(scope="module", params=["plan", pytest.param("invariant", marks=pytest.mark.skipif(
+    one_sequence.load() is None, reason="the CPU kernels do not build here"))])
+def model(tiny_model, request):
+    """The float32 model on its plan's paths (logits within 1e-4 of the chain's), or on the
+    row-invariant rule (engine/model/invariance.py: the chain's bits exactly)."""
+    m = load_model(Path(tiny_model[0]), ModelPlan("float32"), "cpu", max_positions=512)
+    if request.param == "invariant":
+        assert choose_invariance(m, "on") == "on"
+    return m
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, model) -> None:
+    if model.row_invariant:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _pool(model, backend: str):
@@ -66,8 +81,8 @@ def test_every_node_sees_its_path_only(model, backend):
         for node in range(-1, len(TREE)):
             path = [TREE.tokens[i] for i in TREE.path(node)]
             expected = _chain_logits(model, backend, PROMPTS[row], path)[-1]
-            torch.testing.assert_close(logits[row, node + 1], expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits[1, :3], _chain_logits(model, backend, PROMPTS[1], chain), rtol=1e-4, atol=1e-4)
+            _same(logits[row, node + 1], expected, model)
+    _same(logits[1, :3], _chain_logits(model, backend, PROMPTS[1], chain), model)
 
 
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
@@ -84,7 +99,7 @@ def test_the_accepted_path_moved_into_place_continues_like_a_chain(model, backen
     path = [TREE.tokens[i] for i in accepted]
     after = forward_chunks(model, pool, [slot], [[99, 100]], [start + 1 + len(accepted)], all_logits=True)[0]
     expected = _chain_logits(model, backend, prompt, path + [99, 100])[-2:]
-    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    _same(after, expected, model)
 
 
 def test_move_rows_checks_positions(model):
