@@ -12,11 +12,11 @@ the median over repeats of the per-repeat ratio of tokens/s, with its range.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from bench.common import PLAIN, adaptive, host_class, interleave, parser, write
+from bench.plans import run
 from bench.workloads import load_prompts
 
 CASES = {"plain, batch 1": ("eagle", PLAIN, 1), "plain, batch 16": ("eagle", PLAIN, 16),
@@ -30,16 +30,6 @@ def engine(method: str, setting: str):
 
     return LLM(speculative_method=method, batch_invariant=setting, max_batch_size=16, max_seq_len=1024,
                enable_prefix_caching=False)
-
-
-def timed(llm, spec: dict, prompts: list, batch: int, params):
-    def go() -> dict:
-        llm.engine.reconfigure_speculation(**spec)
-        t0 = time.perf_counter()
-        tokens = sum(len(o.token_ids) for i in range(0, len(prompts), batch)
-                     for o in llm.generate(prompts[i:i + batch], params))
-        return {"tok_s": tokens / (time.perf_counter() - t0)}
-    return go
 
 
 def ratios(runs: dict, a: str, b: str) -> dict:
@@ -61,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for case, (method, spec, batch) in CASES.items():
         prompts = load_prompts("code", args.prompts * (2 if batch > 1 else 1))
-        variants = {v: timed(llms[method, v], spec, prompts, batch, params) for v in ENGINES}
+        variants = {v: run(llms[method, v], spec, prompts, params, batch) for v in ENGINES}
         runs = interleave(variants, args.repeats, case)
         results[case] = {"on / off": ratios(runs, "on", "off"), "A/A": ratios(runs, "off", "off (A/A)"), "runs": runs}
     from engine.model.plan import label

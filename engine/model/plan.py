@@ -130,30 +130,30 @@ def _choose(path: Path, role: str, dtype: str, device: str, options: list[ModelP
     cache = _cache_file(path, cache_role or role, dtype, device)
     cached = _read_cache(cache)
     by_label = {label(p): p for p in options}
-    if cached is not None and set(by_label) <= set(cached.ms):
-        best = _fastest({n: cached.ms[n] for n in by_label}, scenarios or SCENARIOS[role], role, path)
-        return load(by_label[best]), dataclasses.replace(cached, plan=by_label[best])
-    models = {name: load(p) for name, p in by_label.items()}
-    shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
-    ms = measure(models, shapes, max_positions, all_logits=role == "target")
-    usual = _fastest(ms, SCENARIOS[role], role, path)
-    _write_cache(cache, PlanChoice(models[usual].plan, "measured", ms))
-    best = usual if scenarios is None else _fastest(ms, scenarios, role, path)
-    return models[best], PlanChoice(models[best].plan, "measured", ms)
+    measured = cached is None or not set(by_label) <= set(cached.ms)
+    if measured:
+        models = {name: load(p) for name, p in by_label.items()}
+        shapes = {shape for passes in SCENARIOS[role].values() for shape, _ in passes}
+        ms = measure(models, shapes, max_positions, all_logits=role == "target")
+    else:
+        ms = {n: cached.ms[n] for n in by_label}
+    usual = _fastest(ms, SCENARIOS[role], role, path, "")
+    best = usual if scenarios is None else _fastest(ms, scenarios, role, path, " by its decode passes")
+    if best != usual:
+        log.info("a plain-only engine's target takes %s; a speculative engine's would take %s (an explicit "
+                 "forward_plan makes them equal)", best, usual)
+    if measured:
+        _write_cache(cache, PlanChoice(models[usual].plan, "measured", ms))
+        return models[best], PlanChoice(models[best].plan, "measured", ms)
+    return load(by_label[best]), dataclasses.replace(cached, plan=by_label[best])
 
 
-def _fastest(ms: dict[str, dict[str, float]], scenarios: dict, role: str, path: Path) -> str:
-    """The label of the candidate with the least relative cost over `scenarios` (logged; a
-    plain-only target's choice says where a speculative engine's would differ)."""
+def _fastest(ms: dict[str, dict[str, float]], scenarios: dict, role: str, path: Path, weighed: str) -> str:
+    """The label of the candidate with the least relative cost over `scenarios` (logged)."""
     costs = relative_costs(ms, scenarios)
     best = min(costs, key=costs.get)
-    plain = scenarios is PLAIN_SCENARIOS
-    log.info("forward plan for %s %s%s: %s (relative cost: %s)", role, path.name, " by its decode passes" if plain else "",
-             best, {n: round(c, 3) for n, c in costs.items()})
-    usual = relative_costs(ms, SCENARIOS[role]) if plain else costs
-    if (other := min(usual, key=usual.get)) != best:
-        log.info("a plain-only engine's target takes %s; a speculative engine's would take %s (an explicit "
-                 "forward_plan makes them equal)", best, other)
+    log.info("forward plan for %s %s%s: %s (relative cost: %s)", role, path.name, weighed, best,
+             {n: round(c, 3) for n, c in costs.items()})
     return best
 
 

@@ -108,7 +108,6 @@ class OneSequenceKernels:
         blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
         return _matmul(fn, weight.blocks, x, blocks * COLUMN_BLOCK, in_features, weight.out_features)
 
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
         """q [B, heads, T, D] over k/v [kv_heads, B, L, D] (float32 or bfloat16), visible [B, 1, T, L]
