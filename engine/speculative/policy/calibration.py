@@ -32,7 +32,7 @@ from engine.speculative.policy.measure import CALIBRATION_CONTEXT, calibrate_bat
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # part of the fingerprint: bump when what calibration measures changes
+CACHE_VERSION = 3  # part of the fingerprint: bump when what calibration measures changes
 CALIBRATED_BATCHES = (1, 4, 16, 64)  # batch sizes measured at start-up (with the largest, capped by it)
 
 

@@ -14,6 +14,7 @@ from engine.model.transformer import Transformer
 from engine.speculative.policy.costs import MeasuredCosts
 
 CALIBRATION_CONTEXT = 128  # keys each calibration pass attends to: attention's share as in a typical context
+CATCH_UP_TOKENS = (64, 256)  # a long catch-up's lengths timed at batch 1: its line's fixed part and per token
 
 
 def calibrate_batch(costs: MeasuredCosts, target: tuple[Transformer, CachePool], draft: tuple[Transformer, CachePool] | None,
@@ -21,7 +22,9 @@ def calibrate_batch(costs: MeasuredCosts, target: tuple[Transformer, CachePool],
     """Times, at `batch` sequences over CALIBRATION_CONTEXT keys each (fewer where the pools are
     smaller), target passes of 1..max_tokens tokens per sequence and draft passes (a round's first,
     catching up on 1, 2 and max_tokens tokens, and a one-token step, which prices a round's
-    1..max_tokens - 1 further steps until they are measured). Each model's sequences are filled
+    1..max_tokens - 1 further steps until they are measured); at batch 1 also the draft's long,
+    prefill-like catch-ups (CATCH_UP_TOKENS), which the policy prices before its first step
+    reads a prompt (unpriced, the first step paid one it had weighed as free). Each model's sequences are filled
     once; each shape runs once untimed first (one-off costs a policy must not mistake for the
     steady cost) and the median of `repeats` is recorded. Returns the passes run."""
     pools = [target[1]] + ([draft[1]] if draft is not None else [])
@@ -39,7 +42,22 @@ def calibrate_batch(costs: MeasuredCosts, target: tuple[Transformer, CachePool],
             passes += 4 * (repeats + 1)
         for n in range(1, max_tokens):
             costs.observe_draft_steps(batch, n, n * step)
+        if batch == 1:
+            passes += _calibrate_catch_up(costs, *draft, repeats)
     return passes
+
+
+def _calibrate_catch_up(costs: MeasuredCosts, model: Transformer, pool: CachePool, repeats: int) -> int:
+    """Times one sequence's catch-up passes of CATCH_UP_TOKENS tokens (after one token of context;
+    fewer where the pool is smaller) into the catch-up line; returns the passes run. An EAGLE-3
+    head's passes here take no target features (its fc is left out), so the line starts a little
+    low; every real catch-up refines it."""
+    room = _room(pool, 1) - 1
+    lengths = sorted({max(1, min(n, room)) for n in CATCH_UP_TOKENS})
+    with _filled(model, pool, 1, 1) as slots:
+        for n in lengths:
+            costs.observe_catch_up(n, _median_pass(model, pool, slots, n, 1, repeats))
+    return len(lengths) * (repeats + 1)
 
 
 def _room(pool: CachePool, batch: int) -> int:

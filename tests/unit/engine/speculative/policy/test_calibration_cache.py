@@ -194,3 +194,15 @@ def test_a_failed_middle_size_is_never_priced_past(tiny_model, tiny_draft, cache
     assert calibration.failed == [4] and not calibration.pending
     assert calibration.measured_up_to() == 1 and calibration.needs(2) and calibration.needs(18)
     assert set(calibration.costs.target.batches(1)) == {1, 16, 20}  # measured, never priced past the failure
+
+
+def test_a_cold_start_prices_a_long_catch_up_before_any_step_reads_a_prompt(tiny_model, tiny_draft, cache):
+    """Unpriced (0 s), the first step weighed reading every prompt as free, chose to speculate, paid
+    the catch-up and went plain at once; calibration times two lengths, so the line has a slope."""
+    engine = adaptive(tiny_model, tiny_draft)
+    costs = engine.speculation.costs
+    a, b = costs.catch_up.coefficients()
+    assert costs.catch_up.varied and b > 0
+    assert costs.catch_up_time(1000) > costs.catch_up_time(100) > 0
+    warm = adaptive(tiny_model, tiny_draft)  # read back from the cache, line included
+    assert warm.speculation.costs.catch_up_time(1000) == pytest.approx(costs.catch_up_time(1000))

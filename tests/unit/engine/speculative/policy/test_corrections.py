@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.policy.corrections import PRIOR_STEPS, Corrections
+from engine.speculative.policy.corrections import K_STEPS, PRIOR_STEPS, Corrections
 from engine.speculative.policy.k_choice import SpecPolicy
 from tests.unit.engine.speculative.policy.test_spec_policy import MemoryBoundCosts
 
@@ -15,14 +15,15 @@ def test_a_correction_follows_the_realized_ratio_shrunk_towards_one():
     corrections.observe(8, 2, {"verify": 1.0, "draft": 0.0, "other": 1.0, "gain": 4.0},
                         {"verify": 1.5, "draft": 0.3, "other": 1.0, "gain": 2.0})
     one = corrections.factor(8, 2, "verify")
-    assert one == pytest.approx((1.5 + PRIOR_STEPS) / (1 + PRIOR_STEPS))  # one step: shrunk almost to 1
+    pooled = (1.5 + PRIOR_STEPS) / (1 + PRIOR_STEPS)  # the bucket's K > 0, shrunk towards 1
+    assert one == pytest.approx((1.5 + K_STEPS * pooled) / (1 + K_STEPS))  # one step: near the pooled ratio
     assert corrections.factor(8, 2, "draft") == 1.0  # predicted at 0: nothing to scale
     for _ in range(400):
         corrections.observe(8, 2, {"verify": 1.0, "other": 1.0, "gain": 4.0}, {"verify": 1.5, "other": 1.0, "gain": 2.0})
     assert one < corrections.factor(8, 2, "verify") < 1.5 and corrections.factor(8, 2, "verify") > 1.3
     assert 0.5 < corrections.factor(8, 2, "gain") < 0.7 and corrections.factor(8, 2, "other") == pytest.approx(1.0)
     assert corrections.factor(7, 2, "verify") == corrections.factor(8, 2, "verify")  # one batch bucket
-    assert corrections.factor(8, 3, "verify") == 1.0 and corrections.factor(16, 2, "verify") == 1.0
+    assert corrections.factor(16, 2, "verify") == 1.0 and corrections.factor(8, 0, "verify") == 1.0
     for _ in range(400):
         corrections.observe(1, 1, {"verify": 1.0}, {"verify": 10.0})
     assert corrections.factor(1, 1, "verify") == 2.0  # never beyond the limits
@@ -40,3 +41,18 @@ def test_the_policy_leaves_a_k_whose_steps_gain_less_than_it_priced():
         corrections.observe(1, 4, {"verify": 1.0, "gain": 2.4}, {"verify": 1.0, "gain": 1.2})
     after = policy.choose([0.8], [100])
     assert 0 < after.k < 4 and after.goodput[4] < first.goodput[4]
+
+
+def test_a_k_not_yet_run_starts_from_what_the_other_ks_of_its_bucket_found():
+    """Stale prices are off at every K of a bucket: K = 1's steps taking 1.4x their verify price
+    make K = 2 dearer before it runs, and K = 2's own steps then outweigh the pool."""
+    corrections = Corrections()
+    for _ in range(30):
+        corrections.observe(64, 1, {"verify": 1.0, "gain": 10.0}, {"verify": 1.4, "gain": 10.0})
+    assert 1.2 < corrections.factor(64, 2, "verify") < 1.4  # borrowed from K = 1
+    assert corrections.factor(64, 2, "verify") == pytest.approx(corrections.factor(64, 3, "verify"))
+    assert corrections.factor(64, 0, "verify") == 1.0  # plain is corrected by its own steps only
+    assert corrections.factor(16, 2, "verify") == 1.0  # another bucket
+    for _ in range(60):
+        corrections.observe(64, 2, {"verify": 1.0}, {"verify": 1.0})
+    assert corrections.factor(64, 2, "verify") < 1.1 < corrections.factor(64, 1, "verify")
