@@ -1,12 +1,19 @@
 """What row-count invariance costs (EngineConfig.batch_invariant, docs/speculative/exactness.md).
 
     python -m bench invariance [--tokens 64] [--repeats 5] [--prompts 8]
+    python -m bench invariance --plain-only   # a plain-only engine's auto verdict against off, and a speculative engine's K = 0
 
 Per method (EAGLE-3, hybrid), three engines of the shipped pair on this host's plan: invariance
 on, off, and off again (the A/A pair), every run interleaved across them. Cases, end to end:
 plain decoding in the speculative engine (its K = 0 steps) at batch 1 and 16, EAGLE-3 adaptive at
 batch 1, hybrid adaptive at batch 16; greedy, `ignore_eos`. Figures: on ÷ off and off ÷ off-again,
 the median over repeats of the per-repeat ratio of tokens/s, with its range.
+
+--plain-only: engines with speculation off at start-up (`use_speculative_decoding: false`),
+`batch_invariant` auto (the rule where its decode passes measured faster on it) and off twice,
+beside a speculative engine's K = 0 steps (auto); plain decoding at batch 1 and 16. Figures: auto
+÷ off, the A/A pair, and the speculative engine's K = 0 ÷ the plain-only engine's auto (what a
+plain user gets against the reference speculation is judged by).
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ def engine(method: str, setting: str):
                enable_prefix_caching=False)
 
 
+PLAIN_ONLY_ENGINES = {"auto": "auto", "off": "off", "off (A/A)": "off"}  # plain-only variant -> batch_invariant
+SPECULATIVE_K0 = "speculative engine, K = 0"
+
+
 def ratios(runs: dict, a: str, b: str) -> dict:
     r = [x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b])]
     return {"median": statistics.median(r), "min": min(r), "max": max(r), "n": len(r)}
@@ -40,9 +51,12 @@ def ratios(runs: dict, a: str, b: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = parser("invariance", __doc__, tokens=64, models=False)
     ap.add_argument("--prompts", type=int, default=8, help="code prompts at batch 1 (twice as many at batch 16)")
+    ap.add_argument("--plain-only", action="store_true", help="a plain-only engine's auto verdict instead")
     ap.set_defaults(repeats=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.plain_only:
+        return plain_only(args)
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -66,4 +80,36 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     path = write("invariance_cost", {"host": host, "batch_invariant": states, "tokens": args.tokens,
                                      "repeats": args.repeats, "results": results}, llms["eagle", "on"])
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def plain_only(args) -> None:
+    """--plain-only: plain decoding at batch 1 and 16 on plain-only engines (auto, off, off again)
+    and a speculative engine's K = 0 steps, interleaved."""
+    from engine import LLM, SamplingParams
+    from engine.model.plan import label
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llms = {v: LLM(use_speculative_decoding=False, batch_invariant=s, max_batch_size=16, max_seq_len=1024,
+                   enable_prefix_caching=False) for v, s in PLAIN_ONLY_ENGINES.items()}
+    llms[SPECULATIVE_K0] = engine("eagle", "auto")
+    states = {v: llm.engine.stats()["batch_invariant"] for v, llm in llms.items()}
+    results = {}
+    for batch in (1, 16):
+        prompts = load_prompts("code", args.prompts * (2 if batch > 1 else 1))
+        runs = interleave({v: run(llm, PLAIN, prompts, params, batch) for v, llm in llms.items()}, args.repeats,
+                          f"plain, batch {batch}")
+        results[f"plain, batch {batch}"] = {"auto / off": ratios(runs, "auto", "off"),
+                                            "A/A": ratios(runs, "off", "off (A/A)"),
+                                            "K = 0 / auto": ratios(runs, SPECULATIVE_K0, "auto"), "runs": runs}
+    host, plan = host_class(), label(llms["auto"].engine.forward_plan["target"])
+    lines = [f"Host: {host}, {args.threads} threads; a plain-only engine's plan {plan}, batch_invariant auto: "
+             f"{states['auto']}; {args.tokens} tokens, {args.repeats} repeats", "",
+             "| case | auto ÷ off | A/A | speculative engine's K = 0 ÷ plain-only auto |", "| --- | --- | --- | --- |"]
+    for case, r in results.items():
+        cells = [r[k] for k in ("auto / off", "A/A", "K = 0 / auto")]
+        lines.append(f"| {case} | " + " | ".join(f"{c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})" for c in cells) + " |")
+    print("\n".join(lines))
+    path = write("invariance_plain_only", {"host": host, "batch_invariant": states, "tokens": args.tokens,
+                                           "repeats": args.repeats, "results": results}, llms["auto"])
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

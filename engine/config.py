@@ -266,7 +266,8 @@ class EngineConfig:
     fused_kernels: FusedKernels = "auto"
     # the target's passes on the rule that keeps each row's bits independent of its pass, so greedy
     # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU in a speculative
-    # engine where the load-time harness passes (a plain-only engine keeps its faster paths); "on": on CPU
+    # engine where the load-time harness passes (a plain-only engine only where its decode passes are also
+    # timed faster on it: float32 with the one-sequence kernel); "on": on CPU
     # whatever it says (a warning); CUDA: not built yet ("on" refused)
     batch_invariant: FusedKernels = "auto"
     # quantized linears (FP8, INT4) read as stored by Triton kernels, each checked at load against the

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ from engine.model.invariance import choose_invariance
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on
 from engine.model.passes import padded_length, pool_for
-from engine.model.plan import device_memory, load_planned, load_planned_head, summary
+from engine.model.plan import cache_file, device_memory, load_planned, load_planned_head, summary
 from engine.model.transformer import Transformer
 from engine.model.weight_kernels import choose_moe, choose_quant
 from engine.runner import ModelRunner
@@ -131,8 +132,8 @@ class _Startup:
         self.fused_kernels = self._fuse()  # model role -> "fused", or why eager ({}: off)
         if self.fused_kernels:
             clock.done("fused_kernels", "fused_kernels: %s", self.fused_kernels)
-        self.batch_invariant = choose_invariance(self.model, config.batch_invariant,
-                                                 config.use_speculative_decoding)
+        self.batch_invariant = choose_invariance(self.model, config.batch_invariant, config.use_speculative_decoding,
+                                                 self._plain_rule_cache())
         clock.done("batch_invariant", "batch_invariant: %s (the target's rows %s)", self.batch_invariant,
                    "independent of their pass: speculation = plain bitwise" if self.batch_invariant == "on"
                    else "may differ with their pass")
@@ -200,6 +201,15 @@ class _Startup:
         blocks = pool_blocks(free_bytes, c.kv_cache_memory_fraction, per_token, c.block_size, c.max_batch_size,
                              c.max_seq_len, paged=c.kv_cache_backend == "paged", reserve_bytes=reserve)
         return blocks if c.kv_cache_backend == "paged" else None
+
+    def _plain_rule_cache(self) -> Path | None:
+        """Where a plain-only engine's measurement of the invariant rule is kept (its plan's key)."""
+        if self.config.use_speculative_decoding:
+            return None
+        try:
+            return cache_file(Path(self.config.model), "plain_only_rule", str(self.model.dtype), self.model.device.type)
+        except OSError:
+            return None
 
     def _load_models(self, model_path, draft_path) -> tuple[Transformer, Transformer | None]:
         """Both models, each with its forward plan (engine/model/plan.py)."""

@@ -20,16 +20,22 @@ pass against the same tokens decoded one at a time, bitwise on logits and the K/
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from engine.model.passes import forward_chunks, pool_for
+from engine.model.passes import fill_slots, forward_chunks, pool_for, time_pass
 
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192)  # row counts a linear is probed at
+PLAIN_SHAPES = ((1, 1), (16, 1))  # a plain-only engine's decode passes (sequences, tokens each), as plan.py's
+PLAIN_CONTEXT = 128  # keys each timed decode pass attends to
 
 
 def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dtype: torch.dtype,
@@ -52,33 +58,113 @@ def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dt
                   else "every row count agrees")
 
 
-def choose_invariance(model, setting: str, speculative: bool = True) -> str:
+def choose_invariance(model, setting: str, speculative: bool = True, cache: Path | None = None) -> str:
     """Puts the target `model` on the invariant rule where `setting` asks for it and this device
     can (auto: in a speculative engine, where the harness then passes at batch 1 and 2 over a pool
-    of its own, else back off; a plain-only engine keeps its plan's faster paths); "on" or "off: why"."""
+    of its own, else back off; in a plain-only engine, only where its decode passes are also
+    measured faster on the rule: plain_only_rule, its measurement kept in `cache`); "on" or "off: why"."""
     if setting == "off":
         return "off: batch_invariant is off"
     if setting == "auto" and not speculative:
-        return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
+        return plain_only_rule(model, cache)
     if model.device.type != "cpu":
         return "off: not built for CUDA yet"
-    problem = _apply_rule(model)
+    problem = _rule_checked(model)
     if problem is None:
-        pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
-        try:
-            problem = check_passes(model, pool, context=40, tokens=5, batch=1) or \
-                check_passes(model, pool, context=9, tokens=5, batch=2)
-        except (RuntimeError, ValueError) as e:  # a pass the rule's kernels do not take: off, even under "on"
-            model.make_row_invariant(None)
-            problem = f"the harness failed: {type(e).__name__}: {e}"
-        if problem is None:
-            return "on"
+        return "on"
     if setting == "on":
         log.warning("batch_invariant on, but rows would differ with their pass (%s): %s", problem,
                     "left on" if model.row_invariant else "left off")
         return "on" if model.row_invariant else f"off: {problem}"
     model.make_row_invariant(None)
     return f"off: {problem}"
+
+
+def _rule_checked(model) -> str | None:
+    """Puts `model` on its dtype's rule and runs the harness at batch 1 and 2 over a pool of its own;
+    what stops it (the rule left as applied unless a pass raised), or None."""
+    problem = _apply_rule(model)
+    if problem is not None:
+        return problem
+    pool = pool_for(model, 4, min(64, model.cos.shape[0]))  # its own: the server's may have one slot
+    try:
+        return check_passes(model, pool, context=40, tokens=5, batch=1) or \
+            check_passes(model, pool, context=9, tokens=5, batch=2)
+    except (RuntimeError, ValueError) as e:  # a pass the rule's kernels do not take: off, even under "on"
+        model.make_row_invariant(None)
+        return f"the harness failed: {type(e).__name__}: {e}"
+
+
+def plain_only_rule(model, cache: Path | None = None) -> str:
+    """batch_invariant auto in a plain-only engine: the rule where the harness passes and the
+    engine's decode passes (PLAIN_SHAPES) run faster on it than on the plan's paths, timed here
+    interleaved; its bits then equal a speculative engine's as a bonus. Considered in float32
+    where the plan took the one-sequence kernel, whose column-block weights the rule reuses (no
+    second copy of the weights); elsewhere the plan's paths, measured faster (bf16: 0.74x at batch
+    1, docs/speculative/exactness.md). The ratio is read from `cache` where an earlier start left
+    it (the plan's key: host, torch, kernels, model), so a restart keeps its verdict and its bits.
+    "on" or "off: why"."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or not model.plan.one_sequence_kernel:
+        return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
+    problem = _rule_checked(model)
+    if problem is not None:
+        model.make_row_invariant(None)
+        return f"off: {problem}"
+    ratio, source = _cached_ratio(cache), "cached"
+    if ratio is None:
+        ratio, source = decode_cost_ratio(model), "measured"
+        _write_ratio(cache, ratio)
+    log.info("batch_invariant auto, plain-only engine: its decode passes take %.3fx the time on the rule (%s; %s)",
+             ratio, source, "on" if ratio < 1 else "off")
+    if ratio < 1:
+        return "on"
+    model.make_row_invariant(None)
+    return f"off: a plain-only engine's decode passes took {ratio:.2f}x the time on the rule"
+
+
+def _cached_ratio(cache: Path | None) -> float | None:
+    try:
+        return float(json.loads(cache.read_text())["ratio"]) if cache is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_ratio(cache: Path | None, ratio: float) -> None:
+    if cache is None:
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ratio": ratio}))
+        os.replace(tmp, cache)
+    except OSError as exc:  # a read-only home only costs a measurement at the next start
+        log.warning("could not cache the plain-only rule's measurement at %s: %s", cache, exc)
+
+
+def decode_cost_ratio(model, repeats: int = 5) -> float:
+    """Geometric mean over PLAIN_SHAPES of the median decode pass's seconds on the rule ÷ on the
+    plan's paths (a model already on the rule), interleaved over a pool of its own; the model is
+    left on the rule."""
+    context = min(PLAIN_CONTEXT, model.cos.shape[0] - 2)
+    rows = max(b for b, _ in PLAIN_SHAPES)
+    pool = pool_for(model, rows, context + 2)
+    slots = fill_slots(model, pool, rows, context)
+    ratios = []
+    try:
+        for batch, tokens in PLAIN_SHAPES:
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(repeats + 1):
+                for on in (True, False) if r % 2 else (False, True):
+                    model.make_row_invariant(frozenset() if on else None, columns=on)
+                    seconds = time_pass(model, pool, slots[:batch], tokens, context, False)
+                    if r:  # the first of each: untimed
+                        times[on].append(seconds)
+            ratios.append(statistics.median(times[True]) / statistics.median(times[False]))
+    finally:
+        model.make_row_invariant(frozenset(), columns=True)
+        for s in slots:
+            pool.free_slot(s)
+    return statistics.geometric_mean(ratios)
 
 
 def _apply_rule(model) -> str | None:

@@ -127,7 +127,7 @@ def _choose(path: Path, role: str, dtype: str, device: str, options: list[ModelP
     unmeasured when only one option runs or the candidates do not fit in memory together)."""
     if len(options) == 1 or not _fits_in_memory(path, len(options)):
         return load(options[0]), PlanChoice(options[0], "unmeasured")
-    cache = _cache_file(path, cache_role or role, dtype, device)
+    cache = cache_file(path, cache_role or role, dtype, device)
     cached = _read_cache(cache)
     by_label = {label(p): p for p in options}
     measured = cached is None or not set(by_label) <= set(cached.ms)
@@ -211,7 +211,7 @@ def host_info() -> dict:
     return {"cpu": cpu.get("model name", ""), "flags": flags, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
-def _cache_file(path: Path, role: str, dtype: str, device: str) -> Path:
+def cache_file(path: Path, role: str, dtype: str, device: str) -> Path:
     """Named by the host, torch, the kernels' build, role, dtype, device and the model (its config and
     weight files)."""
     weights = [(p.name, p.stat().st_size) for p in sorted(Path(path).glob("*.safetensors"))]

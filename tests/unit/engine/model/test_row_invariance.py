@@ -159,3 +159,39 @@ def test_a_pass_the_rule_cannot_run_leaves_it_off(monkeypatch):
     for setting in ("auto", "on"):
         verdict = choose_invariance(model, setting)
         assert verdict.startswith("off: the harness failed") and "head_dim" in verdict and not model.row_invariant
+
+
+@needs_kernels
+def test_a_plain_only_engine_takes_the_rule_where_its_decode_passes_run_faster_on_it(monkeypatch, tmp_path):
+    """auto in a plain-only engine: float32 with the plan's one-sequence kernel is put on the rule
+    when its decode passes are measured faster there (the measured ratio scripted here; timings are
+    not asserted), and left on the plan's paths otherwise; a cached ratio is read, not measured
+    again (a restart keeps its verdict); other plans are never measured."""
+    import engine.model.invariance as invariance
+
+    model = load_model(REPO / "models" / "target", ModelPlan("float32", one_sequence_kernel=True), "cpu", 256)
+    rule = model.attention_rule
+    ratio = invariance.decode_cost_ratio(model, repeats=1)  # the real measurement: leaves the rule on
+    assert ratio > 0 and model.row_invariant and model.columns_always
+    model.make_row_invariant(None)
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 0.8)
+    assert choose_invariance(model, "auto", speculative=False) == "on" and model.row_invariant
+    model.make_row_invariant(None)
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 1.2)
+    verdict = choose_invariance(model, "auto", speculative=False)
+    assert verdict.startswith("off: a plain-only engine's decode passes took 1.20x")
+    assert not model.row_invariant and not model.columns_always and model.attention_rule == rule
+
+    cache = tmp_path / "rule.json"
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 0.9)
+    assert choose_invariance(model, "auto", speculative=False, cache=cache) == "on"
+    model.make_row_invariant(None)
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 1.1)  # a noisier start: the cache holds
+    assert choose_invariance(model, "auto", speculative=False, cache=cache) == "on"
+    model.make_row_invariant(None)
+
+    def unmeasured(m):
+        raise AssertionError("measured a plan the rule would add weights to")
+    monkeypatch.setattr(invariance, "decode_cost_ratio", unmeasured)
+    plain_plan = load_model(REPO / "models" / "target", ModelPlan("float32"), "cpu", 256)
+    assert choose_invariance(plain_plan, "auto", speculative=False).startswith("off: a plain-only engine keeps")
