@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
+from bench.common import PLAIN, adaptive, fixed, host_class, interleave, parser, summarize, write
 from bench.mixed import HIGH_TEMPERATURE, batch_of
 from bench.sweep import PREFILL_BUDGET, held_out_ratios, run_batch
 from bench.workloads import agent_prompts, load_prompts
@@ -125,7 +125,8 @@ def table(r: dict) -> list[str]:
     """The results page's section: one row per cell, end to end first."""
     lines = ["### The adaptive policy on a server's traffic (`python -m bench policy`)", "",
              f"{r['tokens']} tokens a request, {r['repeats']} interleaved repeats, medians [range]; best fixed K "
-             "picked on the other repeats. End to end first, the window second.", "",
+             f"picked on the other repeats. End to end first, the window second. {host_class(r['machine'])}, "
+             f"measured {r['machine']['time'][:10]}.", "",
              "| proposer | workload | batch | adaptive ÷ plain | adaptive ÷ best fixed | A/A | per-request ÷ adaptive "
              "| window: adaptive ÷ plain |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
