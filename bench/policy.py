@@ -125,8 +125,7 @@ def table(r: dict) -> list[str]:
     """The results page's section: one row per cell, end to end first."""
     lines = ["### The adaptive policy on a server's traffic (`python -m bench policy`)", "",
              f"{r['tokens']} tokens a request, {r['repeats']} interleaved repeats, medians [range]; best fixed K "
-             f"picked on the other repeats. End to end first, the window second. {host_class(r['machine'])}, "
-             f"measured {r['machine']['time'][:10]}.", "",
+             "picked on the other repeats. End to end first, the window second." + _host(r.get("machine")), "",
              "| proposer | workload | batch | adaptive ÷ plain | adaptive ÷ best fixed | A/A | per-request ÷ adaptive "
              "| window: adaptive ÷ plain |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
@@ -144,6 +143,10 @@ def table(r: dict) -> list[str]:
     lines += ["", f"Geometric means over the grid, end to end: adaptive ÷ plain {geomean(vs_plain):.3f}, "
               f"adaptive ÷ best fixed {geomean(vs_best):.3f}.", ""]
     return lines + prediction_table(r.get("self_check") or {})
+
+
+def _host(machine: dict | None) -> str:
+    return f" {host_class(machine)}, measured {machine['time'][:10]}." if machine else ""
 
 
 def prediction_table(checks: dict[str, list[dict]]) -> list[str]:

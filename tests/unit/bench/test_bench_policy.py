@@ -39,6 +39,8 @@ def test_the_table_leads_with_end_to_end_and_gives_the_geometric_means():
     payload = {"tokens": 4, "repeats": 2, "cells": {"hybrid:mix:16": {"ratios": policy.ratios(runs)}}}
     text = "\n".join(policy.table(payload))
     assert "| hybrid | mix | 16 | 1.205" in text and "adaptive ÷ plain 1.205" in text
+    machine = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "time": "2026-12-02 23:07:51"}
+    assert "AMD EPYC [avx2], measured 2026-12-02." in "\n".join(policy.table({**payload, "machine": machine}))
 
 
 def test_a_smoke_run_of_the_grid(tmp_path, monkeypatch):
