@@ -191,5 +191,6 @@ class RoundPlanner:
         behind = sum(self._long_lags(reqs, [m and k > 0 for m, k in zip(models, plan.ks)]))
         rates = self._rates(reqs, max(plan.ks))
         per_request = self.settings.k_per_request and self.settings.spec_policy == "adaptive"
+        k_max = self.policy.k_max([self._cap(r) for r in reqs])  # the range the one-K policy priced
         self.self_check.expect(round_prediction(self.costs, plan.ks, rates, models, self.proposer.catch_up, behind,
-                                                per_request, self.model.graphs is None, plan.k))
+                                                per_request, self.model.graphs is None, plan.k, k_max))

@@ -75,12 +75,15 @@ def plain_prediction(costs: MeasuredCosts, batch: int) -> Prediction:
 
 def round_prediction(costs: MeasuredCosts, ks: Sequence[int], rates: Sequence[Sequence[float]],
                      models: Sequence[bool], catch_up: CatchUp, catch_up_tokens: int = 0,
-                     per_request: bool = False, packed: bool = True, chosen: int | None = None) -> Prediction:
+                     per_request: bool = False, packed: bool = True, chosen: int | None = None,
+                     k_max: int | None = None) -> Prediction:
     """A round proposing ks[i] tokens for row i (max(ks) >= 1): rates[i] its acceptance by
     position, models[i] a model drafts it, catch_up_tokens the long catch-ups it pays first;
-    priced as the per-request policy does (per_request) or as the one-K policy; kept under the
-    K chosen (default: max(ks))."""
+    priced as the per-request policy does (per_request) or as the one-K policy, whose lines are
+    fitted over K up to k_max (the range it chose from; default max(ks)); kept under the K
+    chosen (default: max(ks))."""
     batch, k = len(ks), max(ks)
+    k_max = k if k_max is None else max(k, k_max)
     table = expected_tokens_table(rates, ks, k)  # E_i(0..k), held at E_i(k_i)
     widths = first_pass_widths(table, ks, catch_up)
     drafted = [kk for kk, m in zip(ks, models) if kk and m]
@@ -93,9 +96,10 @@ def round_prediction(costs: MeasuredCosts, ks: Sequence[int], rates: Sequence[Se
         seconds = {"verify": verify, "other": base - verify,
                    "draft": cost.seconds(total, k, len(drafted), depth) - base if drafted else 0.0}
     else:
-        seconds = {"verify": costs.verify_times(batch, k)[k], "other": costs.other_times(batch, k)[k], "draft": 0.0}
+        seconds = {"verify": costs.verify_times(batch, k_max)[k], "other": costs.other_times(batch, k_max)[k],
+                   "draft": 0.0}
         if drafted:
-            first, further = costs.draft_times(len(drafted), k)
+            first, further = costs.draft_times(len(drafted), k_max)
             seconds["draft"] = interpolated(first, widths[depth] - 1) + further[depth - 1]
     if catch_up_tokens:
         seconds["draft"] += costs.catch_up_time(catch_up_tokens)

@@ -103,3 +103,18 @@ def test_every_decode_only_step_keeps_its_prediction_and_the_metrics_agree(tiny_
     assert rec.total("specserve_spec_steps_total") == steps > 0
     for key in list(rec.counters) + list(rec.gauges):
         assert {k for k, _ in key[1:]} == set(METRIC_BY_NAME[key[0]].labels)
+
+
+def test_a_one_k_round_is_predicted_on_the_lines_its_policy_chose_from():
+    """The one-K policy fits its lines over K up to k_max; the round's prediction reads the same
+    fits (k_max given), not lines over its own K alone, which differ where the costs bend."""
+    from engine.speculative.policy.costs import MeasuredCosts
+
+    costs = MeasuredCosts()
+    for t, seconds in enumerate([1.0, 1.2, 1.3, 2.5, 2.6], start=1):  # a step at 4 tokens
+        costs.observe_target(2, t, seconds * 1e-2)
+    narrow, wide = costs.verify_times(2, 2)[2], costs.verify_times(2, 4)[2]
+    assert narrow != pytest.approx(wide)
+    p = round_prediction(costs, [2, 2], [(0.5, 0.5)] * 2, [False] * 2, "own", k_max=4)
+    assert p.seconds["verify"] == pytest.approx(wide)
+    assert round_prediction(costs, [2, 2], [(0.5, 0.5)] * 2, [False] * 2, "own").seconds["verify"] == pytest.approx(narrow)

@@ -605,3 +605,31 @@ def test_a_long_catch_up_is_priced_by_a_line_not_by_the_small_ones_per_token():
         costs.observe_catch_up(600, 2.0e-3)
     assert costs.catch_up_time(5) == pytest.approx(0.5e-3, rel=0.02)
     assert costs.catch_up_time(1200) == pytest.approx(3.5e-3, rel=0.02)
+
+
+def test_the_costs_fits_are_kept_until_a_table_changes(monkeypatch):
+    """A step's plan and its self-check read the same fits once (costs._read): the second read
+    computes nothing; an observation, a restore or a caller editing what it got back never
+    leaves a stale figure."""
+    import engine.speculative.policy.costs as costs_module
+
+    costs = MeasuredCosts()
+    for b in (1, 4, 16):
+        for t in range(1, 6):
+            costs.observe_target(b, t, 1e-3 * b * (1 + 0.3 * t))
+            costs.observe_other(b, t - 1, 1e-4 * b * t)
+    fits = []
+    real = costs_module.other_fit
+    monkeypatch.setattr(costs_module, "other_fit", lambda *a: fits.append(a) or real(*a))
+    first = costs.other_times(8, 4)
+    assert costs.other_times(8, 4) == first and len(fits) == 2  # K = 0 and K >= 1, fitted once
+    verify = costs.verify_times(8, 4)
+    verify[2] = 123.0  # the caller's copy
+    assert costs.verify_times(8, 4)[2] != 123.0
+    costs.observe_other(8, 2, 5.0)  # a new entry at this very batch moves its price
+    assert costs.other_times(8, 4)[2] > first[2] and len(fits) == 4
+    fresh = MeasuredCosts()
+    fresh.restore(costs.snapshot())
+    costs.restore(MeasuredCosts().snapshot())  # emptied: nothing measured, nothing kept
+    assert costs.other_times(8, 4) == [0.0] * 5
+    assert fresh.other_times(8, 4)[2] > first[2]
