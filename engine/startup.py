@@ -40,7 +40,7 @@ from engine.model.transformer import Transformer
 from engine.model.weight_kernels import choose_moe, choose_quant
 from engine.runner import ModelRunner
 from engine.speculative.policy.calibration import Calibration
-from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.costs import REFIT_EVERY, MeasuredCosts
 from engine.speculative.proposers.draft_model import check_compatible
 from engine.speculative.proposers.registry import ProposerSources
 from engine.speculative.proposers.suffix import SuffixCache
@@ -329,7 +329,7 @@ class _Startup:
     def _build_speculation(self, defer_calibration: bool) -> SpeculativeDecoder:
         """The speculative decoder: its proposer from the registry, and for the adaptive policy its
         costs (cached, or measured now)."""
-        costs = MeasuredCosts()
+        costs = MeasuredCosts(refit_every=REFIT_EVERY)
         settings = self.config.speculative
         sources = ProposerSources(self.draft_model, self.kv, costs, self.model.shape.vocab_size, self.model.device,
                                   SuffixCache(settings.suffix_cache_tokens))

@@ -49,6 +49,18 @@ class Corrections:
         return min(max(shrunk, LIMITS[0]), LIMITS[1])
 
 
+    def factors(self, batch: int, k_max: int) -> dict[str, list[float]]:
+        """factor(batch, k, component) for K = 0..k_max, per component (COMPONENTS), in one pass."""
+        bucket = batch_bucket(batch)
+        pooled_sums, out = self._sums.get((bucket, SPECULATIVE)), {}
+        for component in COMPONENTS:
+            pooled = _shrunk(pooled_sums, component, 1.0, PRIOR_STEPS)
+            row = [_shrunk(self._sums.get((bucket, 0)), component, 1.0, PRIOR_STEPS)]
+            row += [_shrunk(self._sums.get((bucket, k)), component, pooled, K_STEPS) for k in range(1, k_max + 1)]
+            out[component] = [min(max(f, LIMITS[0]), LIMITS[1]) for f in row]
+        return out
+
+
 def _shrunk(sums: Sums | None, component: str, towards: float, weight: float) -> float:
     """(steps x realized ÷ predicted + weight x towards) ÷ (steps + weight); `towards` unobserved."""
     if sums is None:

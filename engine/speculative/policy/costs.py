@@ -182,6 +182,9 @@ def _slope(mx: float, my: float, mxx: float, mxy: float) -> float | None:
     return max(0.0, (mxy - mx * my) / spread) if spread > 1e-9 * max(mxx, 1e-12) else None
 
 
+REFIT_EVERY = 16  # the engine's refit_every: about four decode steps' observations (target, other, drafting)
+
+
 class MeasuredCosts:
     """Costs for the policy: target forward by (B, T); a round's first draft pass by (B, width)
     (it catches up on the tokens the proposer has not seen, `width` for the longest row, and
@@ -191,7 +194,11 @@ class MeasuredCosts:
 
     STALE_WEIGHT = 0.05  # least weight of a time in a line fit (calibrated, never measured since)
 
-    def __init__(self, smoothing: float = 0.1):
+    def __init__(self, smoothing: float = 0.1, refit_every: int = 1):
+        """refit_every: observations (of any table) a fit may lag behind (_read); 1: none."""
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self.refit_every = refit_every
         self.target = TimingTable()
         self.draft_first = TimingTable()
         self.draft = TimingTable()  # (B, steps) -> seconds of a round's `steps` further one-token steps
@@ -200,22 +207,24 @@ class MeasuredCosts:
         self.catch_up = LineEstimate(smoothing)  # tokens -> seconds of a long draft catch-up
         self.packed: dict[int, PassCostFit] = {}  # batch bucket -> verify passes by tokens and slots
         self.draft_pass_seconds = 0.0  # all draft passes observed so far (what a proposer spent beyond them is "other")
-        self._memo: dict = {}  # the tables' fits since they last changed (_read)
+        self._memo: dict = {}  # (reader, args) -> (the tables, their versions' sum, the fit) (_read)
 
     TABLES = ("target", "draft_first", "draft", "other")
 
     def _read(self, name: str, fn, *args):
-        """fn(*args), kept until a table changes: a step's plan and its self-check read the same
-        fits (other_fit and trusted_line cost a tenth of a millisecond each at K up to 8)."""
-        stamp = tuple((t, t.version) for t in (getattr(self, n) for n in self.TABLES))
-        memo = self._memo
-        if memo.get("stamp") is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(memo["stamp"], stamp)):
-            memo.clear()
-            memo["stamp"] = stamp
+        """fn(*args), kept until the tables have taken refit_every observations since (or one was
+        replaced): a step's plan and its self-check read the same fits, and the engine refits
+        every few steps (a fit over every (B, K) entry costs 20-70 us, a choice at K up to 8 reads
+        three; one observation moves a fit over dozens of entries little)."""
+        tables = tuple(getattr(self, n) for n in self.TABLES)
+        versions = sum(t.version for t in tables)
         key = (name, *args)
-        if key not in memo:
-            memo[key] = fn(*args)
-        return memo[key]
+        kept = self._memo.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], tables)) and versions - kept[1] < self.refit_every:
+            return kept[2]
+        value = fn(*args)
+        self._memo[key] = (tables, versions, value)
+        return value
 
     def snapshot(self) -> dict:
         """Every table and line as JSON-ready data: what a start-up reads back instead of measuring."""

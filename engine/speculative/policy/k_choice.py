@@ -250,9 +250,11 @@ class SpecPolicy:
         if draft_rows:
             first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
             draft = [0.0] + [interpolated(first, widths[k] - 1) + further[k - 1] for k in range(1, k_max + 1)]
-        fix = self.corrections.factor if self.corrections is not None else (lambda batch, k, component: 1.0)
-        return [fix(batch, k, "draft") * d + fix(batch, k, "verify") * v + fix(batch, k, "other") * o
-                for k, (d, v, o) in enumerate(zip(draft, verify, other))]
+        if self.corrections is None:
+            return [d + v + o for d, v, o in zip(draft, verify, other)]
+        fix = self.corrections.factors(batch, k_max)
+        return [fd * d + fv * v + fo * o
+                for d, v, o, fd, fv, fo in zip(draft, verify, other, fix["draft"], fix["verify"], fix["other"])]
 
     def _goodput(self, k: int, tokens: float, seconds: float, catch_up_tokens: int, round_tokens_left: int) -> float:
         """Expected tokens/s with K = k for a step of `seconds` yielding `tokens` (the batch's E(k);
@@ -292,7 +294,8 @@ class SpecPolicy:
         seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
         tokens = [sum(column) for column in zip(*table)]  # the batch's expected tokens at K = 0..k_max
         if self.corrections is not None:  # the tokens gained over plain, as the self-check found them
-            tokens = [batch + (t - batch) * self.corrections.factor(batch, k, "gain") for k, t in enumerate(tokens)]
+            gain = self.corrections.factors(batch, k_max)["gain"]
+            tokens = [batch + (t - batch) * g for t, g in zip(tokens, gain)]
         left = sum(k_caps) + batch
         scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)

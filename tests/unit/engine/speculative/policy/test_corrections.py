@@ -56,3 +56,18 @@ def test_a_k_not_yet_run_starts_from_what_the_other_ks_of_its_bucket_found():
     for _ in range(60):
         corrections.observe(64, 2, {"verify": 1.0}, {"verify": 1.0})
     assert corrections.factor(64, 2, "verify") < 1.1 < corrections.factor(64, 1, "verify")
+
+
+def test_the_factors_of_a_choice_are_each_components_factor_by_k():
+    """factors(batch, k_max), the policy's one read a choice, holds factor(batch, k, c) for each
+    K and component, plain and the pool included, limits applied."""
+    corrections = Corrections()
+    for k, (verify, gain) in enumerate([(1.2, 1.0), (1.4, 0.8), (0.9, 0.7), (2.6, 0.1)]):
+        for _ in range(10 * (k + 1)):
+            corrections.observe(16, k, {"verify": 1.0, "other": 1.0, "gain": 2.0}, {"verify": verify, "other": 1.1, "gain": 2 * gain})
+    factors = corrections.factors(12, 5)
+    assert set(factors) == {"draft", "verify", "other", "gain"}
+    for component, row in factors.items():
+        assert row == [pytest.approx(corrections.factor(12, k, component)) for k in range(6)]
+    assert len(set(factors["verify"][:4])) == 4 and factors["verify"][4] == factors["verify"][5]  # K = 4, 5: the pool's
+    assert factors["verify"][0] == pytest.approx((10 * 1.2 + PRIOR_STEPS) / (10 + PRIOR_STEPS), rel=0.05)

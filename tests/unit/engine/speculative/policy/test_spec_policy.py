@@ -633,3 +633,21 @@ def test_the_costs_fits_are_kept_until_a_table_changes(monkeypatch):
     costs.restore(MeasuredCosts().snapshot())  # emptied: nothing measured, nothing kept
     assert costs.other_times(8, 4) == [0.0] * 5
     assert fresh.other_times(8, 4)[2] > first[2]
+
+
+def test_the_engines_costs_refit_every_few_observations():
+    """refit_every = 4: a fit read again after 3 observations is the one already made, after the
+    4th it is made afresh; a replaced table is never read through an old fit."""
+    costs = MeasuredCosts(refit_every=4)
+    for t in range(1, 6):
+        costs.observe_target(4, t, 1e-3 * (1 + 0.3 * t))
+    first = costs.verify_times(4, 4)
+    for _ in range(3):
+        costs.observe_target(4, 3, 1.0)  # a far dearer T = 3
+    assert costs.verify_times(4, 4) == first
+    costs.observe_target(4, 3, 1.0)
+    assert costs.verify_times(4, 4)[2] > first[2]
+    costs.target = TimingTable()
+    assert costs.verify_times(4, 4) != first
+    with pytest.raises(ValueError, match="refit_every"):
+        MeasuredCosts(refit_every=0)
