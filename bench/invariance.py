@@ -11,7 +11,7 @@ the median over repeats of the per-repeat ratio of tokens/s, with its range.
 
 --plain-only: engines with speculation off at start-up (`use_speculative_decoding: false`),
 `batch_invariant` auto (the rule where its decode passes measured faster on it) and off twice,
-beside a speculative engine's K = 0 steps (auto); plain decoding at batch 1 and 16. Figures: auto
+beside a speculative engine's K = 0 steps (auto); plain decoding at batch 1, 16 and 64. Figures: auto
 ÷ off, the A/A pair, and the speculative engine's K = 0 ÷ the plain-only engine's auto (what a
 plain user gets against the reference speculation is judged by).
 """
@@ -32,14 +32,15 @@ CASES = {"plain, batch 1": ("eagle", PLAIN, 1), "plain, batch 16": ("eagle", PLA
 ENGINES = {"on": "on", "off": "off", "off (A/A)": "off"}  # variant -> batch_invariant
 
 
-def engine(method: str, setting: str):
+def engine(method: str, setting: str, max_batch_size: int = 16):
     from engine import LLM
 
-    return LLM(speculative_method=method, batch_invariant=setting, max_batch_size=16, max_seq_len=1024,
+    return LLM(speculative_method=method, batch_invariant=setting, max_batch_size=max_batch_size, max_seq_len=1024,
                enable_prefix_caching=False)
 
 
 PLAIN_ONLY_ENGINES = {"auto": "auto", "off": "off", "off (A/A)": "off"}  # plain-only variant -> batch_invariant
+PLAIN_ONLY_BATCHES = (1, 16, 64)
 SPECULATIVE_K0 = "speculative engine, K = 0"
 
 
@@ -84,19 +85,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plain_only(args) -> None:
-    """--plain-only: plain decoding at batch 1 and 16 on plain-only engines (auto, off, off again)
-    and a speculative engine's K = 0 steps, interleaved."""
+    """--plain-only: plain decoding at PLAIN_ONLY_BATCHES on plain-only engines (auto, off, off
+    again) and a speculative engine's K = 0 steps, interleaved."""
     from engine import LLM, SamplingParams
     from engine.model.plan import label
 
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llms = {v: LLM(use_speculative_decoding=False, batch_invariant=s, max_batch_size=16, max_seq_len=1024,
+    widest = max(PLAIN_ONLY_BATCHES)
+    llms = {v: LLM(use_speculative_decoding=False, batch_invariant=s, max_batch_size=widest, max_seq_len=1024,
                    enable_prefix_caching=False) for v, s in PLAIN_ONLY_ENGINES.items()}
-    llms[SPECULATIVE_K0] = engine("eagle", "auto")
+    llms[SPECULATIVE_K0] = engine("eagle", "auto", widest)
     states = {v: llm.engine.stats()["batch_invariant"] for v, llm in llms.items()}
     results = {}
-    for batch in (1, 16):
-        prompts = load_prompts("code", args.prompts * (2 if batch > 1 else 1))
+    for batch in PLAIN_ONLY_BATCHES:
+        wanted = args.prompts if batch == 1 else max(2 * args.prompts, batch)
+        prompts = (load_prompts("code") * wanted)[:wanted]
         runs = interleave({v: run(llm, PLAIN, prompts, params, batch) for v, llm in llms.items()}, args.repeats,
                           f"plain, batch {batch}")
         results[f"plain, batch {batch}"] = {"auto / off": ratios(runs, "auto", "off"),
