@@ -30,22 +30,27 @@ def commit(kv: KVManager, reqs: list[Request], starts: list[int], proposal: Prop
 
 
 def record_round(reqs: list[Request], plan: RoundPlan, proposal: Proposal, num_accepted: list[int],
-                 acceptance: AcceptanceEstimates) -> DecodeStats:
-    """Per-request stats, acceptance estimates and the step's DecodeStats."""
+                 acceptance: AcceptanceEstimates, chains: bool = True) -> DecodeStats:
+    """Per-request stats, acceptance estimates and the step's DecodeStats. chains: the round
+    asked each row for plan.ks[i] tokens in a chain (False: trees, whose depth is their shape's)."""
     k_max = proposal.k_max
     stats = DecodeStats(batch_size=len(reqs), k=plan.k, reason=plan.reason,
                         accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max,
                         row_ks=list(plan.ks))
     for r, k in zip(reqs, plan.ks):
         r.spec.record_k(k)
-    for r, tokens, source, a in zip(reqs, proposal.tokens, proposal.sources, num_accepted):
+    asked_for = plan.ks if chains else [len(t) for t in proposal.tokens]
+    for r, tokens, source, a, asked in zip(reqs, proposal.tokens, proposal.sources, num_accepted, asked_for, strict=True):
         k = len(tokens)
         stats.num_tokens += a + 1
         if k == 0:
             stats.rows_without_proposal += 1
             continue
         r.spec.record_round(a, k, source)
-        acceptance.update(r.request_id, a, k, (source, not r.params.greedy))
+        # a proposal that stopped short of the K asked (a lookup's match ran out, a grammar cut it)
+        # and was accepted whole counts its next position as rejected: the estimates price what asking
+        # for K yields, and a row that was asked for 8 and offered 5 gave 6 tokens, not 9
+        acceptance.update(r.request_id, a, max(k, asked), (source, not r.params.greedy))
         stats.num_proposed += k
         stats.num_accepted += a
         stats.accepted_per_round.append(a)

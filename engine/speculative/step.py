@@ -198,7 +198,7 @@ class SpeculativeDecoder:
         # along (its depth); the per-request and metrics counts of proposed tokens are its nodes
         chain_like = Proposal([[0] * (t.depth if t is not None else 0) for t in trees], None,
                               [self.proposer.name if t is not None and len(t) else "none" for t in trees])
-        stats = record_round(reqs, plan, chain_like, [len(p) for p in paths], self.planner.acceptance)
+        stats = record_round(reqs, plan, chain_like, [len(p) for p in paths], self.planner.acceptance, chains=False)
         for r, tree in zip(reqs, trees):
             if tree is not None and len(tree):
                 r.spec.proposed_per_round[-1] = len(tree)

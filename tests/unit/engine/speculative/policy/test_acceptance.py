@@ -53,3 +53,31 @@ def test_plain_steps_age_the_pools_without_changing_the_version():
     after = plain.rates(["new"], 4, [key])[0]
     assert after == pytest.approx(spec.rates(["new"], 4, [key])[0])  # the same ageing, read lazily
     assert before[0] < 0.05 < 0.3 < after[0] < AcceptanceEstimates.PRIOR_RATE  # back towards the prior
+
+
+def test_a_chain_that_stopped_short_of_the_k_asked_counts_its_next_position_as_rejected():
+    """Asked for 4, a lookup offered 2 and both were accepted: 3 tokens came, not the 5 that
+    asking for 4 at these rates promises, so position 3 counts as judged and rejected; a tree as
+    deep as its shape (chains=False) and a row offered all it was asked count no rejection."""
+    from types import SimpleNamespace
+
+    from engine.request import SpecStats
+    from engine.speculative.policy.k_choice import AcceptanceEstimates
+    from engine.speculative.proposers.base import Proposal
+    from engine.speculative.round_stats import RoundPlan, record_round
+
+    def row(rid):
+        return SimpleNamespace(request_id=rid, params=SimpleNamespace(greedy=True), spec=SpecStats())
+
+    est = AcceptanceEstimates()
+    reqs = [row("short"), row("whole")]
+    plan = RoundPlan(4, "fixed", [4, 4])
+    for _ in range(20):
+        record_round(reqs, plan, Proposal([[7, 8], [7, 8, 9, 10]], None, ["ngram", "ngram"]), [2, 4], est)
+    short, whole = est.rates(["short", "whole"], 4, [("ngram", False)] * 2)
+    assert short[0] > 0.95 and short[1] > 0.95 and short[2] < 0.3  # the lookup runs out at 3 (shrunk to the pool)
+    assert min(whole) > 0.7 > 0.3 > short[2]
+    trees = AcceptanceEstimates()
+    for _ in range(20):
+        record_round([row("tree")], plan, Proposal([[0, 0]], None, ["ngram"]), [2], trees, chains=False)
+    assert trees.rates(["tree"], 3, [("ngram", False)])[0][2] > 0.5  # position 3 never judged: borrowed
