@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.model.passes import fill_slots, forward_chunks, pool_for, time_pass
+from engine.model.plan import write_cached
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def plain_only_rule(model, cache: Path | None = None) -> str:
     ratio, source = _cached_ratio(cache), "cached"
     if ratio is None:
         ratio, source = decode_cost_ratio(model), "measured"
-        _write_ratio(cache, ratio)
+        if cache is not None:
+            write_cached(cache, {"ratio": ratio}, "the plain-only rule's measurement")
     log.info("batch_invariant auto, plain-only engine: its decode passes take %.3fx the time on the rule (%s; %s)",
              ratio, source, "on" if ratio < 1 else "off")
     if ratio < 1:
@@ -127,18 +128,6 @@ def _cached_ratio(cache: Path | None) -> float | None:
         return float(json.loads(cache.read_text())["ratio"]) if cache is not None else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _write_ratio(cache: Path | None, ratio: float) -> None:
-    if cache is None:
-        return
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"ratio": ratio}))
-        os.replace(tmp, cache)
-    except OSError as exc:  # a read-only home only costs a measurement at the next start
-        log.warning("could not cache the plain-only rule's measurement at %s: %s", cache, exc)
 
 
 def decode_cost_ratio(model, repeats: int = 5) -> float:

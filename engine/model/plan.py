@@ -230,10 +230,16 @@ def _read_cache(file: Path) -> PlanChoice | None:
 
 
 def _write_cache(file: Path, choice: PlanChoice) -> None:
+    write_cached(file, {"plan": dataclasses.asdict(choice.plan), "ms": choice.ms}, "the forward plan")
+
+
+def write_cached(file: Path, data: dict, what: str) -> None:
+    """`data` as JSON at `file` (a cache_file), written whole or not at all; a warning naming
+    `what` where it cannot be (a read-only home only costs a measurement at the next start)."""
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"plan": dataclasses.asdict(choice.plan), "ms": choice.ms}))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, file)
-    except OSError as exc:  # a read-only home only costs a measurement at the next start
-        log.warning("could not cache the forward plan at %s: %s", file, exc)
+    except OSError as exc:
+        log.warning("could not cache %s at %s: %s", what, file, exc)

@@ -40,14 +40,7 @@ class Corrections:
     def factor(self, batch: int, k: int, component: str) -> float:
         """realized ÷ predicted at (batch's bucket, k), shrunk as the module says; 1 where nothing
         was observed."""
-        bucket = batch_bucket(batch)
-        if k == 0:
-            shrunk = _shrunk(self._sums.get((bucket, 0)), component, 1.0, PRIOR_STEPS)
-        else:
-            pooled = _shrunk(self._sums.get((bucket, SPECULATIVE)), component, 1.0, PRIOR_STEPS)
-            shrunk = _shrunk(self._sums.get((bucket, k)), component, pooled, K_STEPS)
-        return min(max(shrunk, LIMITS[0]), LIMITS[1])
-
+        return self.factors(batch, k)[component][k]
 
     def factors(self, batch: int, k_max: int) -> dict[str, list[float]]:
         """factor(batch, k, component) for K = 0..k_max, per component (COMPONENTS), in one pass."""

@@ -241,18 +241,18 @@ class SpecPolicy:
         self._since_k_probe, self._k_probe_turn = 0, 0  # speculative choices since a K probe; the next neighbour
         self._k_probes, self._far_next = 0, 1  # K probes so far; the far K probed next (or the first above it)
 
-    def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float]) -> list[float]:
+    def _step_seconds(self, k_max: int, batch: int, draft_rows: int | None, widths: list[float],
+                      fix: dict[str, list[float]] | None) -> list[float]:
         """A step's time at K = 0..k_max: its draft passes (the first at the expected width
-        widths[k]), its verify pass and the rest."""
+        widths[k]), its verify pass and the rest, each scaled by its correction (fix: Corrections.factors)."""
         verify, other = self.costs.verify_times(batch, k_max), self.costs.other_times(batch, k_max)
         draft_rows = batch if draft_rows is None else draft_rows
         draft = [0.0] * (k_max + 1)
         if draft_rows:
             first, further = self.costs.draft_times(draft_rows, k_max)  # first[w - 1]: at width w; further[n]: n steps
             draft = [0.0] + [interpolated(first, widths[k] - 1) + further[k - 1] for k in range(1, k_max + 1)]
-        if self.corrections is None:
+        if fix is None:
             return [d + v + o for d, v, o in zip(draft, verify, other)]
-        fix = self.corrections.factors(batch, k_max)
         return [fd * d + fv * v + fo * o
                 for d, v, o, fd, fv, fo in zip(draft, verify, other, fix["draft"], fix["verify"], fix["other"])]
 
@@ -291,11 +291,11 @@ class SpecPolicy:
             return settled
         batch, k_max = len(alphas), self.k_max(k_caps)
         table = expected_tokens_table(alphas, k_caps, k_max)  # [B][k_max + 1]
-        seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up))
+        fix = self.corrections.factors(batch, k_max) if self.corrections is not None else None
+        seconds = self._step_seconds(k_max, batch, draft_rows, first_pass_widths(table, k_caps, catch_up), fix)
         tokens = [sum(column) for column in zip(*table)]  # the batch's expected tokens at K = 0..k_max
-        if self.corrections is not None:  # the tokens gained over plain, as the self-check found them
-            gain = self.corrections.factors(batch, k_max)["gain"]
-            tokens = [batch + (t - batch) * g for t, g in zip(tokens, gain)]
+        if fix is not None:  # the tokens gained over plain, as the self-check found them
+            tokens = [batch + (t - batch) * g for t, g in zip(tokens, fix["gain"])]
         left = sum(k_caps) + batch
         scores = {k: self._goodput(k, tokens[k], seconds[k], catch_up_tokens, left) for k in range(k_max + 1)}
         best = max(scores, key=scores.get)

@@ -58,7 +58,7 @@ def test_ngram_trees_greedy_equals_plain(tiny_model, reference, branching, monke
     # the adaptive K at fixed prices (a verify token 0.4 of a row's plain step), not this host's
     # timings: on a slow host it went plain and no tree branched
     monkeypatch.setattr(SpecPolicy, "_step_seconds",
-                        lambda self, k_max, batch, draft_rows, widths: [1e-3 * batch * (1 + 0.4 * k) for k in range(k_max + 1)])
+                        lambda self, k_max, batch, *rest: [1e-3 * batch * (1 + 0.4 * k) for k in range(k_max + 1)])
     llm = LLM(model=str(tiny_model[0]), use_speculative_decoding=True, speculative_method="ngram",
               spec_policy=policy, spec_length=4, tree_width=3, tree_tokens=10, dtype="float32",
               kv_cache_backend=backend, block_size=4, max_seq_len=200, max_batch_size=8, enable_prefix_caching=True)
