@@ -128,9 +128,7 @@ class ModelRunner:
             return forward_chunks(self.model, self.kv.target, slots, chunks, starts, all_logits=all_logits)
         logits, features = forward_chunks_features(self.model, self.kv.target, slots, chunks, starts, self.capture,
                                                    all_logits=all_logits)  # features [B, T, F]
-        for i, (r, c, s) in enumerate(zip(reqs, chunks, starts)):
-            if r.params.spec_length != 0:  # a request that opted out never drafts: nothing to keep
-                self.kv.features.append(r.request_id, s, features[i, :len(c)])
+        self.kv.keep_features(reqs, starts, features, [len(c) for c in chunks])
         return logits
 
 

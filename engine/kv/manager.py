@@ -9,6 +9,8 @@ model, the draft pool; allocation, reservation, rollback, release and the prefix
   are never released by it.
 - With an EAGLE-3 head, the draft pool holds the head's KV and `features` the target features
   it has yet to read (engine/kv/features.py); both are released and rolled back with the rest.
+- Proposers and the runner change the pools only through it (`truncate_draft`, `restart_head`,
+  `keep_features`, `drop_features`); calibration's scratch slots are its own, freed by it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,31 @@ class KVManager:
                                    keep_storage=True)
         if self.features is not None:
             self.features.truncate_to(request.request_id, length)
+
+    def truncate_draft(self, requests: list[Request], lengths: list[int]) -> None:
+        """Each request's draft pool back to lengths[i] tokens, keeping the storage past them (a
+        proposer drops its draft steps' K/V once the round has its proposal)."""
+        for r, n in zip(requests, lengths):
+            self.draft.truncate_to(self._records[r.request_id].draft_slot, n, keep_storage=True)
+
+    def restart_head(self, request: Request, start: int) -> None:
+        """An EAGLE-3 head starts a new run for the request at target position `start` (capture was
+        off for a while): its draft pool empties and its features restart there."""
+        self.draft.truncate_to(self._records[request.request_id].draft_slot, 0)
+        self.features.restart(request.request_id, start)
+
+    def keep_features(self, requests: list[Request], starts: list[int], features: torch.Tensor,
+                      lengths: list[int]) -> None:
+        """A target pass's features [B, T, F]: row i's first lengths[i], written from starts[i],
+        kept for the head (a request that opted out of speculation never drafts: none)."""
+        for i, (r, s, n) in enumerate(zip(requests, starts, lengths)):
+            if r.params.spec_length != 0:
+                self.features.append(r.request_id, s, features[i, :n])
+
+    def drop_features(self) -> None:
+        """Every request's pending features go (the target stopped capturing them)."""
+        if self.features is not None:
+            self.features.clear()
 
     def keep_paths(self, requests: list[Request], starts: list[int], paths: list[list[int]],
                    features: torch.Tensor | None = None) -> None:

@@ -87,8 +87,8 @@ class SpeculativeDecoder:
         """The target's passes keep the features the proposer reads (an EAGLE-3 head's), if any."""
         layers = self.proposer.target_features if self.settings.use_speculative_decoding else ()
         self.runner.capture = layers
-        if not layers and self.kv.features is not None:
-            self.kv.features.clear()
+        if not layers:
+            self.kv.drop_features()
 
     def tokens_per_round(self) -> int:
         """KV tokens a request's decode round may write: K + 1 (a tree's nodes + 1)."""

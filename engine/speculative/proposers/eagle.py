@@ -130,8 +130,7 @@ class EagleProposer(Proposer):
             return draft_tokens(reqs, ks, logits, with_q, functools.partial(self._step, reqs, state), self.observer,
                                 loop)
         finally:  # the draft steps' K/V goes: the next round feeds the target's features there
-            for r, n in zip(reqs, real):
-                self.kv.draft.truncate_to(self.kv.draft_slot(r), n, keep_storage=True)
+            self.kv.truncate_draft(reqs, real)
 
     def _catch_up(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each request's pending features; its last logits [N, V] and outputs [N, H] (Eagle3Head.step's)."""
@@ -139,8 +138,7 @@ class EagleProposer(Proposer):
         for r, n in zip(reqs, lengths):
             pending = self.features.take(r.request_id)  # propose() checked there are some
             if pending.start - pending.origin != n:  # a new run (capture was off for a while): the head restarts
-                self.kv.draft.truncate_to(self.kv.draft_slot(r), 0)
-                self.features.restart(r.request_id, pending.start)
+                self.kv.restart_head(r, pending.start)
                 n = 0
             chunks.append(r.all_token_ids[pending.start + 1:pending.start + 1 + pending.rows.shape[0]])
             features.append(pending.rows)

@@ -272,5 +272,4 @@ def draft_trees_then_drop(kv, reqs: list[Request], bases: list[int], depths: lis
     try:
         return draft_trees(reqs, depths, budgets, width, root_logits, feed)
     finally:
-        for r, n in zip(reqs, bases):
-            kv.draft.truncate_to(kv.draft_slot(r), n, keep_storage=True)
+        kv.truncate_draft(reqs, bases)

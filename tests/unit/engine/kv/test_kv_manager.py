@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from engine.kv import KVManager, PagedKVPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.uniforms import RandomStream
+from tests.helpers import REPO
 
 
 def pool(num_blocks: int = 8, prefix: bool = True, slots: int = 4) -> PagedKVPool:
@@ -82,3 +85,22 @@ def test_the_prefix_cache_serves_a_second_request_through_the_manager():
     kv.free(first)
     assert kv.allocate(second) == 8  # two full blocks of the shared prompt
     assert kv.computed(second) == 8
+
+
+OWNER_MUTATIONS = re.compile(r"\bkv\.(target|draft|features)\.(truncate_to|move_rows|append|restart|clear|free"
+                             r"|free_slot|allocate_slot|ensure_capacity|take_rows)\b")
+
+
+def pool_mutations(text: str) -> list[str]:
+    """Calls that change a KVManager's pools behind its back (`kv.draft.truncate_to(...)`)."""
+    return [m.group(0) for m in OWNER_MUTATIONS.finditer(text)]
+
+
+def test_only_the_manager_changes_its_pools():
+    """kv/manager.py is the one owner of requests' KV: truncation and feature appends elsewhere go
+    through it (scratch pools that calibration allocates itself are not a KVManager's)."""
+    offenders = {str(p.relative_to(REPO)): found for p in sorted((REPO / "engine").rglob("*.py"))
+                 if "kv" not in p.relative_to(REPO).parts[1:2] and (found := pool_mutations(p.read_text()))}
+    assert not offenders, offenders
+    assert pool_mutations("self.kv.draft.truncate_to(slot, n)\nkv.features.append(rid, s, f)") == \
+        ["kv.draft.truncate_to", "kv.features.append"]
