@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.speculative.policy.costs import MeasuredCosts, interpolated
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.fits import interpolated
 from engine.speculative.policy.k_choice import expected_tokens_table, first_pass_widths
 from engine.speculative.policy.per_request import StepCost
 from engine.speculative.proposers.base import CatchUp

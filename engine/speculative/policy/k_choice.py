@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.speculative.policy.corrections import Corrections
-from engine.speculative.policy.costs import MeasuredCosts, interpolated
+from engine.speculative.policy.costs import MeasuredCosts
+from engine.speculative.policy.fits import interpolated
 from engine.speculative.proposers.base import CatchUp
 
 Reason = Literal["policy", "probe", "plain_probe", "k_probe", "fixed", "disabled_batch_size", "length_guard"]

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from engine.speculative.policy.costs import MeasuredCosts, PackedVerify, interpolated
+from engine.speculative.policy.costs import MeasuredCosts, PackedVerify
+from engine.speculative.policy.fits import interpolated
 from engine.speculative.policy.k_choice import first_pass_widths
 from engine.speculative.proposers.base import CatchUp
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.policy.costs import MeasuredCosts, TimingTable, batch_bucket, line_fit, trusted_line
+from engine.speculative.policy.costs import MeasuredCosts, TimingTable, batch_bucket
+from engine.speculative.policy.fits import line_fit, trusted_line
 from engine.speculative.policy.k_choice import (
     AcceptanceByPosition,
     SpecPolicy,
