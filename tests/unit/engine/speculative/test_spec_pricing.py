@@ -70,7 +70,7 @@ def _hybrid_decoder(lags: dict[str, int] | None = None, **settings) -> tuple[Spe
     """A decoder over `hybrid` (prompt lookup, else Model) at scripted prices, no model passes."""
     costs = ScriptedCosts()
     runner = SimpleNamespace(capture=(), model=SimpleNamespace(graphs=None))
-    kv = SimpleNamespace(features=None, target=SimpleNamespace(max_seq_len=1000))
+    kv = SimpleNamespace(features=None, target=SimpleNamespace(max_seq_len=1000), drop_features=lambda: None)
     config = SpecConfig(speculative_method="ngram", spec_policy="adaptive", spec_length=4, **settings)
     decoder = SpeculativeDecoder(runner, kv, config, SimpleNamespace(vocab_size=16, device="cpu"), costs)
     decoder.proposer = HybridProposer(NgramProposer(16, "cpu", 4, 1, 2), Model(lags))
