@@ -262,7 +262,7 @@ class EngineConfig:
     # measured slower on an H200, docs/gpu.md)
     paged_attention: PagedAttentionSetting = "auto"
     # each layer's pointwise work (residual add + RMSNorm, q/k norm + RoPE + KV write, SiLU-and-multiply)
-    # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused.py); "auto": CUDA only
+    # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused_check.py); "auto": CUDA only
     fused_kernels: FusedKernels = "auto"
     # the target's passes on the rule that keeps each row's bits independent of its pass, so greedy
     # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU in a speculative

@@ -30,7 +30,7 @@ from engine.model.cuda_graphs import (
     tolerance,
 )
 from engine.model.eagle3 import Eagle3Head, is_eagle3, load_eagle3, read_head_shape
-from engine.model.fused import check_fused, fused_on
+from engine.model.fused_check import check_fused, fused_on
 from engine.model.invariance import choose_invariance
 from engine.model.loader import read_shape, resolve_model_path
 from engine.model.paged_attention import PagedAttention, check_inplace, inplace_on

@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.kernels import moe as moe_kernels
+from engine.model.mlp import Linear, SiluMul, silu_mul
 
 
 class Experts:
-    """One layer's router and experts, called as experts(x, linear) like an MLP."""
+    """One layer's router and experts: its MLP (mlp.py), holding weights of its own."""
+
+    dense = False
 
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool):
         self.router = router  # [E, hidden]
@@ -31,7 +33,7 @@ class Experts:
         self.top_k, self.norm_topk = top_k, norm_topk
         self.num_experts = gate_up.shape[0]
         self.shape = (gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2])  # (E, I, hidden)
-        self._packed = None  # CPU: per expert (gate_up, down) packed for oneDNN
+        self._reordered = None  # CPU: per expert (gate_up, down) in oneDNN's layout
         self._dtype = gate_up.dtype
         self.static = gate_up.device.type == "cuda"  # the device-sorted Triton path (CPU: the host-grouped one)
 
@@ -41,17 +43,20 @@ class Experts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the device (the packed copies, once packed, replace the plain ones)."""
+        """Bytes on the device (the reordered copies, once made, replace the plain ones)."""
         return self.numel() * self._dtype.itemsize
 
     def prepare(self, dtype: torch.dtype) -> Experts:
         return self
 
-    def pack(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Re-lays the router and each expert's weights out with `pack` (CPU: oneDNN's layout)."""
-        self.router = pack(self.router)
-        self._packed = [(pack(g), pack(d)) for g, d in zip(self.gate_up, self.down)]
-        self.gate_up = self.down = None  # the packed copies replace them
+    def weights(self) -> list:
+        return [self]
+
+    def reorder(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Re-lays the router and each expert's weights out with `reorder` (CPU: oneDNN's layout)."""
+        self.router = reorder(self.router)
+        self._reordered = [(reorder(g), reorder(d)) for g, d in zip(self.gate_up, self.down)]
+        self.gate_up = self.down = None  # the reordered copies replace them
 
     def route(self, x: torch.Tensor, linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, k] in x's dtype, expert ids [n, k])."""
@@ -61,17 +66,17 @@ class Experts:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def __call__(self, x: torch.Tensor, linear: Callable) -> torch.Tensor:
-        """The normed input x [B, T, hidden] -> [B, T, hidden]."""
+    def __call__(self, x: torch.Tensor, lw, linear: Linear, silu_mul: SiluMul = silu_mul) -> torch.Tensor:
+        """The normed input x [B, T, hidden] -> [B, T, hidden] (lw: the layer, whose gate_up and down are None)."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.route(flat, linear)
         if self.static:
             out = moe_kernels.experts(flat, ids, self.gate_up, self.down)  # [n, k, hidden]
         else:
-            out = self._grouped(flat, ids, linear)
+            out = self._grouped(flat, ids, linear, silu_mul)
         return (out * weights[..., None]).sum(dim=1).view_as(x)
 
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, linear: Callable) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, linear: Linear, silu_mul: SiluMul) -> torch.Tensor:
         """CPU: x [n, hidden], ids [n, k] -> each slot's expert output [n, k, hidden]."""
         n, k = ids.shape
         order = ids.flatten().argsort(stable=True)  # [n k]: slots grouped by expert
@@ -81,8 +86,7 @@ class Experts:
         start = 0
         for e, count in enumerate(counts):
             if count:
-                gate_up, down = self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])
-                gate, up = linear(rows[start:start + count], gate_up).chunk(2, dim=-1)
-                out[start:start + count] = linear(F.silu(gate) * up, down)
+                gate_up, down = self._reordered[e] if self._reordered is not None else (self.gate_up[e], self.down[e])
+                out[start:start + count] = linear(silu_mul(linear(rows[start:start + count], gate_up)), down)
                 start += count
         return torch.empty_like(out).index_copy_(0, order, out).view(n, k, -1)

@@ -12,30 +12,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.config_keys import BY_NAME, Key, check_values, unread_keys
-from engine.model.moe import Experts
+from engine.model.experts import Experts
+from engine.model.mlp import MLP, SWIGLU
 from engine.model.quant.linear import fuse
 from engine.model.rope import Rope
 from engine.model.shape import LayerWeights, ModelShape, MoEShape
 
 log = logging.getLogger(__name__)
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x, a weight as the plan holds it -> x W^T
-
-
-def read_dense_layer(reader, shape: ModelShape, pre: str, mlp: dict | None = None) -> LayerWeights:
+def read_dense_layer(reader, shape: ModelShape, pre: str, mlp: MLP | None = None) -> LayerWeights:
     """One layer's tensors (HF names under `pre`, from `reader`: get(name), linear(module) and
     `name in reader`), q/k/v and gate/up fused (linears kept quantized where the checkpoint is);
-    mlp: the MLP's weights where they are not a dense SwiGLU's."""
+    mlp: an MLP holding its own weights (no gate_up or down read), else the family's over them."""
     attn = pre + "self_attn."
     attention = dict(attn_norm=reader.get(pre + "input_layernorm.weight"),  # read in the layer's order
                      qkv=fuse([reader.linear(attn + f"{n}_proj") for n in "qkv"]), o=reader.linear(attn + "o_proj"),
                      mlp_norm=reader.get(pre + "post_attention_layernorm.weight"))
-    mlp = mlp or dict(gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
-                      down=reader.linear(pre + "mlp.down_proj"))
-    weights = LayerWeights(**attention, **mlp)
+    dense = dict(gate_up=fuse([reader.linear(pre + f"mlp.{n}_proj") for n in ("gate", "up")]),
+                 down=reader.linear(pre + "mlp.down_proj"), mlp=family_of(shape.model_type).mlp) if mlp is None \
+        else dict(gate_up=None, down=None, mlp=mlp)
+    weights = LayerWeights(**attention, **dense)
     if shape.qkv_bias:
         weights.qkv_bias = torch.cat([reader.get(attn + f"{n}_proj.bias") for n in "qkv"])
     if shape.o_bias:
@@ -46,15 +44,6 @@ def read_dense_layer(reader, shape: ModelShape, pre: str, mlp: dict | None = Non
     return weights
 
 
-def swiglu(x: torch.Tensor, lw: LayerWeights, linear: Linear) -> torch.Tensor:
-    """The SwiGLU MLP of a layer's normed input x [B, T, hidden] -> [B, T, hidden] (its experts', in
-    a mixture-of-experts layer)."""
-    if lw.experts is not None:
-        return lw.experts(x, linear)
-    gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
-    return linear(F.silu(gate) * up, lw.down)
-
-
 @dataclass(frozen=True)
 class Family:
     """What sets a model family apart from the common decoder (RMSNorm, RoPE, GQA, an MLP)."""
@@ -62,7 +51,7 @@ class Family:
     model_type: str  # config.json's model_type
     options: Callable[[dict], dict]  # config.json -> the ModelShape fields it sets beyond the common ones
     read_layer: Callable[..., LayerWeights] = read_dense_layer  # (reader, shape, "model.layers.{i}.") -> weights
-    mlp: Callable[[torch.Tensor, LayerWeights, Linear], torch.Tensor] = swiglu  # (normed x, weights, linear) -> out
+    mlp: MLP = SWIGLU  # its dense layers' MLP (mlp.py), over their gate_up and down
     keys: tuple[Key, ...] = ()  # config.json keys of its own: implemented, refused or irrelevant
 
 
@@ -163,7 +152,7 @@ for _family in (Family("llama", llama_options), Family("mistral", llama_options)
 
 
 
-# --- Qwen3-MoE: Qwen3's attention, a mixture of experts for the MLP (moe.py) ---------------------
+# --- Qwen3-MoE: Qwen3's attention, a mixture of experts for the MLP (experts.py) ----------------
 def qwen3_moe_options(cfg: dict) -> dict:
     """Qwen3's options, and the experts: every layer's MLP but mlp_only_layers' and those off the decoder_sparse_step."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -190,10 +179,10 @@ def read_qwen3_moe_layer(reader, shape: ModelShape, pre: str) -> LayerWeights:
     gate_up = torch.stack([torch.cat([dense(f"{mlp}experts.{e}.{n}_proj") for n in ("gate", "up")]) for e in experts])
     down = torch.stack([dense(f"{mlp}experts.{e}.down_proj") for e in experts])
     moe = Experts(reader.get(mlp + "gate.weight"), gate_up, down, shape.moe.top_k, shape.moe.norm_topk_prob)
-    return read_dense_layer(reader, shape, pre, mlp=dict(gate_up=None, down=None, experts=moe))
+    return read_dense_layer(reader, shape, pre, mlp=moe)
 
 
-_IMPLEMENTED_MOE = "Qwen3-MoE's experts (engine/model/moe.py)"
+_IMPLEMENTED_MOE = "Qwen3-MoE's experts (engine/model/experts.py)"
 QWEN3_MOE_KEYS = (
     Key("num_experts", "implemented", _IMPLEMENTED_MOE + ": how many", families=("qwen3_moe",)),
     Key("num_local_experts", "implemented", "transformers' name for num_experts", families=("qwen3_moe",)),

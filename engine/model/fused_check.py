@@ -1,10 +1,10 @@
 """Each layer's pointwise work in fused kernels (kernels/fused.py) on the GPU, behind a load-time
-check like the graphs': a model takes them where its family's MLP is SwiGLU and its passes with
-them equal the eager ones on a probe; else it stays eager, with a warning saying why."""
+check like the graphs': a model takes them where its passes with them equal the eager ones on a
+probe; else it stays eager, with a warning saying why. A layer's MLP runs inside them with the
+fused SiLU-and-multiply passed to it (mlp.py): a family's own MLP keeps the fused norms and RoPE."""
 
 from __future__ import annotations
 
-from engine.model.families import family_of, swiglu
 from engine.model.probe import compare_on_probe
 
 
@@ -15,8 +15,6 @@ def fused_on(setting: str, device: str) -> bool:
 
 def unsupported(model) -> str | None:
     """Why `model` cannot take the fused path, or None."""
-    if family_of(model.shape.model_type).mlp is not swiglu:
-        return f"the {model.shape.model_type} family's MLP is not SwiGLU"
     D = model.shape.head_dim
     if D & (D - 1):
         return f"head_dim {D} is not a power of two"

@@ -11,7 +11,7 @@ import torch
 from engine.model.rope import Rope
 
 if TYPE_CHECKING:
-    from engine.model.moe import Experts
+    from engine.model.mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
     o_bias: torch.Tensor | None = None  # [hidden]
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q's norm per query head, then k's
-    experts: Experts | None = None  # a mixture-of-experts layer's router and experts (moe.py), for gate_up/down
+    mlp: MLP | None = None  # the layer's MLP (mlp.py: SwiGLU over gate_up and down, or experts.py's), set at load
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if t is not None]
+    def tensors(self) -> list:
+        """Its tensors, and what its MLP holds of its own (a mixture of experts)."""
+        return [t for k, t in vars(self).items() if t is not None and k != "mlp"] + \
+            (self.mlp.weights() if self.mlp is not None else [])

@@ -1,6 +1,6 @@
 """The decoder-only transformer of the registered families (families.py), written against our
 KV-cache views: RMSNorm, RoPE, grouped-query attention, the family's MLP, tied or untied
-embeddings, and the per-family options of `ModelShape`. One functional code path serves prefill,
+embeddings, and the per-family options of `ModelShape`; each layer's MLP is its own object (mlp.py). One functional code path serves prefill,
 decode, chunked prefill and the verify pass; q/k/v and gate/up are fused so a layer is four
 matmuls; which kernels a pass takes is the model's `ModelPlan`; which attention code, attention.py.
 """
@@ -19,9 +19,9 @@ from torch.nn.attention import sdpa_kernel
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
-from engine.model.families import family_of
 from engine.model.kernels import fused, one_sequence
 from engine.model.linears import any_linear, at_least_rows, cpu_packs, packed_linear
+from engine.model.mlp import silu_mul
 from engine.model.packing import Packing
 from engine.model.paged_attention import PagedAttention, PagedMask
 from engine.model.quant.linear import LinearParts, QuantLinear
@@ -61,7 +61,7 @@ class Transformer:
     last_attention_branches: tuple[str, ...] = ()  # the branch of each attention group in the last pass's first layer
     graphs: CapturedPassesLike | None = None  # its captured passes over its pool (engine/model/cuda_graphs.py), set at load
     paged: PagedAttention | None = None  # attention reading its pool in place (engine/model/paged_attention.py), set at load
-    fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused.py), set at load
+    fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused_check.py), set at load
     row_invariant: bool = False  # each row's bits independent of its pass (engine/model/invariance.py), set at load
     columns_always: bool = False  # every pass on the one-sequence path (its column-block kernel), under invariance
 
@@ -79,7 +79,6 @@ class Transformer:
         self.device = embed.device
         self.cos, self.sin = shape.rope.tables(max_positions, self.dtype, self.device)  # [max_positions, head_dim]
         self.scale = shape.head_dim ** -0.5
-        self._mlp = family_of(shape.model_type).mlp  # (normed input, layer weights, linear) -> output
         self.num_parameters = sum(t.numel() for t in self._weights())
         custom = [w for w in self._weights() if not isinstance(w, torch.Tensor)]  # quantized linears, experts
         for w in custom:  # each chooses how it runs on this device
@@ -88,6 +87,9 @@ class Transformer:
         if custom and (plan.token_step or plan.one_sequence_kernel):
             raise ValueError("forward_plan: token_step and one_sequence_kernel run dense layers only, not a quantized "
                              "or mixture-of-experts checkpoint")
+        if plan.token_step and not all(lw.mlp.dense for lw in layers):
+            raise ValueError(f"forward_plan token_step: the C token step computes SwiGLU, not the "
+                             f"{shape.model_type} family's own MLP")
         self._token_step = self._make_token_step() if plan.token_step else None
         # taken before packing: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
@@ -176,8 +178,7 @@ class Transformer:
             return torch.ops.mkldnn._reorder_linear_weight(w) if isinstance(w, torch.Tensor) else w
         for lw in self.layers:
             lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
-            if lw.experts is not None:
-                lw.experts.pack(pack)
+            lw.mlp.reorder(pack)
         self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
         self._linear = any_linear(packed_linear, self.quantized)
 
@@ -349,9 +350,7 @@ class Transformer:
             def attention(y, lw, i):
                 return self._fused_attention(y, lw, kv, i, groups, position_ids, packing)
 
-            def mlp(y, lw):
-                return linear(fused.silu_mul(linear(y, lw.gate_up)), lw.down) if lw.experts is None \
-                    else lw.experts(y, linear)
+            act = fused.silu_mul
         else:
             add_norm, final_norm = self._add_norm, None  # the final norm after the logits' rows are picked
             rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
@@ -359,8 +358,7 @@ class Transformer:
             def attention(y, lw, i):
                 return self._attention_block(y, lw, linear, rope, kv, i, groups, packing)
 
-            def mlp(y, lw):
-                return self._mlp(y, lw, linear)  # the family's
+            act = silu_mul
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
         if packing is not None:
             h = packing.take(h)  # [N, hidden]
@@ -371,7 +369,7 @@ class Transformer:
                 if i in capture:
                     captured[i] = h
                 h, y = add_norm(attention(y, lw, i), h, lw.mlp_norm)
-                h, y = add_norm(mlp(y, lw), h, layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm)
+                h, y = add_norm(lw.mlp(y, lw, linear, act), h, layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm)
         if final_norm is None:
             if logits_index is not None:
                 h = h[torch.arange(B, device=h.device), logits_index]  # [B, hidden]
@@ -429,8 +427,8 @@ class Transformer:
         return out if lw.o_bias is None else out.add_(lw.o_bias)
 
     def _mlp_block(self, h: torch.Tensor, lw: LayerWeights, linear: Callable) -> torch.Tensor:
-        """The family's MLP of the residual stream h [B, T, hidden] (its norm included)."""
-        return self._mlp(self._rms_norm(h, lw.mlp_norm), lw, linear)
+        """The layer's MLP of the residual stream h [B, T, hidden] (its norm included)."""
+        return lw.mlp(self._rms_norm(h, lw.mlp_norm), lw, linear, silu_mul)
 
 
 def _outputs(logits: torch.Tensor, captured: dict[int, torch.Tensor], capture: tuple[int, ...],

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.model.moe import Experts
+from engine.model.experts import Experts
 from engine.model.quant.linear import LinearParts, QuantLinear, device_capability
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _probe_linear(layer: QuantLinear, dtype: torch.dtype) -> str | None:
 def choose_moe(model, setting: str, role: str) -> str | None:
     """Sets `model`'s experts on the device-sorted Triton kernel or the host-grouped path; the
     path taken, or None (no experts)."""
-    experts = [lw.experts for lw in model.layers if getattr(lw, "experts", None) is not None]
+    experts = [lw.mlp for lw in model.layers if isinstance(lw.mlp, Experts)]
     if not experts:
         return None
     if not kernels_on(setting, str(model.device)):
@@ -116,9 +116,9 @@ def _probe_experts(experts: Experts, dtype: torch.dtype) -> str | None:
 
     def run(x):
         experts.static = False
-        want = experts(x[None], F.linear)
+        want = experts(x[None], None, F.linear)
         experts.static = True
-        return experts(x[None], F.linear), want
+        return experts(x[None], None, F.linear), want
     try:
         return _probe(experts.shape[2], dtype, experts.gate_up.device, run, "the host-grouped experts", "tokens")
     finally:

@@ -8,25 +8,28 @@ import json
 import shutil
 
 import pytest
-import torch.nn.functional as F
 
 from engine import LLM
 from engine.model.config_keys import Key
 from engine.model.families import FAMILIES, Family, llama_options, read_dense_layer, register_family
+from engine.model.mlp import SwiGLU
 from tests.helpers import greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def"]
 
 
-def doubled_mlp(x, lw, linear):
-    """A toy family's MLP: SwiGLU, output doubled."""
-    gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-    return 2.0 * linear(F.silu(gate) * up, lw.down)
+class DoubledSwiGLU(SwiGLU):
+    """A toy family's MLP: SwiGLU, output doubled (its own math: the C token step does not run it)."""
+
+    dense = False
+
+    def __call__(self, x, lw, linear, silu_mul):
+        return 2.0 * super().__call__(x, lw, linear, silu_mul)
 
 
 @pytest.fixture(scope="module")
 def toy_family():
-    family = Family("toy_llama", llama_options, read_dense_layer, doubled_mlp,
+    family = Family("toy_llama", llama_options, read_dense_layer, DoubledSwiGLU(),
                     keys=(Key("toy_scale", "refused", "a toy key: only 1 is implemented",
                               refuse=lambda v, cfg: None if v in (None, 1) else "only 1 is implemented"),))
     register_family(family)
@@ -57,7 +60,27 @@ def test_a_family_registered_from_a_test_loads_with_its_own_pieces(tmp_path, tin
     assert [o.token_ids for o in ours.generate(PROMPTS, greedy(12))] == \
         [o.token_ids for o in reference.generate(PROMPTS, greedy(12))]
     llama, toy_model = (LLM(model=str(p), dtype="float32", max_seq_len=64).engine.model for p in (tiny_model[0], toy))
-    assert llama._mlp is not toy_model._mlp  # the family's MLP, not Llama's
+    assert {type(lw.mlp) for lw in toy_model.layers} == {DoubledSwiGLU} and llama.layers[0].mlp.dense
+
+
+def test_a_family_with_its_own_mlp_keeps_the_fused_kernels(tmp_path, tiny_model, toy_family):
+    """Its MLP runs inside the fused path (the fused SiLU-and-multiply passed to it), with the fused
+    norms, RoPE and K/V write around it (Triton's interpreter on CPU); tokens as eager."""
+    toy = _as_toy(tiny_model[0], tmp_path / "toy")
+    common = dict(model=str(toy), dtype="float32", max_seq_len=64, forward_plan="torch")
+    fused, eager = LLM(**common, fused_kernels="on"), LLM(**common, fused_kernels="off")
+    assert fused.engine.fused_kernels == {"target": "fused"} and fused.engine.model.fused
+    assert [o.token_ids for o in fused.generate(PROMPTS, greedy(8))] == \
+        [o.token_ids for o in eager.generate(PROMPTS, greedy(8))]
+
+
+def test_the_c_token_step_refuses_a_familys_own_mlp(tmp_path, tiny_model, toy_family):
+    from engine.config import ModelPlan
+    from engine.model.loader import load_model
+
+    toy = _as_toy(tiny_model[0], tmp_path / "toy")
+    with pytest.raises(ValueError, match="the C token step computes SwiGLU, not the toy_llama family's own MLP"):
+        load_model(toy, ModelPlan("float32", token_step=True), "cpu", 64)
 
 
 def test_a_familys_own_config_key_is_refused_by_its_table(tmp_path, tiny_model, toy_family):

@@ -14,8 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
 from engine.config import EngineConfig, ModelPlan
-from engine.model import fused as fused_module
-from engine.model.fused import check_fused, fused_on
+from engine.model.fused_check import fused_on
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
 from tests.helpers import FAMILIES, greedy, make_model, pool_for
@@ -157,9 +156,3 @@ def test_a_kernel_that_fails_or_differs_leaves_the_model_eager(tiny_model, monke
     assert not llm.engine.model.fused
     assert any("runs eager" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert llm.generate(PROMPTS[0], greedy(8))[0].token_ids
-
-
-def test_a_family_without_a_swiglu_mlp_is_not_fused(tiny_model, monkeypatch):
-    model = load_model(tiny_model[0], ModelPlan("float32"), "cpu", 256)
-    monkeypatch.setattr(fused_module, "family_of", lambda model_type: type("F", (), {"mlp": None})())
-    assert check_fused(model, pool_for(model), 1e-4) == "the llama family's MLP is not SwiGLU" and not model.fused

@@ -10,9 +10,9 @@ import torch
 
 from engine import LLM
 from engine.config import ModelPlan
+from engine.model.experts import Experts
 from engine.model.kernels import moe as moe_kernel
 from engine.model.loader import load_model
-from engine.model.moe import Experts
 from engine.model.passes import forward_chunks
 from tests.helpers import greedy, make_eagle3_head, make_model, pool_for
 
@@ -49,7 +49,7 @@ def _teacher_forced(model, ids, backend):
 def test_logits_match_transformers(moe_models, name, backend):
     path, hf = moe_models[name]
     ours = load_model(path, ModelPlan("float32"), "cpu", max_positions=256)
-    assert {lw.experts is None for lw in ours.layers} == {True, False}  # layers with experts and a dense one
+    assert {lw.mlp.dense for lw in ours.layers} == {True, False}  # layers with experts and a dense one
     ids = torch.randint(0, hf.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(input_ids=ids).logits
@@ -93,9 +93,9 @@ def test_the_device_sorted_path_equals_the_host_grouped_one():
     layer = Experts(torch.randn(experts, hidden, generator=g), torch.randn(experts, 2 * inner, hidden, generator=g) / 8,
                     torch.randn(experts, hidden, inner, generator=g) / 6, top_k=8, norm_topk=True)
     x = torch.randn(2, 5, hidden, generator=g)
-    host = layer(x, torch.nn.functional.linear)
+    host = layer(x, None, torch.nn.functional.linear)
     layer.static = True
-    torch.testing.assert_close(layer(x, torch.nn.functional.linear), host, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer(x, None, torch.nn.functional.linear), host, atol=1e-4, rtol=1e-4)
 
 
 def test_the_device_sorted_path_has_static_shapes_and_no_host_read():
@@ -133,10 +133,10 @@ def test_speculation_over_moe_equals_plain_greedy(moe_models, tiny_draft, tmp_pa
             "graphs": dict(draft_model=str(tiny_draft[0]), cuda_graphs="on", forward_plan="torch")}
     for name, extra in runs.items():
         prompts, tokens = (PROMPTS, 20) if name != "graphs" else (PROMPTS[:2], 10)  # graphs: under the interpreter
-        if name == "graphs":  # the experts left unpacked, on the path CUDA captures
+        if name == "graphs":  # the experts left in their plain layout, on the path CUDA captures
             if backend == "slotted":
                 continue
-            monkeypatch.setattr(Experts, "pack", lambda self, pack: setattr(self, "static", True))
+            monkeypatch.setattr(Experts, "reorder", lambda self, reorder: setattr(self, "static", True))
         llm = LLM(**common, spec_length=3, **{"spec_policy": "fixed", **extra})
         out = llm.generate(prompts, greedy(tokens))
         assert [o.token_ids for o in out] == [p[:tokens] for p in plain[:len(prompts)]], name

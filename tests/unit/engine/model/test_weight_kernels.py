@@ -13,8 +13,8 @@ import torch
 
 from engine import LLM
 from engine.model import weight_kernels
+from engine.model.experts import Experts
 from engine.model.kernels import quant
-from engine.model.moe import Experts
 from engine.model.quant.linear import QuantLinear, pack_int4
 from tests import quantized_checkpoints as qc
 from tests.helpers import greedy, make_model
