@@ -70,10 +70,48 @@ def to_gguf(model_dir: Path) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     ap = parser("llamacpp", __doc__, tokens=96, workloads=True)
     ap.add_argument("--lookup-tokens", type=int, default=10)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def cpp_variant(model, prompts: list, tokens: int):
+    """One llama.cpp run: greedy decode of each prompt alone, stopped at `tokens` new tokens; tok/s
+    and the tokens."""
+    def go():
+        out_tokens = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            model.reset()
+            out = []
+            for tok in model.generate(p, top_k=1, temp=0.0, reset=True):
+                out.append(tok)
+                if len(out) == tokens:
+                    break
+            out_tokens.append(out)
+        dt = time.perf_counter() - t0
+        return {"tok_s": sum(map(len, out_tokens)) / dt, "tokens": out_tokens}
+    return go
+
+
+def workload_table(workload: str, runs: dict[str, list[dict]]) -> dict:
+    """One workload's table (speed over llama.cpp plain, tokens the same as its), printed."""
+    base = runs["llama.cpp plain"][0]["tokens"]
+    cpp_plain = summarize(runs["llama.cpp plain"], "tok_s")["median"]
+    table = {}
+    for name, rs in runs.items():
+        s = summarize(rs, "tok_s")
+        same = sum(a == b for x, y in zip(rs[0]["tokens"], base) for a, b in zip(x, y)) / sum(map(len, base))
+        table[name] = {"tok_s": s, "vs_llama_cpp_plain": s["median"] / cpp_plain,
+                       "same_as_llama_cpp_plain": same}
+        print(f"{workload:5s} {name:32s} {s['median']:8.1f} tok/s  {s['median'] / cpp_plain:5.2f}x llama.cpp plain"
+              f"  same tokens as llama.cpp plain {same:.1%}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     try:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -86,8 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import SamplingParams
     from engine.model.loader import resolve_model_path
 
-    target_dir = resolve_model_path(args.target)
-    gguf = to_gguf(target_dir)
+    gguf = to_gguf(resolve_model_path(args.target))
     common = {"model_path": str(gguf), "n_ctx": 1024, "n_threads": args.threads, "n_threads_batch": args.threads,
               "verbose": False, "seed": 0}
     plain_cpp = llama_cpp.Llama(**common)
@@ -97,43 +134,16 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for workload in args.workload:
         prompts = [llm.engine.tokenizer.encode(p) for p in load_prompts(workload, args.prompts)]
-
-        def cpp(model, prompts=prompts):
-            def go():
-                tokens = []
-                t0 = time.perf_counter()
-                for p in prompts:
-                    model.reset()
-                    out = []
-                    for tok in model.generate(p, top_k=1, temp=0.0, reset=True):
-                        out.append(tok)
-                        if len(out) == args.tokens:
-                            break
-                    tokens.append(out)
-                dt = time.perf_counter() - t0
-                return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens}
-            return go
-
         variants = {
-            "llama.cpp plain": cpp(plain_cpp),
-            f"llama.cpp prompt lookup ({args.lookup_tokens})": cpp(lookup_cpp),
+            "llama.cpp plain": cpp_variant(plain_cpp, prompts, args.tokens),
+            f"llama.cpp prompt lookup ({args.lookup_tokens})": cpp_variant(lookup_cpp, prompts, args.tokens),
             **{name: ours_variant(llm, OURS_VARIANTS[name], prompts, params)
                for name in ("ours plain", "ours ngram (adaptive)", "ours hybrid (adaptive)")},
         }
         for fn in variants.values():
             fn()  # warm-up
         runs = interleave(variants, args.repeats, f"llama.cpp ({workload})")
-        base = runs["llama.cpp plain"][0]["tokens"]
-        cpp_plain = summarize(runs["llama.cpp plain"], "tok_s")["median"]
-        table = {}
-        for name, rs in runs.items():
-            s = summarize(rs, "tok_s")
-            same = sum(a == b for x, y in zip(rs[0]["tokens"], base) for a, b in zip(x, y)) / sum(map(len, base))
-            table[name] = {"tok_s": s, "vs_llama_cpp_plain": s["median"] / cpp_plain,
-                           "same_as_llama_cpp_plain": same}
-            print(f"{workload:5s} {name:32s} {s['median']:8.1f} tok/s  {s['median'] / cpp_plain:5.2f}x llama.cpp plain"
-                  f"  same tokens as llama.cpp plain {same:.1%}")
-        results[workload] = table
+        results[workload] = workload_table(workload, runs)
     path = write("llama_cpp", {"status": "measured", "llama_cpp_python": llama_cpp.__version__, "gguf": "bf16",
                                "prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
                                "workloads": results})

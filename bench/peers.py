@@ -40,13 +40,66 @@ OURS_EAGLE_VARIANTS = {  # on the engine whose model proposer is the EAGLE-3 hea
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     ap = parser("peers", __doc__, tokens=96, workloads=True)
     ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head for the eagle rows ('' for none)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return ap
+
+
+def load_transformers(target_dir, draft_dir, dtype) -> tuple:
+    """transformers' target and draft from the same checkpoints, computing in `dtype`."""
     from transformers import AutoModelForCausalLM
 
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    for m in (hf_target, hf_draft):
+        m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
+    return hf_target, hf_draft
+
+
+def hf_variant(hf_target, hf_draft, kw: dict, prompts: list, tokens: int):
+    """One transformers run: greedy `generate` on each prompt alone (kw: a TRANSFORMERS_VARIANTS
+    entry); tok/s and the new tokens."""
+    def go():
+        extra = {"assistant_model": hf_draft} if kw.get("assistant") else \
+            {k: v for k, v in kw.items() if k != "assistant"}
+        out_tokens = []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])  # [1, prompt_len]
+                out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                         do_sample=False, pad_token_id=0, **extra)
+                out_tokens.append(out[0, len(p):].tolist())
+        dt = time.perf_counter() - t0
+        return {"tok_s": sum(map(len, out_tokens)) / dt, "tokens": out_tokens, "acceptance": None}
+    return go
+
+
+def workload_results(workload: str, runs: dict[str, list[dict]]) -> dict:
+    """One workload's table (speed against transformers plain and assisted, tokens the same as the
+    library's own plain run), printed, and how far our plain run matches transformers'."""
+    base = {"ours": runs["ours plain"][0]["tokens"], "transformers": runs["transformers plain"][0]["tokens"]}
+    hf_plain = summarize(runs["transformers plain"], "tok_s")["median"]
+    hf_assisted = summarize(runs["transformers assisted (draft model)"], "tok_s")["median"]
+    table = {}
+    for name, rs in runs.items():
+        s = summarize(rs, "tok_s")
+        family = "ours" if name.startswith("ours") else "transformers"
+        same = sum(a == b for r in rs for x, y in zip(r["tokens"], base[family]) for a, b in zip(x, y))
+        total = sum(len(y) for r in rs for y in base[family])
+        table[name] = {"tok_s": s, "vs_transformers_plain": s["median"] / hf_plain,
+                       "vs_transformers_assisted": s["median"] / hf_assisted,
+                       "acceptance": rs[0]["acceptance"], "same_as_plain": same / total}
+        print(f"{workload:5s} {name:38s} {s['median']:8.1f} tok/s  {s['median'] / hf_plain:5.2f}x HF plain  "
+              f"{s['median'] / hf_assisted:5.2f}x HF assisted  same-as-plain {same / total:.1%}")
+    ours_vs_hf = sum(a == b for x, y in zip(base["ours"], base["transformers"]) for a, b in zip(x, y))
+    return {"results": table, "ours_plain_matches_transformers_plain": ours_vs_hf / sum(map(len, base["ours"]))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
     from engine import SamplingParams
     from engine.model.loader import resolve_model_path
 
@@ -55,56 +108,21 @@ def main(argv: list[str] | None = None) -> None:
     llm_eagle = batch1_llm(str(target_dir), str(resolve_model_path(args.eagle)), args.forward_plan,
                            speculative_method="eagle") if args.eagle else None
     dtype = llm.engine.model.dtype  # what our target computes the bf16 pair in here
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
-    for m in (hf_target, hf_draft):
-        m.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, like ignore_eos
+    hf_target, hf_draft = load_transformers(target_dir, draft_dir, dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for workload in args.workload:
         prompts = [llm.engine.tokenizer.encode(p) for p in load_prompts(workload, args.prompts)]
-
-        def hf(kw, prompts=prompts):
-            def go():
-                extra = {"assistant_model": hf_draft} if kw.get("assistant") else \
-                    {k: v for k, v in kw.items() if k != "assistant"}
-                tokens = []
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    for p in prompts:
-                        ids = torch.tensor([p])  # [1, prompt_len]
-                        out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
-                                                 do_sample=False, pad_token_id=0, **extra)
-                        tokens.append(out[0, len(p):].tolist())
-                dt = time.perf_counter() - t0
-                return {"tok_s": sum(map(len, tokens)) / dt, "tokens": tokens, "acceptance": None}
-            return go
-
         variants = {name: ours_variant(llm, cfg, prompts, params) for name, cfg in OURS_VARIANTS.items()}
         if llm_eagle is not None:
             variants.update({name: ours_variant(llm_eagle, cfg, prompts, params)
                              for name, cfg in OURS_EAGLE_VARIANTS.items()})
-        variants.update({name: hf(kw) for name, kw in TRANSFORMERS_VARIANTS.items()})
+        variants.update({name: hf_variant(hf_target, hf_draft, kw, prompts, args.tokens)
+                         for name, kw in TRANSFORMERS_VARIANTS.items()})
         for fn in variants.values():  # warm-up: kernels, prefix-free caches
             fn()
         runs = interleave(variants, args.repeats, f"peers ({workload})")
-        base = {"ours": runs["ours plain"][0]["tokens"], "transformers": runs["transformers plain"][0]["tokens"]}
-        hf_plain = summarize(runs["transformers plain"], "tok_s")["median"]
-        hf_assisted = summarize(runs["transformers assisted (draft model)"], "tok_s")["median"]
-        table = {}
-        for name, rs in runs.items():
-            s = summarize(rs, "tok_s")
-            family = "ours" if name.startswith("ours") else "transformers"
-            same = sum(a == b for r in rs for x, y in zip(r["tokens"], base[family]) for a, b in zip(x, y))
-            total = sum(len(y) for r in rs for y in base[family])
-            table[name] = {"tok_s": s, "vs_transformers_plain": s["median"] / hf_plain,
-                           "vs_transformers_assisted": s["median"] / hf_assisted,
-                           "acceptance": rs[0]["acceptance"], "same_as_plain": same / total}
-            print(f"{workload:5s} {name:38s} {s['median']:8.1f} tok/s  {s['median'] / hf_plain:5.2f}x HF plain  "
-                  f"{s['median'] / hf_assisted:5.2f}x HF assisted  same-as-plain {same / total:.1%}")
-        ours_vs_hf = sum(a == b for x, y in zip(base["ours"], base["transformers"]) for a, b in zip(x, y))
-        results[workload] = {"results": table, "ours_plain_matches_transformers_plain":
-                             ours_vs_hf / sum(map(len, base["ours"]))}
+        results[workload] = workload_results(workload, runs)
     path = write("peers", {"prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
                            "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0,
                            "workloads": results}, llm)

@@ -200,7 +200,7 @@ def med(runs: list[dict], get) -> float | None:
     return statistics.median(values) if values else None
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     ap = parser("scale-out", __doc__, tokens=32, models=False)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--conversations", type=int, default=2, help="conversations per system prompt")
@@ -218,16 +218,23 @@ def main(argv: list[str] | None = None) -> None:
                          "all groups' prompts puts the prefix cache under pressure")
     ap.add_argument("--stream-batching-ms", type=float, nargs="+", default=[0.0, 20.0],
                     help="the engine deployment's stream batching intervals the hop part compares")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _rotated(names: list[str], rep: int) -> list[str]:
+    """The variants in repeat rep's order: started one further along every repeat."""
+    return names[rep % len(names):] + names[:rep % len(names)]
+
+
+def shared_prefix_part(args, work: Path) -> dict[str, list[dict]]:
+    """Part 1: every variant's shared-prefix runs on 2 replicas, a fresh `serve run` each."""
     from bench.local_server import local_server
 
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))
     raw: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     # one server per variant, kept for all its repeats would hold 3 clusters at once: instead each
     # repeat starts the variants in turn (rotated), a fresh `serve run` each
     for rep in range(0 if args.skip_shared else args.repeats):
-        names = list(VARIANTS)
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in _rotated(list(VARIANTS), rep):
             topology, router = VARIANTS[name]
             with local_server(config(topology, 2, router, args.kv_blocks), work / f"{name}_{rep}") as server:
                 replica_stats(server.url, 2)  # both replicas up
@@ -237,40 +244,53 @@ def main(argv: list[str] | None = None) -> None:
             print(f"r{rep} {name:15s} hit {fig['hit_rate']:.3f}  ttft p50 {fig['ttft_ms']['p50']:.0f} ms  "
                   f"p95 {fig['ttft_ms']['p95']:.0f} ms  {fig['tok_s']:.1f} tok/s  by replica "
                   f"{sorted(fig['prompt_tokens_by_replica'].values())}", flush=True)
-    table, ratios = {}, {}
-    if not args.skip_shared:
-        table = {name: {"hit_rate": med(runs, lambda r: r["hit_rate"]),
-                        "ttft_ms_p50": med(runs, lambda r: r["ttft_ms"]["p50"]),
-                        "ttft_ms_p95": med(runs, lambda r: r["ttft_ms"]["p95"]),
-                        "tok_s": med(runs, lambda r: r["tok_s"])} for name, runs in raw.items()}
-        prefix, default = table["ingress+prefix"], table["ingress"]
-        ratios = {"hit_rate_prefix_over_default": prefix["hit_rate"] / default["hit_rate"]
-                  if default["hit_rate"] else None,
-                  "hit_rate_prefix_over_single": prefix["hit_rate"] / table["single"]["hit_rate"]
-                  if table["single"]["hit_rate"] else None,
-                  "ttft_p50_prefix_over_default": prefix["ttft_ms_p50"] / default["ttft_ms_p50"]}
-    hop: dict = {}
-    if not args.skip_hop:
-        hop_variants = {"single": ("single", None)} | {f"ingress_{ms:g}ms": ("ingress", ms)
-                                                        for ms in args.stream_batching_ms}
-        hop_raw: dict[str, list[dict]] = {name: [] for name in hop_variants}
-        for rep in range(args.repeats):
-            names = list(hop_variants)
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                topology, ms = hop_variants[name]
-                with local_server(config(topology, 1, stream_batching_ms=ms), work / f"hop_{name}_{rep}") as server:
-                    hop_run(server.url, argparse_warm(args))  # warm-up: plan and calibration caches, first batches
-                    hop_raw[name].append(hop_run(server.url, args))
-                print(f"hop r{rep} {name}: {hop_raw[name][-1]}", flush=True)
-        hop = {name: {k: med(runs, lambda r, k=k: r[k]) for k in ("tok_s", "itl_ms_p50", "ttft_ms_p50")}
-               for name, runs in hop_raw.items()}
-        for name in hop_variants:
-            if name != "single":
-                hop[f"{name}_over_single"] = {
-                    "tok_s": hop[name]["tok_s"] / hop["single"]["tok_s"],
-                    "itl_ms_p50": hop[name]["itl_ms_p50"] / hop["single"]["itl_ms_p50"],
-                    "tok_s_paired": [i["tok_s"] / s["tok_s"] for i, s in zip(hop_raw[name], hop_raw["single"])]}
-        hop["raw"] = hop_raw
+    return raw
+
+
+def shared_prefix_table(raw: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """Part 1's medians over repeats per variant, and the prefix router's ratios to the others."""
+    table = {name: {"hit_rate": med(runs, lambda r: r["hit_rate"]),
+                    "ttft_ms_p50": med(runs, lambda r: r["ttft_ms"]["p50"]),
+                    "ttft_ms_p95": med(runs, lambda r: r["ttft_ms"]["p95"]),
+                    "tok_s": med(runs, lambda r: r["tok_s"])} for name, runs in raw.items()}
+    prefix, default = table["ingress+prefix"], table["ingress"]
+    ratios = {"hit_rate_prefix_over_default": prefix["hit_rate"] / default["hit_rate"]
+              if default["hit_rate"] else None,
+              "hit_rate_prefix_over_single": prefix["hit_rate"] / table["single"]["hit_rate"]
+              if table["single"]["hit_rate"] else None,
+              "ttft_p50_prefix_over_default": prefix["ttft_ms_p50"] / default["ttft_ms_p50"]}
+    return table, ratios
+
+
+def hop_part(args, work: Path) -> dict:
+    """Part 2, 1 replica: `single` and `ingress` at each stream batching interval, medians over
+    repeats, each ingress variant ÷ single, and the raw runs."""
+    from bench.local_server import local_server
+
+    hop_variants = {"single": ("single", None)} | {f"ingress_{ms:g}ms": ("ingress", ms)
+                                                    for ms in args.stream_batching_ms}
+    hop_raw: dict[str, list[dict]] = {name: [] for name in hop_variants}
+    for rep in range(args.repeats):
+        for name in _rotated(list(hop_variants), rep):
+            topology, ms = hop_variants[name]
+            with local_server(config(topology, 1, stream_batching_ms=ms), work / f"hop_{name}_{rep}") as server:
+                hop_run(server.url, argparse_warm(args))  # warm-up: plan and calibration caches, first batches
+                hop_raw[name].append(hop_run(server.url, args))
+            print(f"hop r{rep} {name}: {hop_raw[name][-1]}", flush=True)
+    hop = {name: {k: med(runs, lambda r, k=k: r[k]) for k in ("tok_s", "itl_ms_p50", "ttft_ms_p50")}
+           for name, runs in hop_raw.items()}
+    for name in hop_variants:
+        if name != "single":
+            hop[f"{name}_over_single"] = {
+                "tok_s": hop[name]["tok_s"] / hop["single"]["tok_s"],
+                "itl_ms_p50": hop[name]["itl_ms_p50"] / hop["single"]["itl_ms_p50"],
+                "tok_s_paired": [i["tok_s"] / s["tok_s"] for i, s in zip(hop_raw[name], hop_raw["single"])]}
+    hop["raw"] = hop_raw
+    return hop
+
+
+def print_summary(table: dict, ratios: dict, hop: dict) -> None:
+    """Part 1's medians and ratios, then part 2's ratios."""
     for name, row in table.items():
         print(f"{name:15s} hit {row['hit_rate']:.3f}  ttft p50 {row['ttft_ms_p50']:.0f} ms  p95 "
               f"{row['ttft_ms_p95']:.0f} ms  {row['tok_s']:.1f} tok/s")
@@ -279,6 +299,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, row in hop.items():
         if name.endswith("_over_single"):
             print(f"1 replica, {name}:", json.dumps(row))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))
+    raw = shared_prefix_part(args, work)
+    table, ratios = ({}, {}) if args.skip_shared else shared_prefix_table(raw)
+    hop = {} if args.skip_hop else hop_part(args, work)
+    print_summary(table, ratios, hop)
     path = write(args.name, {"host": host_class(machine()), "replica_cpus": 1, "engine_threads": 1,
                                "workload": {k: getattr(args, k) for k in ("groups", "conversations", "turns", "tokens",
                                                                            "stagger", "repeats", "kv_blocks")},

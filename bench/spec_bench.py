@@ -101,7 +101,7 @@ def interleaved_costs(rows: list[dict]) -> dict:
             "verify_ratio": {t: statistics.median(r["verify_ratio"][t] for r in rows) for t in rows[0]["verify_ratio"]}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["code", "edit"], default="code")
     ap.add_argument("--prompts", type=int, default=8)
@@ -115,7 +115,109 @@ def main(argv: list[str] | None = None) -> None:
     add_model_options(ap)
     ap.add_argument("--eagle", default="embedded:eagle3", help="the EAGLE-3 head for the eagle methods")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def print_costs(costs: dict) -> None:
+    """One line per batch size (and the EAGLE head's): step times, c and the verify cost by T."""
+    for b, row in costs.items():
+        print(f"{'eagle head, batch 1' if b == 'eagle' else f'batch {b}'}: "
+              f"target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
+              "verify T/T1: " + " ".join(f"{t}:{r:.2f}" for t, r in row["verify_ratio"].items()))
+
+
+def spec_configs(args, llm, llm_eagle) -> tuple[dict[str, dict], dict]:
+    """reconfigure_speculation() settings by name (plain, each method at each K and adaptive) and
+    the engine each runs on."""
+    configs: dict[str, dict] = {"plain": PLAIN}
+    engines = {"plain": llm}
+    for m in args.methods:
+        method, engine = EAGLE_METHODS.get(m, m), llm_eagle if m in EAGLE_METHODS else llm
+        for name, cfg in [*((f"{m}/K={k}", fixed(method, k)) for k in args.ks), (f"{m}/adaptive", adaptive(method, max(args.ks)))]:
+            configs[name], engines[name] = cfg, engine
+    return configs, engines
+
+
+def config_run(llm, cfg: dict, prompts: list, params_of):
+    """One configuration's run: its n-th call decodes the prompts with repeat n's seeds and returns
+    tok/s, the tokens, drafted / accepted tokens, rounds, rejections and ms per token by phase."""
+    repeats_done = 0
+
+    def go():
+        nonlocal repeats_done
+        llm.engine.reconfigure_speculation(**cfg)
+        params = params_of(repeats_done)
+        repeats_done += 1
+        t0 = time.perf_counter()
+        outs, phase_seconds = generate_each(llm, prompts, params)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        drafted = sum(o.num_draft_tokens for o in outs)
+        accepted = sum(o.num_accepted_tokens for o in outs)
+        rounds = sum(o.num_spec_rounds for o in outs)
+        # per-token acceptance (the paper's alpha): rounds end at the first rejection
+        rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
+        return {"tok_s": n / dt, "tokens": [o.token_ids for o in outs], "drafted": drafted,
+                "accepted": accepted, "rounds": rounds, "rejections": rejections,
+                "ms_per_token": {ph: sec * 1e3 / n for ph, sec in phase_seconds.items()}}
+    return go
+
+
+def print_interleaved(in_run: dict, in_run_eagle: dict | None) -> None:
+    """The batch-1 costs measured between configurations (the draft's, then the head's)."""
+    c = in_run["c"]["median"]
+    print(f"batch 1, measured between configurations: c = {c:.3f} (range {in_run['c']['min']:.3f} to "
+          f"{in_run['c']['max']:.3f}), target T=1 {in_run['target_T1']:.2f} ms, draft step {in_run['draft_T1']:.2f} ms")
+    if in_run_eagle is not None:
+        print(f"eagle head: c = {in_run_eagle['c']['median']:.3f} (range {in_run_eagle['c']['min']:.3f} to "
+              f"{in_run_eagle['c']['max']:.3f}), head step {in_run_eagle['draft_T1']:.2f} ms")
+
+
+def add_theory(entry: dict, alpha_token: float, k: int, model_costs: dict) -> None:
+    """Thm 3.8's speedup beside the measured one: with a verify pass costing one decode step, and
+    with its measured cost (when measured for K + 1 tokens)."""
+    entry["theoretical_speedup"] = theoretical(alpha_token, k, model_costs["c"]["median"])
+    entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
+    verify_cost = model_costs["verify_ratio"].get(k + 1)
+    if verify_cost is not None:
+        entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, model_costs["c"]["median"],
+                                                               verify_cost)
+        entry["measured_over_theoretical_verify_cost"] = \
+            entry["speedup"] / entry["theoretical_speedup_verify_cost"]
+
+
+def config_entry(name: str, rs: list[dict], cfg: dict, plain_runs: list[dict], temperature: float,
+                 in_run: dict, in_run_eagle: dict | None) -> dict:
+    """One configuration's row of the results: speed and speedup over plain, acceptance, identity
+    with plain's outputs, ms per token by phase and (fixed K, draft or head) the theory's speedup."""
+    s = summarize(rs, "tok_s")
+    plain = summarize(plain_runs, "tok_s")["median"]
+    # acceptance over every repeat's texts (at temperature 0 the repeats repeat one text)
+    drafted, accepted, rounds, rejections = (sum(r[key] for r in rs)
+                                             for key in ("drafted", "accepted", "rounds", "rejections"))
+    alpha = accepted / drafted if drafted else None
+    k = cfg.get("spec_length", 0) if cfg["use_speculative_decoding"] else 0
+    alpha_token = accepted / (accepted + rejections) if drafted else None
+    entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
+             "mean_accepted_length": accepted / rounds if rounds else None,
+             # share of (prompt, repeat) greedy outputs equal to plain's, token for token
+             "identical_to_plain": statistics.fmean(a == b for r, p in zip(rs, plain_runs)
+                                                    for a, b in zip(r["tokens"], p["tokens"]))
+             if temperature == 0 else None,
+             # median over repeats of each phase's milliseconds per generated token
+             "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
+    model_costs = in_run_eagle if name.startswith("eagle") else in_run if name.startswith("draft") else None
+    if alpha is not None and cfg.get("spec_policy") == "fixed" and model_costs is not None:
+        add_theory(entry, alpha_token, k, model_costs)
+    theo = f"  theory {entry['theoretical_speedup']:.2f}x ({entry['measured_over_theoretical']:.0%})" \
+        if "theoretical_speedup" in entry else ""
+    print(f"{name:18s} {s['median']:8.1f} tok/s  {entry['speedup']:5.2f}x  "
+          f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
+    return entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
@@ -126,10 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = measure_costs(llm)
     if llm_eagle is not None:
         costs["eagle"] = measure_costs(llm_eagle, batch_sizes=(1,))["1"]
-    for b, row in costs.items():
-        print(f"{'eagle head, batch 1' if b == 'eagle' else f'batch {b}'}: "
-              f"target T=1 {row['target_T1']:.2f} ms, draft step {row['draft_T1']:.2f} ms, c = {row['c']:.3f}; "
-              "verify T/T1: " + " ".join(f"{t}:{r:.2f}" for t, r in row["verify_ratio"].items()))
+    print_costs(costs)
     if args.costs_only:
         write("spec_costs", {"costs": costs}, llm)
         return
@@ -141,86 +240,20 @@ def main(argv: list[str] | None = None) -> None:
     def params_of(repeat: int) -> list:
         return [SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True,
                                seed=repeat * len(prompts) + i) for i in range(len(prompts))]
-    configs: dict[str, dict] = {"plain": PLAIN}
-    engines = {"plain": llm}
-    for m in args.methods:
-        method, engine = EAGLE_METHODS.get(m, m), llm_eagle if m in EAGLE_METHODS else llm
-        for name, cfg in [*((f"{m}/K={k}", fixed(method, k)) for k in args.ks), (f"{m}/adaptive", adaptive(method, max(args.ks)))]:
-            configs[name], engines[name] = cfg, engine
-
-    def run(name, cfg):
-        repeats_done = 0
-
-        def go():
-            nonlocal repeats_done
-            engines[name].engine.reconfigure_speculation(**cfg)
-            params = params_of(repeats_done)
-            repeats_done += 1
-            t0 = time.perf_counter()
-            outs, phase_seconds = generate_each(engines[name], prompts, params)
-            dt = time.perf_counter() - t0
-            n = sum(len(o.token_ids) for o in outs)
-            drafted = sum(o.num_draft_tokens for o in outs)
-            accepted = sum(o.num_accepted_tokens for o in outs)
-            rounds = sum(o.num_spec_rounds for o in outs)
-            # per-token acceptance (the paper's alpha): rounds end at the first rejection
-            rejections = sum(a < k for o in outs for a, k in zip(o.accepted_per_round, o.proposed_per_round))
-            return {"tok_s": n / dt, "tokens": [o.token_ids for o in outs], "drafted": drafted,
-                    "accepted": accepted, "rounds": rounds, "rejections": rejections,
-                    "ms_per_token": {ph: sec * 1e3 / n for ph, sec in phase_seconds.items()}}
-        return go
-
-    def forward_costs():
-        return measure_costs(llm, batch_sizes=(1,), repeats=9)["1"]
-
+    configs, engines = spec_configs(args, llm, llm_eagle)
     # the batch-1 forward costs are re-measured between the configurations of every repeat: the
     # theory's c and verify costs come from the same stretch of time as the speeds they judge
     # (one measurement at the start can catch a slow moment of a shared host)
-    variants = {COSTS: forward_costs, **{name: run(name, cfg) for name, cfg in configs.items()}}
+    variants = {COSTS: lambda: measure_costs(llm, batch_sizes=(1,), repeats=9)["1"],
+                **{name: config_run(engines[name], cfg, prompts, params_of) for name, cfg in configs.items()}}
     if llm_eagle is not None:
         variants[EAGLE_COSTS] = lambda: measure_costs(llm_eagle, batch_sizes=(1,), repeats=9)["1"]
     runs = interleave(variants, args.repeats, f"{args.workload} configs")
     in_run = interleaved_costs(runs.pop(COSTS))
     in_run_eagle = interleaved_costs(runs.pop(EAGLE_COSTS)) if llm_eagle is not None else None
-    plain = summarize(runs["plain"], "tok_s")["median"]
-    c = in_run["c"]["median"]
-    print(f"batch 1, measured between configurations: c = {c:.3f} (range {in_run['c']['min']:.3f} to "
-          f"{in_run['c']['max']:.3f}), target T=1 {in_run['target_T1']:.2f} ms, draft step {in_run['draft_T1']:.2f} ms")
-    if in_run_eagle is not None:
-        print(f"eagle head: c = {in_run_eagle['c']['median']:.3f} (range {in_run_eagle['c']['min']:.3f} to "
-              f"{in_run_eagle['c']['max']:.3f}), head step {in_run_eagle['draft_T1']:.2f} ms")
-    table = {}
-    for name, rs in runs.items():
-        s = summarize(rs, "tok_s")
-        # acceptance over every repeat's texts (at temperature 0 the repeats repeat one text)
-        drafted, accepted, rounds, rejections = (sum(r[key] for r in rs)
-                                                 for key in ("drafted", "accepted", "rounds", "rejections"))
-        alpha = accepted / drafted if drafted else None
-        k = configs[name].get("spec_length", 0) if configs[name]["use_speculative_decoding"] else 0
-        alpha_token = accepted / (accepted + rejections) if drafted else None
-        entry = {"tok_s": s, "speedup": s["median"] / plain, "acceptance": alpha, "alpha_per_token": alpha_token,
-                 "mean_accepted_length": accepted / rounds if rounds else None,
-                 # share of (prompt, repeat) greedy outputs equal to plain's, token for token
-                 "identical_to_plain": statistics.fmean(a == b for r, p in zip(rs, runs["plain"])
-                                                        for a, b in zip(r["tokens"], p["tokens"]))
-                 if args.temperature == 0 else None,
-                 # median over repeats of each phase's milliseconds per generated token
-                 "ms_per_token": {ph: statistics.median(r["ms_per_token"][ph] for r in rs) for ph in PHASES}}
-        model_costs = in_run_eagle if name.startswith("eagle") else in_run if name.startswith("draft") else None
-        if alpha is not None and configs[name].get("spec_policy") == "fixed" and model_costs is not None:
-            entry["theoretical_speedup"] = theoretical(alpha_token, k, model_costs["c"]["median"])
-            entry["measured_over_theoretical"] = entry["speedup"] / entry["theoretical_speedup"]
-            verify_cost = model_costs["verify_ratio"].get(k + 1)
-            if verify_cost is not None:
-                entry["theoretical_speedup_verify_cost"] = theoretical(alpha_token, k, model_costs["c"]["median"],
-                                                                       verify_cost)
-                entry["measured_over_theoretical_verify_cost"] = \
-                    entry["speedup"] / entry["theoretical_speedup_verify_cost"]
-        table[name] = entry
-        theo = f"  theory {entry['theoretical_speedup']:.2f}x ({entry['measured_over_theoretical']:.0%})" \
-            if "theoretical_speedup" in entry else ""
-        print(f"{name:18s} {s['median']:8.1f} tok/s  {entry['speedup']:5.2f}x  "
-              f"acc {alpha if alpha is None else round(alpha, 3)}  same={entry['identical_to_plain']}{theo}")
+    print_interleaved(in_run, in_run_eagle)
+    table = {name: config_entry(name, rs, configs[name], runs["plain"], args.temperature, in_run, in_run_eagle)
+             for name, rs in runs.items()}
     path = write(f"spec_{args.workload}_t{args.temperature:g}", {
         "workload": args.workload, "prompts": len(prompts), "tokens": args.tokens, "temperature": args.temperature,
         "repeats": args.repeats, "seeds": "repeat * prompts + prompt index", "costs": costs,

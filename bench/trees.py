@@ -44,7 +44,7 @@ from bench.workloads import load_prompts
 AGAIN = "adaptive chain, again"  # the chain-only variant's second run in each repeat (A/A)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     ap = parser("trees", __doc__, tokens=96, models=False)
     ap.add_argument("--workload", choices=["code", "edit"], default="code")
     ap.add_argument("--prompts", type=int, default=8)
@@ -55,81 +55,120 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-batch-1", action="store_true", help="only the batches (results: ..._batches.json)")
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "eagle", "draft", "hybrid"],
                     help="the proposer (eagle and hybrid: the embedded EAGLE-3 head; draft: the embedded draft)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def tree_shapes(method: str, k: int, width: int) -> dict[str, dict]:
+    """The variants' reconfigure_speculation() settings: plain, a chain and a tree at fixed K, and
+    adaptive K with chains only (twice: the A/A twin) and with trees."""
+    chain, tree = {"tree_width": 1}, {"tree_width": width}
+    return {"plain": PLAIN, f"chain K={k}": {**fixed(method, k), **chain},
+            f"tree K={k}": {**fixed(method, k), **tree},
+            "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree},
+            AGAIN: {**adaptive(method), **chain}}
+
+
+def batch1_runs(llm, shapes: dict, prompts: list, args, temperature: float, learning) -> dict[str, list[dict]]:
+    """Every variant on the prompts one at a time at `temperature`: one warm-up repeat (the adaptive
+    calibration too), then args.repeats measured ones, each repeat on its own seeds."""
+    from engine import SamplingParams
+
+    def params(r: int) -> list:  # repeat r's seeds, the same for every variant
+        return [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=1000 * r + i)
+                for i in range(len(prompts))]
+
+    interleave_prompts(llm, shapes, prompts, params, 1, f"warm-up, T={temperature}",
+                       learning=learning)  # the adaptive calibration too
+    return interleave_prompts(llm, shapes, prompts, lambda r: params(r + 1), args.repeats,
+                              f"batch 1, T={temperature}", learning=learning)
+
+
+def batch1_row(llm, runs: dict[str, list[dict]], k: int) -> dict:
+    """Batch 1's results: each variant's medians, tree ÷ chain at fixed K (accepted per round,
+    tok/s, the drafting-free ceiling), adaptive trees ÷ chains with the A/A floor, and the theory."""
+    row = {name: {key: statistics.median(r[key] for r in runs[name])
+                  for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in runs}
+    same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
+                  for t, c in zip(runs[f"tree K={k}"], runs[f"chain K={k}"]) if c["accepted_per_round"]]
+    row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
+                                                 "max": max(same_depth)}
+    fixed_runs = runs[f"tree K={k}"], runs[f"chain K={k}"]
+    fixed_tree, fixed_chain = map(_summed, fixed_runs)
+    row["fixed_tree_over_chain_tok_s"] = _spread([t["tok_s"] / c["tok_s"] for t, c in zip(*fixed_runs)],
+                                                 fixed_tree["tok_s"] / fixed_chain["tok_s"])
+    row["drafting_free_ceiling"] = _spread([drafting_free_ceiling(t, c) for t, c in zip(*fixed_runs)],
+                                           drafting_free_ceiling(fixed_tree, fixed_chain))
+    adaptive_names = ("adaptive tree", "adaptive chain", AGAIN)
+    row.update(_trees_against_chains(*([r["tok_s"] for r in runs[name]] for name in adaptive_names),
+                                     *(pooled(runs[name], "tokens", "seconds") for name in adaptive_names)))
+    row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], k)
+                          for name in (f"chain K={k}", f"tree K={k}")}
+    return row
+
+
+def print_batch1(temperature: float, row: dict, k: int) -> None:
+    """Batch 1's results at one temperature, three lines."""
+    same_depth = row["tree_over_chain_accepted_per_round"]
+    print(f"T={temperature}: accepted/round chain {row[f'chain K={k}']['accepted_per_round']:.3f} "
+          f"tree {row[f'tree K={k}']['accepted_per_round']:.3f} -> x{same_depth['median']:.3f} "
+          f"[{same_depth['min']:.3f}, {same_depth['max']:.3f}]; adaptive tok/s tree/chain "
+          f"{_said(row['adaptive_tree_over_chain_tok_s'])}; "
+          f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}; plain {row['plain']['tok_s']:.1f} tok/s",
+          flush=True)
+    print(f"  fixed K={k} tok/s tree/chain {_said(row['fixed_tree_over_chain_tok_s'])}; the same with the "
+          f"tree drafting at the chain's cost (ceiling) {_said(row['drafting_free_ceiling'])}", flush=True)
+    print("  measured / theoretical speedup: " + "; ".join(
+        f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
+        for n, t in row["theoretical"].items()), flush=True)
+
+
+def batch_row(llm, shapes: dict, prompts: list, b: int, args, learning) -> dict:
+    """Batch b (the prompts repeated to fill it), greedy: adaptive trees ÷ chains and the A/A floor,
+    end-to-end tok/s, each variant warmed up once first."""
+    from engine import SamplingParams
+
+    batch = (prompts * (b // len(prompts) + 1))[:b]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+
+    def batch_variant(name: str):
+        def go() -> dict:
+            llm.engine.reconfigure_speculation(**shapes["adaptive chain" if name == AGAIN else name])
+            learning.switch_to(f"{name}, batch {len(batch)}")
+            run = run_batch(llm, batch, params)
+            del run["tokens"]
+            return run
+        return go
+
+    variants = {name: batch_variant(name) for name in ("adaptive chain", "adaptive tree", AGAIN)}
+    for fn in variants.values():
+        fn()
+    runs = interleave(variants, args.repeats, f"batch {b}")
+    tok_s = [[r["tok_s_end_to_end"] for r in runs[name]] for name in ("adaptive tree", "adaptive chain", AGAIN)]
+    row = _trees_against_chains(*tok_s, *map(sum, tok_s))
+    print(f"batch {b}: adaptive tree/chain tok/s {_said(row['adaptive_tree_over_chain_tok_s'])}; "
+          f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     prompts = load_prompts(args.workload)[:args.prompts]
     model = {"draft_model": "embedded:draft"} if args.method == "draft" else {}
     llm = LLM(speculative_method=args.method, max_batch_size=max([1, *args.batches]), max_seq_len=1024,
               enable_prefix_caching=False, tree_tokens=args.nodes, **model)
     method = args.method
-    chain, tree = {"tree_width": 1}, {"tree_width": args.width}
-    shapes = {"plain": PLAIN, f"chain K={args.k}": {**fixed(method, args.k), **chain},
-              f"tree K={args.k}": {**fixed(method, args.k), **tree},
-              "adaptive chain": {**adaptive(method), **chain}, "adaptive tree": {**adaptive(method), **tree},
-              AGAIN: {**adaptive(method), **chain}}
+    shapes = tree_shapes(method, args.k, args.width)
     results: dict = {"batch_1": {}, "batches": {}}
     learning = SeparateLearning(llm)  # each variant learns its own costs and shapes, as if it ran alone
     for temperature in () if args.skip_batch_1 else (0.0, 0.8):
-        def params(r: int, temperature=temperature) -> list:  # repeat r's seeds, the same for every variant
-            return [SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True, seed=1000 * r + i)
-                    for i in range(len(prompts))]
-
-        interleave_prompts(llm, shapes, prompts, params, 1, f"warm-up, T={temperature}",
-                           learning=learning)  # the adaptive calibration too
-        runs = interleave_prompts(llm, shapes, prompts, lambda r, params=params: params(r + 1), args.repeats,
-                                  f"batch 1, T={temperature}", learning=learning)
-        row = {name: {key: statistics.median(r[key] for r in runs[name])
-                      for key in ("tok_s", "accepted_per_round", "verified_per_round")} for name in shapes}
-        same_depth = [t["accepted_per_round"] / c["accepted_per_round"]
-                      for t, c in zip(runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]) if c["accepted_per_round"]]
-        row["tree_over_chain_accepted_per_round"] = {"median": statistics.median(same_depth), "min": min(same_depth),
-                                                     "max": max(same_depth)}
-        fixed_runs = runs[f"tree K={args.k}"], runs[f"chain K={args.k}"]
-        fixed_tree, fixed_chain = map(_summed, fixed_runs)
-        row["fixed_tree_over_chain_tok_s"] = _spread([t["tok_s"] / c["tok_s"] for t, c in zip(*fixed_runs)],
-                                                     fixed_tree["tok_s"] / fixed_chain["tok_s"])
-        row["drafting_free_ceiling"] = _spread([drafting_free_ceiling(t, c) for t, c in zip(*fixed_runs)],
-                                               drafting_free_ceiling(fixed_tree, fixed_chain))
-        adaptive_names = ("adaptive tree", "adaptive chain", AGAIN)
-        row.update(_trees_against_chains(*([r["tok_s"] for r in runs[name]] for name in adaptive_names),
-                                         *(pooled(runs[name], "tokens", "seconds") for name in adaptive_names)))
-        speed = row["adaptive_tree_over_chain_tok_s"]
-        row["theoretical"] = {name: theoretical_speedup(llm, row[name], row["plain"], args.k)
-                              for name in (f"chain K={args.k}", f"tree K={args.k}")}
-        print(f"T={temperature}: accepted/round chain {row[f'chain K={args.k}']['accepted_per_round']:.3f} "
-              f"tree {row[f'tree K={args.k}']['accepted_per_round']:.3f} -> x{statistics.median(same_depth):.3f} "
-              f"[{min(same_depth):.3f}, {max(same_depth):.3f}]; adaptive tok/s tree/chain {_said(speed)}; "
-              f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}; plain {row['plain']['tok_s']:.1f} tok/s",
-              flush=True)
-        print(f"  fixed K={args.k} tok/s tree/chain {_said(row['fixed_tree_over_chain_tok_s'])}; the same with the "
-              f"tree drafting at the chain's cost (ceiling) {_said(row['drafting_free_ceiling'])}", flush=True)
-        print("  measured / theoretical speedup: " + "; ".join(
-            f"{n} {t['measured']:.2f} / {t['theoretical']:.2f} = {t['measured_over_theoretical']:.3f}"
-            for n, t in row["theoretical"].items()), flush=True)
+        row = batch1_row(llm, batch1_runs(llm, shapes, prompts, args, temperature, learning), args.k)
+        print_batch1(temperature, row, args.k)
         results["batch_1"][f"T={temperature}"] = row
     for b in args.batches:
-        batch = (prompts * (b // len(prompts) + 1))[:b]
-        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-
-        def batch_variant(name: str, batch=batch, params=params):
-            def go() -> dict:
-                llm.engine.reconfigure_speculation(**shapes["adaptive chain" if name == AGAIN else name])
-                learning.switch_to(f"{name}, batch {len(batch)}")
-                run = run_batch(llm, batch, params)
-                del run["tokens"]
-                return run
-            return go
-
-        variants = {name: batch_variant(name) for name in ("adaptive chain", "adaptive tree", AGAIN)}
-        for fn in variants.values():
-            fn()
-        runs = interleave(variants, args.repeats, f"batch {b}")
-        tok_s = [[r["tok_s_end_to_end"] for r in runs[name]] for name in ("adaptive tree", "adaptive chain", AGAIN)]
-        row = results["batches"][str(b)] = _trees_against_chains(*tok_s, *map(sum, tok_s))
-        print(f"batch {b}: adaptive tree/chain tok/s {_said(row['adaptive_tree_over_chain_tok_s'])}; "
-              f"A/A chain/chain {_said(row['a_a_chain_over_chain_tok_s'])}", flush=True)
+        results["batches"][str(b)] = batch_row(llm, shapes, prompts, b, args, learning)
     name = ("trees" if method == "ngram" else f"trees_{method}") + ("_batches" if args.skip_batch_1 else "")
     path = write(name, {"method": method, "workload": args.workload, "prompts": args.prompts, "tokens": args.tokens, "k": args.k,
                            "width": args.width, "nodes": args.nodes, "repeats": args.repeats, "results": results}, llm)

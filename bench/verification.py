@@ -70,14 +70,69 @@ class ExpectedAcceptance:
                 "bookkeeping_seconds": s["seconds"]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     ap = parser("verification", __doc__, tokens=96, models=False)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--k", type=int, default=4, help="K of the fixed-K variants")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--methods", nargs="+", default=["eagle", "draft"], choices=["eagle", "draft"])
     ap.set_defaults(repeats=5)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def measured_runs(llm, specs: dict, prompts: list, params, repeats: int, method: str,
+                  expected: ExpectedAcceptance) -> dict[str, list[dict]]:
+    """One warm-up repeat, then `repeats` measured ones; each run gets both rules' expected accepted
+    tokens, and its seconds and tok/s without the time that bookkeeping took."""
+    interleave_prompts(llm, specs, prompts, params, 1, f"{method} warm-up")
+    expected.sums.clear()
+    runs = interleave_prompts(llm, specs, prompts, lambda r: params(r + 1), repeats, method,
+                              switch=expected.switch)
+    for name, per_repeat in runs.items():
+        for r, run in enumerate(per_repeat):
+            run.update(expected.of(name, r))
+            run["seconds"] -= run["bookkeeping_seconds"]  # the decode's own time
+            run["tok_s"] = run["tokens"] / run["seconds"]
+    return runs
+
+
+def block_over_token(runs: dict[str, list[dict]], shape: str) -> dict:
+    """One shape's figures: each rule's accepted tokens per round and tok/s, block ÷ token per
+    repeat and pooled, and the expected ratio on the same rounds."""
+    token, block = runs[f"{shape} token"], runs[f"{shape} block"]
+    accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
+    speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
+    pooled_speed = {rule: pooled(runs[f"{shape} {rule}"], "tokens", "seconds") for rule in ("token", "block")}
+    same_rounds = [r["expected_block"] / r["expected_token"] for r in token + block if r["expected_token"]]
+    pooled_accepted = {rule: pooled(runs[f"{shape} {rule}"], "accepted", "rounds") for rule in ("token", "block")}
+    return {
+        "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
+                               for rule in ("token", "block")},
+        "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
+                                      "max": max(accepted), "per_seed": accepted},
+        "block_over_token_accepted_pooled": pooled_accepted["block"] / pooled_accepted["token"],
+        "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
+                                   "pooled": pooled_speed["block"] / pooled_speed["token"]},
+        "expected_block_over_token_same_rounds": {"median": statistics.median(same_rounds),
+                                                  "min": min(same_rounds), "max": max(same_rounds)},
+        "tok_s": {rule: statistics.median(r["tok_s"] for r in runs[f"{shape} {rule}"]) for rule in ("token", "block")},
+    }
+
+
+def print_shape(method: str, shape: str, entry: dict) -> None:
+    """One shape's block ÷ token figures, one line."""
+    accepted, speed = entry["block_over_token_accepted"], entry["block_over_token_tok_s"]
+    same_rounds = entry["expected_block_over_token_same_rounds"]
+    print(f"{method} {shape}: accepted/round token {entry['accepted_per_round']['token']:.3f} "
+          f"block {entry['accepted_per_round']['block']:.3f} -> x{accepted['median']:.3f} "
+          f"[{accepted['min']:.3f}, {accepted['max']:.3f}] (pooled x{entry['block_over_token_accepted_pooled']:.3f}); "
+          f"tok/s x{speed['median']:.3f} [{speed['min']:.3f}, {speed['max']:.3f}] (pooled x{speed['pooled']:.3f}); "
+          f"expected on the same rounds x"
+          f"{same_rounds['median']:.3f} [{same_rounds['min']:.3f}, {same_rounds['max']:.3f}]", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
@@ -95,41 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         shapes = {f"K={args.k}": fixed(method, args.k), "adaptive": adaptive(method)}
         specs = {f"{shape} {rule}": {**spec, "verification": rule} for shape, spec in shapes.items()
                  for rule in ("token", "block")}
-        interleave_prompts(llm, specs, prompts, params, 1, f"{method} warm-up")
-        expected.sums.clear()
-        runs = interleave_prompts(llm, specs, prompts, lambda r: params(r + 1), args.repeats, method,
-                                  switch=expected.switch)
-        for name, per_repeat in runs.items():
-            for r, run in enumerate(per_repeat):
-                run.update(expected.of(name, r))
-                run["seconds"] -= run["bookkeeping_seconds"]  # the decode's own time
-                run["tok_s"] = run["tokens"] / run["seconds"]
+        runs = measured_runs(llm, specs, prompts, params, args.repeats, method, expected)
         row = {}
         for shape in shapes:
-            token, block = runs[f"{shape} token"], runs[f"{shape} block"]
-            accepted = [b["accepted_per_round"] / t["accepted_per_round"] for t, b in zip(token, block)]
-            speed = [b["tok_s"] / t["tok_s"] for t, b in zip(token, block)]
-            pooled_speed = {rule: pooled(runs[f"{shape} {rule}"], "tokens", "seconds") for rule in ("token", "block")}
-            same_rounds = [r["expected_block"] / r["expected_token"] for r in token + block if r["expected_token"]]
-            pooled_accepted = {rule: pooled(runs[f"{shape} {rule}"], "accepted", "rounds") for rule in ("token", "block")}
-            row[shape] = {
-                "accepted_per_round": {rule: statistics.median(r["accepted_per_round"] for r in runs[f"{shape} {rule}"])
-                                       for rule in ("token", "block")},
-                "block_over_token_accepted": {"median": statistics.median(accepted), "min": min(accepted),
-                                              "max": max(accepted), "per_seed": accepted},
-                "block_over_token_accepted_pooled": pooled_accepted["block"] / pooled_accepted["token"],
-                "block_over_token_tok_s": {"median": statistics.median(speed), "min": min(speed), "max": max(speed),
-                                           "pooled": pooled_speed["block"] / pooled_speed["token"]},
-                "expected_block_over_token_same_rounds": {"median": statistics.median(same_rounds),
-                                                          "min": min(same_rounds), "max": max(same_rounds)},
-                "tok_s": {rule: statistics.median(r["tok_s"] for r in runs[f"{shape} {rule}"]) for rule in ("token", "block")},
-            }
-            print(f"{method} {shape}: accepted/round token {row[shape]['accepted_per_round']['token']:.3f} "
-                  f"block {row[shape]['accepted_per_round']['block']:.3f} -> x{statistics.median(accepted):.3f} "
-                  f"[{min(accepted):.3f}, {max(accepted):.3f}] (pooled x{pooled_accepted['block'] / pooled_accepted['token']:.3f}); tok/s x{statistics.median(speed):.3f} "
-                  f"[{min(speed):.3f}, {max(speed):.3f}] (pooled x{pooled_speed['block'] / pooled_speed['token']:.3f}); "
-                  f"expected on the same rounds x"
-                  f"{statistics.median(same_rounds):.3f} [{min(same_rounds):.3f}, {max(same_rounds):.3f}]", flush=True)
+            row[shape] = block_over_token(runs, shape)
+            print_shape(method, shape, row[shape])
         results[method] = {"variants": list(specs), **row}
     path = write("verification", {"temperature": args.temperature, "k": args.k, "prompts": args.prompts,
                                   "tokens": args.tokens, "repeats": args.repeats, "results": results})

@@ -42,6 +42,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +126,7 @@ def generated_set(value: str) -> tuple[int, int]:
     return int(seed), int(rows)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "specserve-recipe")
     ap.add_argument("--target", type=Path, default=REPO / "models" / "target")
@@ -155,19 +156,12 @@ def main() -> None:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start a new run from an exported head's weights (fc slices taken in order: low, mid, high)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and export) after this long")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.threads)
-    from tqdm import tqdm
-    from transformers import LlamaForCausalLM
+    return ap
 
-    work = args.work / args.run
-    work.mkdir(parents=True, exist_ok=True)
-    target_cfg = json.loads((args.target / "config.json").read_text())
-    ckpt = work / "ckpt.pt"
-    saved = torch.load(ckpt, weights_only=False) if ckpt.exists() else {}  # a run resumes on its own layers and vocabulary
-    aux = chosen_layers(args.aux_layers, target_cfg["num_hidden_layers"], saved.get("aux"))
-    stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
+
+def target_written(args) -> tuple[list[Path], np.ndarray]:
+    """The target-written sets the options ask for (generated on first use): their files and all
+    their tokens as one stream."""
     sets = [(args.generations, 23, "generations_eagle", 2),  # (rows, seed, folder, sampled_every)
             (args.extra_generations, 31, "generations_eagle2", 3),
             (args.more_generations, 47, "generations_eagle3", 3),
@@ -176,26 +170,136 @@ def main() -> None:
                for n, seed, name, every in sets if n]
     torch.set_num_threads(args.threads)
     rows = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in written]) if written else np.zeros(0, np.uint16)
+    return written, rows
+
+
+def validation_windows(work: Path, window: int) -> torch.Tensor:
+    """16 fixed windows of the validation tokens [16, window] (seed 99)."""
+    val_stream = np.fromfile(work / "tokens" / "val.u16", dtype=np.uint16)
+    vrng = np.random.default_rng(99)
+    return torch.from_numpy(np.stack([val_stream[s:s + window] for s in
+                                      vrng.integers(0, val_stream.size - window, 16)]).astype(np.int64))
+
+
+def load_models(target_dir: Path, target_cfg: dict, draft_vocab: int, d2t: torch.Tensor) -> tuple:
+    """The target (float32, eval) and a new head of the target's shape, warm-started from it."""
+    from transformers import LlamaForCausalLM
+
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    H = target_cfg["hidden_size"]
+    head = TrainableEagle3Head(H, target_cfg["intermediate_size"], target_cfg["num_attention_heads"],
+                               target_cfg["num_key_value_heads"], target_cfg.get("head_dim") or H // target_cfg["num_attention_heads"],
+                               draft_vocab, H, target_cfg["rms_norm_eps"],
+                               (target_cfg.get("rope_parameters") or target_cfg).get("rope_theta", 10000.0))
+    with torch.no_grad():  # warm start: the target's own output layer and final norm (the head predicts into its space)
+        head.lm_head.weight.copy_(target.lm_head.weight[d2t])
+        head.norm.copy_(target.model.norm.weight)
+    return target, head
+
+
+@dataclass
+class Training:
+    """What the training loop reads: the models, optimizer, data and where the run's files go."""
+    target: object
+    head: TrainableEagle3Head
+    opt: torch.optim.Optimizer
+    rng: np.random.Generator
+    aux: list[int]
+    d2t: torch.Tensor
+    target_cfg: dict
+    stream: np.ndarray
+    batches: object  # mixed_batches' draw (rng -> ids), or None: corpus windows only
+    val: torch.Tensor
+    weights: list[float]
+    dtype: torch.dtype
+    ckpt: Path
+    log_path: Path
+
+
+def train_step(run: Training, args, step: int) -> tuple[torch.Tensor, list[float], list[float]]:
+    """One optimizer step on a fresh batch at step's learning rate: the loss, agreement, acceptance."""
+    for g in run.opt.param_groups:
+        g["lr"] = cosine_lr(step, args.steps, args.lr, 50)
+    if run.batches is not None:
+        ids = run.batches(run.rng)
+    else:
+        starts = run.rng.integers(0, run.stream.size - args.seq - 1, args.batch)
+        ids = torch.from_numpy(np.stack([run.stream[s:s + args.seq] for s in starts]).astype(np.int64))
+    feats, embeds, logits = target_pass(run.target, ids, run.aux, run.dtype)
+    loss, agree, accept = rollout_loss(run.head, feats, embeds, logits, run.d2t, args.ttt_steps, run.weights, run.dtype)
+    apply_update(loss, run.head, run.opt)
+    return loss, agree, accept
+
+
+def validate(run: Training, ttt_steps: int, step: int) -> dict:
+    """The head's agreement and expected acceptance by rollout step on the validation windows (logged)."""
+    with torch.no_grad():
+        vf, ve, vl = target_pass(run.target, run.val, run.aux, run.dtype)
+        _, vagree, vaccept = rollout_loss(run.head, vf, ve, vl, run.d2t, ttt_steps, run.weights, run.dtype)
+    log.info("step %d: val argmax agreement by step %s, expected acceptance %s", step,
+             [round(a, 3) for a in vagree], [round(a, 3) for a in vaccept])
+    return {"val_agree": vagree, "val_accept": vaccept}
+
+
+def save_checkpoint(run: Training, step: int, elapsed: float) -> None:
+    """Head, optimizer, step, time trained, layers, vocabulary and data RNG, written atomically."""
+    tmp = run.ckpt.with_suffix(".tmp")
+    torch.save({"model": run.head.state_dict(), "opt": run.opt.state_dict(), "step": step, "elapsed": elapsed,
+                "aux": run.aux, "d2t": run.d2t,
+                "rng": run.rng.bit_generator.state}, tmp)
+    tmp.replace(run.ckpt)
+
+
+def train(run: Training, args, step: int, elapsed: float) -> None:
+    """Trains from `step` to --steps (or for --max-minutes), a log record every step, validation every
+    100 steps, a checkpoint and an export every 5 minutes and at the end."""
+    from tqdm import tqdm
+
+    last_ckpt, started = time.monotonic(), time.monotonic()
+    bar = tqdm(total=args.steps, initial=step, desc="train eagle3 head", unit="step")
+    while step < args.steps:
+        t0 = time.monotonic()
+        loss, agree, accept = train_step(run, args, step)
+        step += 1
+        elapsed += time.monotonic() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree1=f"{agree[0]:.3f}")
+        record = {"step": step, "loss": loss.item(), "agree": agree, "accept": accept, "elapsed_s": round(elapsed, 1)}
+        if step % 100 == 0 or step == args.steps:
+            record.update(validate(run, args.ttt_steps, step))
+        with open(run.log_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        out_of_time = args.max_minutes is not None and time.monotonic() - started > 60 * args.max_minutes
+        if time.monotonic() - last_ckpt > 300 or step == args.steps or out_of_time:
+            save_checkpoint(run, step, elapsed)
+            last_ckpt = time.monotonic()
+            run.head.export(args.out, run.d2t, run.target_cfg["vocab_size"], run.target_cfg, run.aux)
+        if out_of_time:
+            log.info("stopping at step %d after %.0f min (--max-minutes)", step, args.max_minutes)
+            break
+    bar.close()
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    work = args.work / args.run
+    work.mkdir(parents=True, exist_ok=True)
+    target_cfg = json.loads((args.target / "config.json").read_text())
+    ckpt = work / "ckpt.pt"
+    saved = torch.load(ckpt, weights_only=False) if ckpt.exists() else {}  # a run resumes on its own layers and vocabulary
+    aux = chosen_layers(args.aux_layers, target_cfg["num_hidden_layers"], saved.get("aux"))
+    stream = np.memmap(args.work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
+    written, rows = target_written(args)
     exported = exported_vocabulary(args.init_from) if args.init_from else None
     d2t = saved["d2t"] if "d2t" in saved else draft_vocabulary(
         np.asarray(stream), rows, target_cfg["vocab_size"], args.draft_vocab, target_cfg["eos_token_id"], exported)
     window = args.seq  # chains: the first seq - ttt_steps positions
     generated = args.batch // 2 if args.generated_per_batch is None else args.generated_per_batch
     batches = mixed_batches(args.work, written, batch=args.batch, generated=generated, seq=window) if written else None
-    val_stream = np.fromfile(args.work / "tokens" / "val.u16", dtype=np.uint16)
-    vrng = np.random.default_rng(99)
-    val = torch.from_numpy(np.stack([val_stream[s:s + window] for s in
-                                     vrng.integers(0, val_stream.size - window, 16)]).astype(np.int64))
-
-    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    H = target_cfg["hidden_size"]
-    head = TrainableEagle3Head(H, target_cfg["intermediate_size"], target_cfg["num_attention_heads"],
-                               target_cfg["num_key_value_heads"], target_cfg.get("head_dim") or H // target_cfg["num_attention_heads"],
-                               args.draft_vocab, H, target_cfg["rms_norm_eps"],
-                               (target_cfg.get("rope_parameters") or target_cfg).get("rope_theta", 10000.0))
-    with torch.no_grad():  # warm start: the target's own output layer and final norm (the head predicts into its space)
-        head.lm_head.weight.copy_(target.lm_head.weight[d2t])
-        head.norm.copy_(target.model.norm.weight)
+    val = validation_windows(args.work, window)
+    target, head = load_models(args.target, target_cfg, args.draft_vocab, d2t)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     rng = np.random.default_rng(5)
     step, elapsed = resume(ckpt, head, opt, rng)
@@ -206,50 +310,9 @@ def main() -> None:
         log.info("resumed at step %d (%.0f s trained)", step, elapsed)
     log.info("head: %.2fM parameters; aux layers %s; %d steps of %d x %d, rollout %d", sum(
         p.numel() for p in head.parameters()) / 1e6, aux, args.steps, args.batch, args.seq, args.ttt_steps)
-    weights = step_weights(args.ttt_steps)
-    dtype = training_dtype(args.dtype)
-    log_path = work / "log.jsonl"
-    last_ckpt, started = time.monotonic(), time.monotonic()
-    bar = tqdm(total=args.steps, initial=step, desc="train eagle3 head", unit="step")
-    while step < args.steps:
-        t0 = time.monotonic()
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, args.steps, args.lr, 50)
-        if batches is not None:
-            ids = batches(rng)
-        else:
-            starts = rng.integers(0, stream.size - window - 1, args.batch)
-            ids = torch.from_numpy(np.stack([stream[s:s + window] for s in starts]).astype(np.int64))
-        feats, embeds, logits = target_pass(target, ids, aux, dtype)
-        loss, agree, accept = rollout_loss(head, feats, embeds, logits, d2t, args.ttt_steps, weights, dtype)
-        apply_update(loss, head, opt)
-        step += 1
-        elapsed += time.monotonic() - t0
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree1=f"{agree[0]:.3f}")
-        record = {"step": step, "loss": loss.item(), "agree": agree, "accept": accept, "elapsed_s": round(elapsed, 1)}
-        if step % 100 == 0 or step == args.steps:
-            with torch.no_grad():
-                vf, ve, vl = target_pass(target, val, aux, dtype)
-                _, vagree, vaccept = rollout_loss(head, vf, ve, vl, d2t, args.ttt_steps, weights, dtype)
-            record.update(val_agree=vagree, val_accept=vaccept)
-            log.info("step %d: val argmax agreement by step %s, expected acceptance %s", step,
-                     [round(a, 3) for a in vagree], [round(a, 3) for a in vaccept])
-        with open(log_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        out_of_time = args.max_minutes is not None and time.monotonic() - started > 60 * args.max_minutes
-        if time.monotonic() - last_ckpt > 300 or step == args.steps or out_of_time:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": head.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                        "aux": aux, "d2t": d2t,
-                        "rng": rng.bit_generator.state}, tmp)
-            tmp.replace(ckpt)
-            last_ckpt = time.monotonic()
-            head.export(args.out, d2t, target_cfg["vocab_size"], target_cfg, aux)
-        if out_of_time:
-            log.info("stopping at step %d after %.0f min (--max-minutes)", step, args.max_minutes)
-            break
-    bar.close()
+    run = Training(target, head, opt, rng, aux, d2t, target_cfg, stream, batches, val, step_weights(args.ttt_steps),
+                   training_dtype(args.dtype), ckpt, work / "log.jsonl")
+    train(run, args, step, elapsed)
     head.export(args.out, d2t, target_cfg["vocab_size"], target_cfg, aux)
     log.info("exported %s", args.out)
 

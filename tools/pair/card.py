@@ -179,28 +179,33 @@ def remeasure(models: Path, prompts_jsonl: Path) -> dict:
     return figures
 
 
-def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
+def _param_count(path: Path) -> int:
+    """The parameters in a safetensors file, from its tensors' shapes."""
     import torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                   else int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
+
+
+def _stage_rows(models: Path, logs: dict[str, list[dict]]) -> list[tuple]:
+    """Per exported model (target, draft): its name, config, parameters, last log record and last
+    validation record."""
     from transformers import AutoConfig
 
-    plot_losses(work, models / "loss_curves.png")
-    texts = [p["prompt"] for p in prompts]
-    figures = measure_and_save(models, texts)
-    samples = greedy_samples(models, texts)
-    manifest = json.loads((work / "corpus" / "manifest.json").read_text())
-    counts = {s: (work / "tokens" / f"{s}.u16").stat().st_size // 2 for s in ("train", "val")}
-    logs = {"target": _read_log(work / "target" / "log.jsonl"), "draft": draft_log(work)}
     rows = []
     for stage in ("target", "draft"):
         cfg = AutoConfig.from_pretrained(models / stage)
-        from safetensors import safe_open
-
-        with safe_open(str(models / stage / "model.safetensors"), framework="pt") as f:
-            params = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
-                         else int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
+        params = _param_count(models / stage / "model.safetensors")
         last = logs[stage][-1] if logs[stage] else {"tokens": 0, "elapsed_s": 0}
         vals = [r for r in logs[stage] if "val_loss" in r]
         rows.append((stage, cfg, params, last, vals[-1] if vals else {}))
+    return rows
+
+
+def _architecture_lines(rows: list[tuple]) -> list[str]:
+    """The card's opening (what the pair is, how to reproduce it) and its architecture table."""
     lines = ["# The embedded default model pair", "",
              "Two Llama-architecture models trained from scratch on this repository's recipe, for Python code",
              "completion: a **target** and a much smaller **draft** distilled to imitate it. Same tokenizer",
@@ -219,28 +224,36 @@ def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
                      f"{cfg.num_attention_heads} ({cfg.num_key_value_heads}) | {cfg.intermediate_size} | "
                      f"{cfg.tie_word_embeddings} | {last['tokens'] / 1e6:.1f} M | {last['elapsed_s'] / 60:.0f} min | "
                      f"{val.get('val_loss', float('nan')):.3f} |")
-    dv = rows[1][4]
-    corpus_tokens = max((r["tokens"] for r in logs["draft"] if r["stage"] == "corpus"), default=0)
-    lines += ["", "Validation loss is cross-entropy in nats per token on held-out files. The draft was trained only",
-              "on the target's output distributions (forward KL(target || draft)), in three stages: first on corpus",
-              f"windows ({corpus_tokens / 1e6:.1f} M tokens), then *on-policy* on 3,072 sequences the target wrote "
-              "itself (64-token training-set prompts continued for 192 tokens, half greedy, half at temperature 0.8)",
-              "mixed 3:1 with corpus windows -- the text the draft has to predict when it proposes at serving time --",
-              "then a second on-policy round on 2,048 fresh sequences (new prompts, two thirds greedy) at half the",
-              "learning rate.",
-              f"On validation corpus windows its argmax agrees with the target's on "
-              f"{dv.get('val_argmax_agreement', float('nan')):.1%} of positions "
-              f"(KL {dv.get('val_kl', float('nan')):.3f} nats/token).", "",
-              "![loss curves](loss_curves.png)", "",
-              *figures_section(figures),
-              "## Training data", "",
-              f"Python source from {len(manifest['packages'])} pinned PyPI packages plus the standard library of "
-              f"{manifest['stdlib']}; files deduplicated by content ({manifest['duplicates_dropped']} dropped) and "
-              "split into train / validation by a stable hash of their path (2% validation).", "",
-              f"- train: {manifest['files']['train']} files, {manifest['bytes']['train'] / 1e6:.1f} MB, "
-              f"{counts['train'] / 1e6:.1f} M tokens", f"- validation: {manifest['files']['val']} files, "
-              f"{manifest['bytes']['val'] / 1e6:.1f} MB, {counts['val'] / 1e6:.2f} M tokens", "",
-              "| source | version | license |", "| --- | --- | --- |"]
+    return lines
+
+
+def _draft_lines(draft_log_rows: list[dict], dv: dict) -> list[str]:
+    """How the draft was trained and how far it agrees with the target (dv: its last validation
+    record), then the loss curves."""
+    corpus_tokens = max((r["tokens"] for r in draft_log_rows if r["stage"] == "corpus"), default=0)
+    return ["", "Validation loss is cross-entropy in nats per token on held-out files. The draft was trained only",
+            "on the target's output distributions (forward KL(target || draft)), in three stages: first on corpus",
+            f"windows ({corpus_tokens / 1e6:.1f} M tokens), then *on-policy* on 3,072 sequences the target wrote "
+            "itself (64-token training-set prompts continued for 192 tokens, half greedy, half at temperature 0.8)",
+            "mixed 3:1 with corpus windows -- the text the draft has to predict when it proposes at serving time --",
+            "then a second on-policy round on 2,048 fresh sequences (new prompts, two thirds greedy) at half the",
+            "learning rate.",
+            f"On validation corpus windows its argmax agrees with the target's on "
+            f"{dv.get('val_argmax_agreement', float('nan')):.1%} of positions "
+            f"(KL {dv.get('val_kl', float('nan')):.3f} nats/token).", "",
+            "![loss curves](loss_curves.png)", ""]
+
+
+def _data_lines(manifest: dict, counts: dict[str, int], samples: list[tuple[str, str]]) -> list[str]:
+    """The training data (sources, sizes, licenses), greedy samples of the target and its limits."""
+    lines = ["## Training data", "",
+             f"Python source from {len(manifest['packages'])} pinned PyPI packages plus the standard library of "
+             f"{manifest['stdlib']}; files deduplicated by content ({manifest['duplicates_dropped']} dropped) and "
+             "split into train / validation by a stable hash of their path (2% validation).", "",
+             f"- train: {manifest['files']['train']} files, {manifest['bytes']['train'] / 1e6:.1f} MB, "
+             f"{counts['train'] / 1e6:.1f} M tokens", f"- validation: {manifest['files']['val']} files, "
+             f"{manifest['bytes']['val'] / 1e6:.1f} MB, {counts['val'] / 1e6:.2f} M tokens", "",
+             "| source | version | license |", "| --- | --- | --- |"]
     lines += [f"| {p['name']} | {p['version']} | {p['license']} |" for p in manifest["packages"]]
     lines += [f"| CPython standard library | {manifest['stdlib'].split()[1]} | PSF-2.0 |", "",
               "The corpus itself is not shipped; `tools/make_default_pair.py` rebuilds it from PyPI.", "",
@@ -250,6 +263,21 @@ def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
     lines += ["## Limits", "", "A ~28M-parameter model trained for about an hour and a half on ~12M tokens: it writes",
               "plausible-looking Python with repeated idioms, not correct programs. It exists to make speculative",
               "decoding measurable offline; point `model`/`draft_model` at real checkpoints for real use.", ""]
+    return lines
+
+
+def write_card(work: Path, models: Path, prompts: list[dict]) -> dict:
+    """Measures the exported pair, plots the losses and writes the model card (models/README.md)."""
+    plot_losses(work, models / "loss_curves.png")
+    texts = [p["prompt"] for p in prompts]
+    figures = measure_and_save(models, texts)
+    samples = greedy_samples(models, texts)
+    manifest = json.loads((work / "corpus" / "manifest.json").read_text())
+    counts = {s: (work / "tokens" / f"{s}.u16").stat().st_size // 2 for s in ("train", "val")}
+    logs = {"target": _read_log(work / "target" / "log.jsonl"), "draft": draft_log(work)}
+    rows = _stage_rows(models, logs)
+    lines = [*_architecture_lines(rows), *_draft_lines(logs["draft"], rows[1][4]), *figures_section(figures),
+             *_data_lines(manifest, counts, samples)]
     (models / "README.md").write_text("\n".join(lines))
     log.info("model card written: %s", models / "README.md")
     return figures

@@ -193,6 +193,40 @@ def _save_atomic(obj, path: Path) -> None:
 BatchFn = Callable[[np.random.Generator], torch.Tensor]  # rng -> [batch, seq] token ids
 
 
+def _start(out: Path, cfg: StageConfig, tokenizer, init_from: Path | None):
+    """A new model (seeded, or `init_from`'s weights), its optimizer and data RNG, restored from the
+    stage's checkpoint when there is one; also the step and seconds trained so far."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(llama_config(cfg.shape, tokenizer))
+    if init_from is not None:
+        model.load_state_dict(LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32).state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay, fused=True)
+    rng = np.random.default_rng(cfg.seed)
+    step, elapsed = resume(out / "ckpt.pt", model, opt, rng)
+    if step:
+        log.info("%s: resumed at step %d (%.0f s trained)", cfg.name, step, elapsed)
+        _truncate_log(out / "log.jsonl", step)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("%s: %.2fM parameters, %d steps of %d x %d tokens", cfg.name, n_params / 1e6,
+             cfg.steps, cfg.batch_size, cfg.seq_len)
+    return model, opt, rng, step, elapsed
+
+
+def _loss(model, teacher, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Next-token cross-entropy on `ids` without a teacher, else KL(teacher || model) per position."""
+    with autocast(dtype):
+        logits = model(input_ids=ids).logits  # [batch, seq, vocab]
+        if teacher is None:
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        with torch.no_grad():
+            t_logp = teacher(input_ids=ids).logits.float().log_softmax(-1)
+        return F.kl_div(logits.float().log_softmax(-1).flatten(0, 1), t_logp.flatten(0, 1),
+                        log_target=True, reduction="batchmean")
+
+
 def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from: Path | None = None,
                 batches: BatchFn | None = None):
     """Trains (or resumes) one stage; returns the trained model (float32, eval mode).
@@ -208,22 +242,8 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
         log.info("%s already trained: %s", cfg.name, final)
         return LlamaForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
 
-    torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(llama_config(cfg.shape, tokenizer))
-    if init_from is not None:
-        model.load_state_dict(LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32).state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay, fused=True)
-    rng = np.random.default_rng(cfg.seed)
+    model, opt, rng, step, elapsed = _start(out, cfg, tokenizer, init_from)
     ckpt_path = out / "ckpt.pt"
-    step, elapsed = resume(ckpt_path, model, opt, rng)
-    if step:
-        log.info("%s: resumed at step %d (%.0f s trained)", cfg.name, step, elapsed)
-        _truncate_log(out / "log.jsonl", step)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("%s: %.2fM parameters, %d steps of %d x %d tokens", cfg.name, n_params / 1e6,
-             cfg.steps, cfg.batch_size, cfg.seq_len)
-
     stream = np.memmap(work / "tokens" / "train.u16", dtype=np.uint16, mode="r")
     windows = _val_windows(work, cfg.seq_len)
     log_path = out / "log.jsonl"
@@ -236,15 +256,7 @@ def train_stage(work: Path, cfg: StageConfig, tokenizer, teacher=None, init_from
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         ids = batches(rng) if batches else _batch(stream, rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
-        with autocast(dtype):
-            logits = model(input_ids=ids).logits  # [batch, seq, vocab]
-            if teacher is None:
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-            else:
-                with torch.no_grad():
-                    t_logp = teacher(input_ids=ids).logits.float().log_softmax(-1)
-                loss = F.kl_div(logits.float().log_softmax(-1).flatten(0, 1), t_logp.flatten(0, 1),
-                                log_target=True, reduction="batchmean")
+        loss = _loss(model, teacher, ids, dtype)
         apply_update(loss, model, opt)
         step += 1
         elapsed += time.monotonic() - t0
