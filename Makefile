@@ -24,7 +24,7 @@ generate: $(STAMP)
 	$(VENV)/bin/python -m serve_app.cli
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=30 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

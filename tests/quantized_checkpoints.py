@@ -160,7 +160,7 @@ def _int4_groups(weight: torch.Tensor, group_of: torch.Tensor, groups: int, symm
     return q.int(), scale, zero.int()
 
 
-def pack_words(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+def to_words(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     """[R, 8W] in 0..15 -> [R, W] int32, nibble i of word j holding column 8j + order[i]."""
     R, C = values.shape
     chunks = values.view(R, C // 8, 8)[..., list(order)].long()
@@ -177,8 +177,8 @@ def _gptq(cfg: dict, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
     g_idx = torch.empty(K, dtype=torch.long)
     g_idx[order] = torch.arange(K) // group  # act-order: groups follow the activation order
     q, scale, zero = _int4_groups(weight, g_idx, G, cfg["sym"], min_zero=1)  # v1 cannot store a zero point of 0
-    stored = {"qweight": pack_words(q).T.contiguous(),
-              "qzeros": pack_words((zero - 1).T.contiguous()), "scales": scale.T.contiguous().half(),
+    stored = {"qweight": to_words(q).T.contiguous(),
+              "qzeros": to_words((zero - 1).T.contiguous()), "scales": scale.T.contiguous().half(),
               "g_idx": g_idx.int()}
     return stored, (q - zero[:, g_idx]) * scale[:, g_idx]
 
@@ -189,6 +189,6 @@ def _awq(config: dict, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
     group = config["group_size"]
     g = torch.arange(K) // group
     q, scale, zero = _int4_groups(weight, g, K // group, symmetric=False)
-    stored = {"qweight": pack_words(q.T.contiguous(), AWQ_ORDER), "qzeros": pack_words(zero.T.contiguous(), AWQ_ORDER),
+    stored = {"qweight": to_words(q.T.contiguous(), AWQ_ORDER), "qzeros": to_words(zero.T.contiguous(), AWQ_ORDER),
               "scales": scale.T.contiguous().half()}
     return stored, (q - zero[:, g]) * scale[:, g]

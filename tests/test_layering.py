@@ -1,6 +1,7 @@
 """The floors of docs/architecture.md, enforced: every import in engine/, serve_app/ and bench/ (inside
 functions and under TYPE_CHECKING too; `from pkg import submodule` counts as the submodule) goes to
-the importer's floor or one below, unless listed by name in ALLOWED, and no import cycle exists."""
+the importer's own floor or any floor below it, unless listed by name in ALLOWED, and no import cycle
+exists."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from bench.gpu.context import Context, check
 from bench.gpu.stats import chi_square_pvalue
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan
-from engine.model.linears import cpu_packs
+from engine.model.linears import onednn_reorders
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks, pool_for
 from engine.sampling import Adjustments, SamplingRows, adjusted_probs
@@ -124,7 +124,7 @@ def _row_invariance_bf16(ctx: Context, out: dict, path: Path) -> None:
     its one-token steps, bitwise. On CPU under the invariant rule (checked); on CUDA the plan's own
     paths, whose verdict is recorded (the rule is not built there yet)."""
     from engine.model.invariance import check_passes, choose_invariance
-    if ctx.device == "cpu" and not cpu_packs(torch.bfloat16):
+    if ctx.device == "cpu" and not onednn_reorders(torch.bfloat16):
         out["row_invariance_bf16"] = "skipped: no bf16 matmul kernels on this CPU"
         return
     model = load_model(path, ModelPlan("bfloat16"), ctx.device, 512)

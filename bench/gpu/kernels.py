@@ -175,13 +175,13 @@ def _fp8_linear(ctx: Context, g, dtype, big: bool) -> dict:
 
 def _int4_linear(ctx: Context, g, dtype, big: bool) -> dict:
     from engine.model.kernels import quant
-    from engine.model.quant.linear import QuantLinear, pack_int4
+    from engine.model.quant.linear import QuantLinear, int4_words
 
     N, K, group = (4096, 4096, 128) if big else (192, 256, 128)
     q = torch.randint(0, 16, (N, K), generator=g)
     scale = (torch.rand(N, K // group, generator=g) / 50 + 1e-3).to(torch.bfloat16)
     zero = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.uint8)
-    layer = QuantLinear("int", pack_int4(q).to(ctx.device), scale.to(ctx.device), (N, K), bits=4,
+    layer = QuantLinear("int", int4_words(q).to(ctx.device), scale.to(ctx.device), (N, K), bits=4,
                         zero=zero.to(ctx.device), group=group)
     return _against_dequantized(ctx, g, dtype, layer, quant.int4_linear)
 

@@ -1,4 +1,5 @@
-"""KV cache: pools (storage apart from bookkeeping) and the manager that owns every request's KV."""
+"""KV cache: pools (storage apart from bookkeeping) and the manager (manager.py) that owns every
+request's KV and every change to the pools and the pending features (features.py)."""
 
 from engine.kv.manager import KVManager
 from engine.kv.paged import PagedKVPool

@@ -1,19 +1,25 @@
 """Which attention code a pass takes, by its shape and mask, on CPU and CUDA (the rule the
-Transformer follows; bench gpu's `attention` section checks it against the kernels torch picks)."""
+Transformer follows; bench gpu's `attention` section checks it against the kernels torch picks),
+and each branch's computation (`attend`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 
+import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from engine.model.kernels import one_sequence
 
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 FEW_QUERY_ROWS = 16  # attention passes of at most this many query rows (decode, verify) count as few
 # relied on (torch 2.11 CUDA, sdp_utils.cpp and nn/attention/bias.py): flash takes enable_gqa, no mask, is_causal only
 # at T == L, and CausalBias lower-right at any T <= L; memory-efficient takes a mask and lower-right but no GQA
 _CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+GROUPED_QUERY_CHUNK = 128  # queries per call of the grouped attention matmuls (a prefill's, under invariance)
 
 
 def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
@@ -54,3 +60,50 @@ def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int,
 def lower_right(T: int, L: int) -> CausalBias:
     """The lower-right causal bias of T queries over L keys (no tensor until a kernel needs one)."""
     return causal_lower_right(T, L)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, branch: str,
+           scale: float) -> torch.Tensor:
+    """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] (None: every key) -> [B, heads, T, D],
+    by the attention_branch named `branch`."""
+    H, T = q.shape[1], q.shape[2]
+    Hkv, L = k.shape[0], k.shape[2]
+    if branch == "grouped":
+        return grouped_matmuls(q, k, v, mask, scale)
+    if branch == "fixed_order":  # row-count invariance in float32 (kernels/fixed_order_attention.c)
+        return one_sequence.load().attention(q, k, v, mask, scale).to(q.dtype)
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
+    gqa = H != Hkv
+    if gqa and (branch in ("sdpa_expanded", "sdpa_causal_expanded")
+                or branch == "sdpa_causal" and T != L and not _CAUSAL_BIAS_TAKES_GQA):
+        keys = keys.repeat_interleave(H // Hkv, dim=1)  # [B, heads, L, D], a copy
+        values = values.repeat_interleave(H // Hkv, dim=1)
+        gqa = False
+    if branch in ("sdpa_causal", "sdpa_causal_expanded"):  # the view's mask is lower-right causal
+        if T == L:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=lower_right(T, L), scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def grouped_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """`attend` as explicit matmuls (few queries: no copy of K/V, small float32 scores; many, under
+    row-count invariance: GROUPED_QUERY_CHUNK queries a call, to bound the scores)."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[0], k.shape[2]
+    if T > GROUPED_QUERY_CHUNK:
+        return torch.cat([grouped_matmuls(q[:, :, t:t + GROUPED_QUERY_CHUNK], k, v,
+                                          None if mask is None else mask[:, :, t:t + GROUPED_QUERY_CHUNK], scale)
+                          for t in range(0, T, GROUPED_QUERY_CHUNK)], dim=2)
+    # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,
+    # sequence), the order keys and values arrive in, so only queries and outputs are reordered
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [kv_heads, B, group * T, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kv_heads, B, group * T, L]
+    if mask is not None:
+        scores = scores.view(Hkv, B, G, T, L).masked_fill(~mask.unsqueeze(0), float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype).view(Hkv, B, G * T, L)
+    out = torch.matmul(probs, v)  # [kv_heads, B, group * T, D]
+    return out.transpose(0, 1).reshape(B, H, T, D)

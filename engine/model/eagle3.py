@@ -151,7 +151,7 @@ class Eagle3Head(Transformer):
         self.target_vocab = target_vocab
         self.aux_layers = aux
         # with the token step, a narrow pass fuses its features on the one-sequence matmul (torch's
-        # call costs more than the product for a few rows); the plain weight, taken before packing
+        # call costs more than the product for a few rows); the plain weight, taken before the reorder
         fc_rows = one_sequence.bf16_if_exact(fc) if plan.token_step else None
         self._fc_rows = fc_rows if fc_rows is not None and one_sequence.supports(fc_rows) else None
         if plan.token_step and len(layers) > 1:
@@ -169,8 +169,8 @@ class Eagle3Head(Transformer):
         return TokenStep(self.shape, self.embed, self.layers, self.final_norm, self.lm_head, self.cos, self.sin,
                          self.plan.token_step_rows, self.hidden_norm, self.norm_before_residual)
 
-    def _pack_for_cpu(self) -> None:
-        super()._pack_for_cpu()
+    def _reorder_for_onednn(self) -> None:
+        super()._reorder_for_onednn()
         self.fc = torch.ops.mkldnn._reorder_linear_weight(self.fc)
 
     @torch.inference_mode()

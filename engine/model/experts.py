@@ -5,7 +5,7 @@ renormalised where `norm_topk_prob` says so), as transformers' Qwen3MoeSparseMoe
 Terms: a *slot* is one (token, choice) pair, token t's j-th expert at slot t * k + j; experts
 compute their slots grouped, never a token at a time:
 - CPU: the slots sorted by expert, one matmul per expert that has any (the counts read on the
-  host), on weights packed per expert like the dense ones (each row's result whatever the batch);
+  host), on weights reordered per expert for oneDNN like the dense ones (each row's result whatever the batch);
 - CUDA: the slots sorted by expert into blocks of one expert each, on the device, and one Triton
   kernel per projection over all blocks (kernels/moe.py): static shapes, no host read, so a pass
   captures in a CUDA graph.

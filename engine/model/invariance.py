@@ -3,7 +3,7 @@ and tokens share its pass, so a verify pass computes exactly what one-token deco
 and speculation never changes a greedy token (docs/speculative/exactness.md).
 
 In bf16 on CPU two things break it, both measured (docs/speculative/exactness.md):
-- oneDNN's packed matmul takes another kernel for one row than for two or more at some widths
+- oneDNN's reordered-weight matmul takes another kernel for one row than for two or more at some widths
   (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
   row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
   row (linears.at_least_rows), the widths probed at load.

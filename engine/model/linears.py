@@ -1,4 +1,4 @@
-"""How a layer's x W^T runs: oneDNN's packed-weight matmul on CPU (where it can pack the dtype),
+"""How a layer's x W^T runs: oneDNN's reordered-weight matmul on CPU (where it can reorder the dtype),
 and the dispatch that lets quantized linears (quant/linear.py) run themselves."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 
 
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """x W^T with a weight packed by oneDNN (torch.ops.mkldnn._reorder_linear_weight)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+def reordered_linear(x: torch.Tensor, reordered_weight: torch.Tensor) -> torch.Tensor:
+    """x W^T with a weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered_weight, None, "none", [], "")
 
 
 def any_linear(base: Callable, quantized: bool) -> Callable:
@@ -40,9 +40,9 @@ def at_least_rows(linear: Callable, widths: frozenset[int]) -> Callable:
 
 
 @functools.cache
-def cpu_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack `dtype` matmul weights on this CPU (probed once on a tiny tensor).
-    float32 packs wherever oneDNN runs; bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
+def onednn_reorders(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can reorder `dtype` matmul weights on this CPU (probed once on a tiny tensor).
+    float32 reorders wherever oneDNN runs; bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:

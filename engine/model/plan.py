@@ -4,7 +4,7 @@ Candidates: the asked-for dtype and float32 (exact for those weights); a target'
 kernel, a draft's token steps; only paths that can run here. Each is timed on `SCENARIOS`,
 interleaved; the lowest geometric mean of time relative to the fastest wins, cached per (host,
 model, torch, dtype, role). On CUDA, or for models too large to hold every candidate: the first
-candidate (the asked-for dtype, float32 where that does not pack), unmeasured (performance-notes).
+candidate (the asked-for dtype, float32 where oneDNN has no reorder for it), unmeasured (performance-notes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from engine.config import ModelPlan
 from engine.model.families import family_of, shape_of
 from engine.model.kernels import one_sequence
-from engine.model.linears import cpu_packs
+from engine.model.linears import onednn_reorders
 from engine.model.loader import load_model, read_config
 from engine.model.passes import fill_slots, pool_for, time_pass
 from engine.model.quant.schemes import scheme_of
@@ -76,7 +76,7 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized:
     (quantized, or with experts: torch's own passes only; the hand-written kernels read dense layers)."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
-    dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or cpu_packs(getattr(torch, d))]
+    dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or onednn_reorders(getattr(torch, d))]
     if quantized or shape.moe is not None:
         return [ModelPlan(d) for d in dtypes]
     runs = {"target": one_sequence.load() is not None,  # the C token step computes SwiGLU itself
@@ -96,7 +96,7 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
     then cached, or read from the cache); plain: a plain-only engine's target, timed by its decode
     passes alone."""
     if explicit is not None:
-        if device == "cpu" and explicit.dtype != "float32" and not cpu_packs(getattr(torch, explicit.dtype)):
+        if device == "cpu" and explicit.dtype != "float32" and not onednn_reorders(getattr(torch, explicit.dtype)):
             log.warning("%s: this CPU has no %s matmul kernels; computing in float32", path.name, explicit.dtype)
             explicit = dataclasses.replace(explicit, dtype="float32")
         return load_model(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")

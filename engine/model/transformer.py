@@ -18,9 +18,9 @@ from torch.nn.attention import sdpa_kernel
 
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
-from engine.model.attention import _CAUSAL_BIAS_TAKES_GQA, CUDA_ATTENTION_BACKENDS, attention_branch, lower_right
+from engine.model.attention import CUDA_ATTENTION_BACKENDS, attend, attention_branch
 from engine.model.kernels import fused, one_sequence
-from engine.model.linears import any_linear, at_least_rows, cpu_packs, packed_linear
+from engine.model.linears import any_linear, at_least_rows, onednn_reorders, reordered_linear
 from engine.model.mlp import silu_mul
 from engine.model.packing import Packing
 from engine.model.paged_attention import PagedAttention, PagedMask
@@ -29,7 +29,6 @@ from engine.model.shape import LayerWeights, ModelShape
 from engine.model.token_step import TokenStep
 
 ONE_SEQUENCE_MAX_TOKENS = 65  # a target's one-sequence passes up to this width take the kernel
-GROUPED_QUERY_CHUNK = 128  # queries per call of the grouped attention matmuls (a prefill's, under invariance)
 
 
 class CapturedPassesLike(Protocol):
@@ -45,7 +44,7 @@ MATMULS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer
 
 class OneSequencePath(NamedTuple):
     """What a target's passes over one sequence of at most ONE_SEQUENCE_MAX_TOKENS tokens multiply
-    with: per-layer weights packed for the column-block kernel (norms shared), the kernel, the
+    with: per-layer weights in column blocks for its kernel (norms shared), the kernel, the
     output layer."""
 
     layers: list[LayerWeights]  # matmul weights as one_sequence.ColumnBlocks
@@ -91,14 +90,14 @@ class Transformer:
             raise ValueError(f"forward_plan token_step: the C token step computes SwiGLU, not the "
                              f"{shape.model_type} family's own MLP")
         self._token_step = self._make_token_step() if plan.token_step else None
-        # taken before packing: it reads the plain weights
+        # taken before the oneDNN reorder: it reads the plain weights
         self._one_sequence = self._one_sequence_path() if plan.one_sequence_kernel else None
         self._linear = any_linear(F.linear, self.quantized)
         # on CUDA, no cuDNN attention: its plans are cached by exact key length, new every decode step
         self._attention_backends = functools.partial(sdpa_kernel, CUDA_ATTENTION_BACKENDS) \
             if self.device.type == "cuda" else contextlib.nullcontext
-        if self.device.type == "cpu" and cpu_packs(self.dtype):
-            self._pack_for_cpu()
+        if self.device.type == "cpu" and onednn_reorders(self.dtype):
+            self._reorder_for_onednn()
         self._plan_linear, self._plan_rule = self._linear, self.attention_rule  # make_row_invariant(None) restores them
 
     def make_row_invariant(self, pad_widths: frozenset[int] | None, columns: bool = False) -> None:
@@ -109,7 +108,7 @@ class Transformer:
         the plan's paths."""
         on = pad_widths is not None
         if columns and on and self._one_sequence is None:
-            self._one_sequence = self._one_sequence_path()  # the plan did not take it: packed now
+            self._one_sequence = self._one_sequence_path()  # the plan did not take it: blocked now
         self.columns_always = columns and on
         self.attention_rule = ("cpu_fixed_order" if columns else "cpu_invariant") if on else self._plan_rule
         self._linear = at_least_rows(self._plan_linear, pad_widths) if on and not columns else self._plan_linear
@@ -158,29 +157,29 @@ class Transformer:
 
     def _one_sequence_path(self) -> OneSequencePath:
         """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the column-block
-        kernel (weights packed for it); a weight whose values are all bf16 values is kept in bf16
+        kernel (weights laid out in column blocks for it); a weight whose values are all bf16 values is kept in bf16
         (half the bytes)."""
         kernels = one_sequence.load() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         if kernels is None:
             raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
                              "x86-64 CPU with AVX2 and FMA, and the kernels built)")
-        def columns(w):  # packed for oneDNN already where the plan did not take this path (make_row_invariant)
-            return one_sequence.pack_columns(one_sequence.bf16_if_exact(w.to_dense() if w.is_mkldnn else w))
-        packed = [{n: columns(getattr(lw, n)) for n in MATMULS} for lw in self.layers]
-        layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, packed)]
+        def columns(w):  # reordered for oneDNN already where the plan did not take this path (make_row_invariant)
+            return one_sequence.to_column_blocks(one_sequence.bf16_if_exact(w.to_dense() if w.is_mkldnn else w))
+        blocked = [{n: columns(getattr(lw, n)) for n in MATMULS} for lw in self.layers]
+        layers = [LayerWeights(**{**vars(lw), **d}) for lw, d in zip(self.layers, blocked)]
         head = columns(self.lm_head)
         return OneSequencePath(layers, kernels.column_linear, head)
 
-    def _pack_for_cpu(self) -> None:
+    def _reorder_for_onednn(self) -> None:
         """Re-lays the matmul weights out for oneDNN: small-batch matmuls faster, and each row's
         result bit-identical whatever the number of rows. The embedding stays plain."""
-        def pack(w):  # a quantized linear keeps its own form
+        def reorder(w):  # a quantized linear keeps its own form
             return torch.ops.mkldnn._reorder_linear_weight(w) if isinstance(w, torch.Tensor) else w
         for lw in self.layers:
-            lw.qkv, lw.o, lw.gate_up, lw.down = pack(lw.qkv), pack(lw.o), pack(lw.gate_up), pack(lw.down)
-            lw.mlp.reorder(pack)
-        self.lm_head = pack(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
-        self._linear = any_linear(packed_linear, self.quantized)
+            lw.qkv, lw.o, lw.gate_up, lw.down = reorder(lw.qkv), reorder(lw.o), reorder(lw.gate_up), reorder(lw.down)
+            lw.mlp.reorder(reorder)
+        self.lm_head = reorder(self.lm_head.clone() if self.lm_head is self.embed else self.lm_head)
+        self._linear = any_linear(reordered_linear, self.quantized)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dimension; weight [last] or, per head, [heads, last]."""
@@ -203,51 +202,12 @@ class Transformer:
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, branch: str | None = None) -> torch.Tensor:
-        """q [B, heads, T, D], k/v [kv_heads, B, L, D], mask [B, 1, T, L] -> [B, heads, T, D];
-        branch: an attention_branch name (None: the CPU rule's, for a general mask)."""
-        B, H, T, D = q.shape
-        Hkv, L = k.shape[0], k.shape[2]
+        """attention.attend under this model's scale; branch None: the CPU rule's, for a general mask."""
         if branch is None:
-            branch = attention_branch(self.attention_rule if self.row_invariant else "cpu", B, T, L, H, Hkv, "none" if mask is None else "general")
-        if branch == "grouped":
-            return self._grouped_matmuls(q, k, v, mask)
-        if branch == "fixed_order":  # row-count invariance in float32 (kernels/fixed_order_attention.c)
-            return one_sequence.load().attention(q, k, v, mask, self.scale).to(q.dtype)
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
-        gqa = H != Hkv
-        if gqa and (branch in ("sdpa_expanded", "sdpa_causal_expanded")
-                    or branch == "sdpa_causal" and T != L and not _CAUSAL_BIAS_TAKES_GQA):
-            keys = keys.repeat_interleave(H // Hkv, dim=1)  # [B, heads, L, D], a copy
-            values = values.repeat_interleave(H // Hkv, dim=1)
-            gqa = False
-        if branch in ("sdpa_causal", "sdpa_causal_expanded"):  # the view's mask is lower-right causal
-            if T == L:
-                return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
-                                                      enable_gqa=gqa)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=lower_right(T, L), scale=self.scale,
-                                                  enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-
-    def _grouped_matmuls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
-        """_attention as explicit matmuls (few queries: no copy of K/V, small float32 scores; many,
-        under row-count invariance: GROUPED_QUERY_CHUNK queries a call, to bound the scores)."""
-        B, H, T, D = q.shape
-        Hkv, L = k.shape[0], k.shape[2]
-        if T > GROUPED_QUERY_CHUNK:
-            return torch.cat([self._grouped_matmuls(q[:, :, t:t + GROUPED_QUERY_CHUNK], k, v,
-                                                    None if mask is None else mask[:, :, t:t + GROUPED_QUERY_CHUNK])
-                              for t in range(0, T, GROUPED_QUERY_CHUNK)], dim=2)
-        # the query heads sharing a KV head are stacked as rows; the batch runs over (kv_head,
-        # sequence), the order keys and values arrive in, so only queries and outputs are reordered
-        G = H // Hkv
-        qg = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [kv_heads, B, group * T, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [kv_heads, B, group * T, L]
-        if mask is not None:
-            scores = scores.view(Hkv, B, G, T, L).masked_fill(~mask.unsqueeze(0), float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype).view(Hkv, B, G * T, L)
-        out = torch.matmul(probs, v)  # [kv_heads, B, group * T, D]
-        return out.transpose(0, 1).reshape(B, H, T, D)
+            B, H, T, _ = q.shape
+            rule = self.attention_rule if self.row_invariant else "cpu"
+            branch = attention_branch(rule, B, T, k.shape[2], H, k.shape[0], "none" if mask is None else "general")
+        return attend(q, k, v, mask, branch, self.scale)
 
     def _attention_branch(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
                           causal_tail: bool) -> str:

@@ -101,8 +101,8 @@ def choose_moe(model, setting: str, role: str) -> str | None:
         for e in experts:
             e.static = False
         return "host-grouped"
-    if experts[0].gate_up is None:  # packed per expert for oneDNN (CPU): the kernel reads the plain stack
-        return "host-grouped (the experts are packed for oneDNN)"
+    if experts[0].gate_up is None:  # reordered per expert for oneDNN (CPU): the kernel reads the plain stack
+        return "host-grouped (the experts are reordered for oneDNN)"
     problem = _probe_experts(experts[0], model.dtype)
     if problem is not None:
         log.warning("moe_kernels: the %s's grouped experts kernel %s; its experts run host-grouped", role, problem)

@@ -1,7 +1,7 @@
 /* y[m, n] = sum_k w[n, k] * x[m, k] for a target's passes over one sequence's few tokens, on
  * weights that stream from memory every pass (CPU, AVX2 + FMA).
  *
- * w is packed in blocks of 16 output columns, P[b][k][0..15] = w[16 b + ., k] (pack_columns in
+ * w is laid out in blocks of 16 output columns, P[b][k][0..15] = w[16 b + ., k] (to_column_blocks in
  * one_sequence.py lays it out). float32: the 16 in column order. bfloat16: the 32-bit word j
  * holds column 16 b + j in its low half and 16 b + 8 + j in its high half, so a shift and a
  * mask widen both exactly. x: [M, K] float32; y: [M, N] float32, N a multiple of 16.

@@ -4,7 +4,7 @@
  * x: [M, K] float32; y: [M, N] float32; K a multiple of 8.
  *
  * Why: decoding reads every weight once per token, so its cost is the weights' bytes. oneDNN's
- * packed kernel pays extra per row as soon as a pass has a few (a speculative verify pass), and
+ * reordered-weight kernel pays extra per row as soon as a pass has a few (a speculative verify pass), and
  * cannot read bfloat16 weights on a CPU without bfloat16 instructions. Here each weight vector
  * is read once per group of up to MAX_GROUP (12) rows and multiplied into all of them.
  *

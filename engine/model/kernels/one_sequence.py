@@ -3,7 +3,7 @@ in cache, a proposer's; column_blocks.c over weights streamed from memory, a tar
 draft's whole token step (token_step.c), compiled with the system C compiler on first use into
 one cached library and loaded with ctypes; None (logged once) where that cannot happen.
 
-`linear(x, weight)` and `column_linear(x, pack_columns(weight))` are x [..., in] @ weight.T for
+`linear(x, weight)` and `column_linear(x, to_column_blocks(weight))` are x [..., in] @ weight.T for
 weights [out, in] in float32 or bfloat16, each row's bits independent of the number of rows (the
 C files say why; the two kernels sum in different orders, so their bits differ).
 """
@@ -30,22 +30,22 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("one_sequence.c", "column_blocks.c", "token_step.c", "fixed_order_attention.c")]
 HEADERS = [Path(__file__).with_name("row_groups.h")]  # included by the sources: part of the digest, not compiled alone
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-COLUMN_BLOCK = 16  # output columns per block of a packed weight (column_blocks.c)
+COLUMN_BLOCK = 16  # output columns per block of a blocked weight (column_blocks.c)
 
 
 class ColumnBlocks(NamedTuple):
-    """A weight [out, in] packed for column_blocks.c (its comment gives the layout)."""
+    """A weight [out, in] laid out in column blocks for column_blocks.c (its comment gives the layout)."""
 
     blocks: torch.Tensor  # [ceil(out / 16), in, 16] float32 or bfloat16; past `out`, zeros
     out_features: int
 
 
-def pack_columns(weight: torch.Tensor) -> ColumnBlocks:
+def to_column_blocks(weight: torch.Tensor) -> ColumnBlocks:
     """weight [out, in] (float32 or bfloat16, CPU) in blocks of 16 output columns; in bfloat16, the
     columns of a block in the order 0, 8, 1, 9, ..., 7, 15, so the 32-bit word j holds columns j
     (low half) and j + 8 (high half)."""
     if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(f"pack_columns takes a 2-D float32 or bfloat16 CPU weight, got {weight.dtype} "
+        raise ValueError(f"to_column_blocks takes a 2-D float32 or bfloat16 CPU weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     out_features, in_features = weight.shape
     pad = -out_features % COLUMN_BLOCK
@@ -103,7 +103,7 @@ class OneSequenceKernels:
         return _matmul(fn, weight, x, out_features, in_features, out_features)
 
     def column_linear(self, x: torch.Tensor, weight: ColumnBlocks) -> torch.Tensor:
-        """x [..., in] float32 @ the packed weight's [out, in].T -> [..., out] (column_blocks.c)."""
+        """x [..., in] float32 @ the blocked weight's [out, in].T -> [..., out] (column_blocks.c)."""
         fn = self.column_bf16 if weight.blocks.dtype == torch.bfloat16 else self.column_f32
         blocks, in_features = weight.blocks.shape[0], weight.blocks.shape[1]
         return _matmul(fn, weight.blocks, x, blocks * COLUMN_BLOCK, in_features, weight.out_features)

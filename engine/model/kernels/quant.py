@@ -4,7 +4,7 @@ exact in bf16 and fp16) and the sums accumulate in float32 (IEEE: no TF32 for fl
 
 - fp8_linear: e4m3 W with one float32 scale per (bn, bk) block; a K tile lies in one scale block
   (the tile divides bk). From sm_89 the tile is converted by the hardware; below, from its bits.
-- int4_linear: 4-bit W packed eight a word along the input, one scale and zero point per group of
+- int4_linear: 4-bit W, eight a 32-bit word along the input, one scale and zero point per group of
   `group` inputs; each word is loaded once and unpacked in registers; a K tile lies in one group.
 
 The grid: column blocks x K splits x row tiles of ROWS. The split count is fixed by (N, K) and
@@ -76,7 +76,7 @@ def _fp8():
 
 @functools.cache
 def _int4():
-    """4-bit weights packed eight a word, a scale and zero point a group."""
+    """4-bit weights eight a word, a scale and zero point a group."""
     import triton
     import triton.language as tl
 

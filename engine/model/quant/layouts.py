@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.quant.linear import QuantLinear, pack_int4, unpack
+from engine.model.quant.linear import QuantLinear, int4_words, word_values
 from engine.model.quant.schemes import Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column 8j + AWQ_ORDER[i] in nibble i of word j
@@ -65,13 +65,13 @@ def _ct_float(reader, scheme: Scheme, prefix: str) -> QuantLinear:
 
 def _ct_pack(reader, scheme: Scheme, prefix: str) -> QuantLinear:
     N, K = (int(v) for v in reader.raw(prefix + "weight_shape").tolist())
-    q = unpack(reader.raw(prefix + "weight_packed"), scheme.bits, K)  # [N, K], stored as q + 2^(bits - 1)
+    q = word_values(reader.raw(prefix + "weight_packed"), scheme.bits, K)  # [N, K], stored as q + 2^(bits - 1)
     scale = reader.raw(prefix + "weight_scale").reshape(N, -1)  # [N, groups]
     if scheme.symmetric:
         zero = torch.full(scale.shape, 1 << (scheme.bits - 1), dtype=torch.uint8, device=scale.device)
     else:  # packed along the rows
-        zero = unpack(reader.raw(prefix + "weight_zero_point").T.contiguous(), scheme.bits, N).T.to(torch.uint8)
-    data = pack_int4(q) if scheme.bits == 4 else q.to(torch.uint8)
+        zero = word_values(reader.raw(prefix + "weight_zero_point").T.contiguous(), scheme.bits, N).T.to(torch.uint8)
+    data = int4_words(q) if scheme.bits == 4 else q.to(torch.uint8)
     return QuantLinear("int", data, scale, (N, K), bits=scheme.bits, zero=zero, group=scheme.group_size or K)
 
 
@@ -91,14 +91,14 @@ def _grouped(reader, scheme: Scheme, prefix: str, q_kn: torch.Tensor, zeros_gn: 
         if not torch.equal(g_idx, torch.arange(K, device=g_idx.device) // group):
             perm = torch.argsort(g_idx, stable=True)
             q_kn = q_kn.index_select(0, perm)
-    return QuantLinear("int", pack_int4(q_kn.T.contiguous()), scale, (N, K), bits=4, zero=zero, group=group, perm=perm)
+    return QuantLinear("int", int4_words(q_kn.T.contiguous()), scale, (N, K), bits=4, zero=zero, group=group, perm=perm)
 
 
 def _gptq(reader, scheme: Scheme, prefix: str) -> QuantLinear:
     qweight = reader.raw(prefix + "qweight")  # [K / 8, N]
     K, N = qweight.shape[0] * 8, qweight.shape[1]
-    q = unpack(qweight.T.contiguous(), 4, K).T  # [K, N]: along the inputs, as the words run
-    zeros = unpack(reader.raw(prefix + "qzeros"), 4, N)  # [groups, N]: along the columns
+    q = word_values(qweight.T.contiguous(), 4, K).T  # [K, N]: along the inputs, as the words run
+    zeros = word_values(reader.raw(prefix + "qzeros"), 4, N)  # [groups, N]: along the columns
     if scheme.zeros_minus_one:
         zeros = zeros + 1
     return _grouped(reader, scheme, prefix, q, zeros)
@@ -106,7 +106,7 @@ def _gptq(reader, scheme: Scheme, prefix: str) -> QuantLinear:
 
 def _awq_unpack(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """[R, N / 8] words in AWQ's order -> [R, N]."""
-    nibbles = unpack(packed, 4, packed.shape[-1] * 8).view(*packed.shape, 8)  # [R, W, 8] nibble i
+    nibbles = word_values(packed, 4, packed.shape[-1] * 8).view(*packed.shape, 8)  # [R, W, 8] nibble i
     order = torch.tensor(AWQ_ORDER, device=packed.device)
     out = torch.empty_like(nibbles)
     out[..., order] = nibbles  # column 8j + AWQ_ORDER[i] <- nibble i

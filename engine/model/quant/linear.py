@@ -3,7 +3,7 @@
 
 - fp8: e4m3 values `data` [N, K] and `scale` [ceil(N / bn), ceil(K / bk)], one a block of (bn, bk)
   elements (a row per channel: (1, K); the whole tensor: (N, K)); weight = data x scale;
-- int: unsigned integers of `bits` bits, 4-bit packed eight a word along the input (`data` int32
+- int: unsigned integers of `bits` bits, 4-bit eight a word along the input (`data` int32
   [N, K / 8], element k in bits 4 (k % 8)), 8-bit as uint8 [N, K]; `scale` and the uint8 `zero`
   (an integer zero point, 2^(bits-1) where symmetric) [N, groups] of `group` inputs each; weight
   = (data - zero) x scale.
@@ -68,7 +68,7 @@ class QuantLinear:
             bn, bk = self.block
             scale = self.scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]  # [N, K]
             return (self.data.float() * scale.float()).to(dtype)
-        q = unpack(self.data, 4, K) if self.bits == 4 else self.data.int()  # [N, K]
+        q = word_values(self.data, 4, K) if self.bits == 4 else self.data.int()  # [N, K]
         scale = self.scale.float().repeat_interleave(self.group, 1)[:, :K]
         zero = self.zero.float().repeat_interleave(self.group, 1)[:, :K]
         return ((q.float() - zero) * scale).to(dtype)
@@ -129,7 +129,7 @@ class QuantLinear:
         """torch's CPU int4 kernel: weight = (q - 8) x scale + (8 - zero) x scale, per group."""
         if self.kind != "int" or self.bits != 4 or self.group not in CPU_INT4_GROUPS or self.shape[1] % self.group:
             return None
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(self.data, 4, self.shape[1]), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(word_values(self.data, 4, self.shape[1]), 1)
         scale = self.scale.float()
         scales_zeros = torch.stack([scale.T, ((8.0 - self.zero.float()) * scale).T], dim=-1).to(dtype)  # [G, N, 2]
         self._prepared = (packed, scales_zeros)
@@ -218,7 +218,7 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
 
 
-def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def word_values(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """[..., W] int32 words, 32 / bits values a word along the last dimension (element i in bits
     i x bits) -> [..., count] int32."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [32 / bits]
@@ -226,7 +226,7 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], -1)[..., :count]
 
 
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
+def int4_words(values: torch.Tensor) -> torch.Tensor:
     """[N, K] integers in 0..15 -> [N, ceil(K / 8)] int32 (element k in bits 4 (k % 8))."""
     N, K = values.shape
     padded = F.pad(values.long(), (0, (-K) % 8)).view(N, -1, 8)  # [N, W, 8]

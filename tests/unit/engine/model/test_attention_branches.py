@@ -10,7 +10,7 @@ import torch
 
 from engine.config import ModelPlan
 from engine.kv import make_pool, protocol
-from engine.model import transformer as transformer_module
+from engine.model import attention as attention_module
 from engine.model.attention import attention_branch
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
@@ -167,7 +167,7 @@ def test_the_flash_probe_says_no_off_cuda(model):
     fresh = Transformer.__new__(Transformer)
     q, k = torch.zeros(1, 4, 2, 16), torch.zeros(model.shape.num_kv_heads, 1, 5, 16)
     assert fresh._flash_takes_gqa(q, k) is False and fresh.flash_gqa is False
-    assert transformer_module._CAUSAL_BIAS_TAKES_GQA  # torch's CausalBias forwards enable_gqa
+    assert attention_module._CAUSAL_BIAS_TAKES_GQA  # torch's CausalBias forwards enable_gqa
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash_gqa", "no_flash_gqa"])

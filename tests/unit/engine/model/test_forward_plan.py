@@ -21,7 +21,7 @@ def test_candidates_are_the_paths_that_can_run_here(tiny_model):
     for role, kernel in (("target", "one_sequence_kernel"), ("draft", "token_step")):
         options = plan.candidates(role, "bfloat16", "cpu", shape)
         assert ModelPlan("float32") in options  # float32 represents bf16 weights exactly
-        assert (ModelPlan("bfloat16") in options) == plan.cpu_packs(torch.bfloat16)
+        assert (ModelPlan("bfloat16") in options) == plan.onednn_reorders(torch.bfloat16)
         assert all(not getattr(p, other) for p in options
                    for other in {"one_sequence_kernel", "token_step"} - {kernel})  # never the other role's path
         assert plan.candidates(role, "float32", "cpu", shape) == [p for p in options if p.dtype == "float32"]

@@ -38,14 +38,14 @@ def test_long_context_single_token_decode_matches_transformers(tmp_path, tok_dir
 
 
 def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok_dir, monkeypatch):
-    """Where oneDNN cannot pack bf16 (AVX2-only CPUs, simulated here), every candidate plan of a
+    """Where oneDNN cannot reorder bf16 (AVX2-only CPUs, simulated here), every candidate plan of a
     bf16 model computes in float32: the checkpoint's bf16 weights upcast exactly, a float32 KV
     pool, bit for bit what a float32 load computes."""
     from engine.model import plan as plan_module
 
-    if not linears.cpu_packs(torch.float32):
-        pytest.skip("oneDNN weight packing is not available in this torch build")
-    monkeypatch.setattr(plan_module, "cpu_packs", lambda dtype: dtype == torch.float32)
+    if not linears.onednn_reorders(torch.float32):
+        pytest.skip("oneDNN weight reordering is not available in this torch build")
+    monkeypatch.setattr(plan_module, "onednn_reorders", lambda dtype: dtype == torch.float32)
     make_model(tmp_path, tok_dir, seed=5, dtype=torch.bfloat16)
     shape = read_shape(tmp_path)
     for role in ("target", "draft"):
@@ -68,14 +68,14 @@ def test_packed_float32_rows_do_not_depend_on_the_batch():
     """The property exact greedy speculation rests on: a row's result is bit-identical whether
     it is computed alone, in a verify pass of a few rows, or in a large batch."""
 
-    if not linears.cpu_packs(torch.float32):
-        pytest.skip("oneDNN weight packing is not available in this torch build")
+    if not linears.onednn_reorders(torch.float32):
+        pytest.skip("oneDNN weight reordering is not available in this torch build")
     torch.manual_seed(0)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 512))  # [out, in]
     x = torch.randn(64, 512)  # [rows, in]
-    full = linears.packed_linear(x, packed)  # [64, out]
+    full = linears.reordered_linear(x, packed)  # [64, out]
     for rows in (1, 2, 5, 6, 9, 33):
-        assert torch.equal(linears.packed_linear(x[:rows], packed), full[:rows])
+        assert torch.equal(linears.reordered_linear(x[:rows], packed), full[:rows])
 
 
 def _prefill_then_steps(model_dir, m) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,27 +174,27 @@ def test_the_one_sequence_kernels_rows_do_not_depend_on_the_pass():
             w = torch.randn(out_features, 136).bfloat16()  # [out, in]
             x = torch.randn(30, 136)  # [rows, in]
             by_rows = kernels.linear(x, w)  # [30, out]
-            by_columns = kernels.column_linear(x, one_sequence.pack_columns(w))  # [30, out]
+            by_columns = kernels.column_linear(x, one_sequence.to_column_blocks(w))  # [30, out]
             for full in (by_rows, by_columns):
                 torch.testing.assert_close(full, x @ w.float().T, atol=1e-4, rtol=1e-4)
             assert torch.equal(by_rows, kernels.linear(x, w.float()))
-            assert torch.equal(by_columns, kernels.column_linear(x, one_sequence.pack_columns(w.float())))
+            assert torch.equal(by_columns, kernels.column_linear(x, one_sequence.to_column_blocks(w.float())))
             for n_threads in (1, 3):
                 torch.set_num_threads(n_threads)
                 for rows in (1, 2, 3, 4, 6, 7, 8, 9, 12, 13, 17, 24, 25):
                     assert torch.equal(kernels.linear(x[:rows], w), by_rows[:rows])
-                    assert torch.equal(kernels.column_linear(x[:rows], one_sequence.pack_columns(w)), by_columns[:rows])
+                    assert torch.equal(kernels.column_linear(x[:rows], one_sequence.to_column_blocks(w)), by_columns[:rows])
             torch.set_num_threads(threads)
             assert kernels.linear(x[:20].view(4, 5, 136), w).shape == (4, 5, out_features)
-            packed = one_sequence.pack_columns(w)
+            packed = one_sequence.to_column_blocks(w)
             assert kernels.column_linear(x[:20].view(4, 5, 136), packed).shape == (4, 5, out_features)
         # the column-block kernel takes any input width (the row kernel, multiples of 8)
         w, x = torch.randn(40, 37).bfloat16(), torch.randn(9, 37)
-        odd = kernels.column_linear(x, one_sequence.pack_columns(w))  # [9, 40]
+        odd = kernels.column_linear(x, one_sequence.to_column_blocks(w))  # [9, 40]
         torch.testing.assert_close(odd, x @ w.float().T, atol=1e-4, rtol=1e-4)
-        assert torch.equal(kernels.column_linear(x[:1], one_sequence.pack_columns(w)), odd[:1])
+        assert torch.equal(kernels.column_linear(x[:1], one_sequence.to_column_blocks(w)), odd[:1])
         with pytest.raises(ValueError, match="float32 or bfloat16"):
-            one_sequence.pack_columns(w.half())
+            one_sequence.to_column_blocks(w.half())
     finally:
         torch.set_num_threads(threads)
 
@@ -215,4 +215,4 @@ def test_the_column_block_kernel_sums_each_output_in_order_of_k():
     running = torch.zeros(3, 32)
     for k in range(40):
         running = running + x[:, k:k + 1] * w[:, k]
-    assert torch.equal(kernels.column_linear(x, one_sequence.pack_columns(w)), running)
+    assert torch.equal(kernels.column_linear(x, one_sequence.to_column_blocks(w)), running)

@@ -11,11 +11,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelPlan
-from engine.model.linears import cpu_packs
+from engine.model.linears import onednn_reorders
 from engine.model.loader import load_model
 from engine.model.passes import forward_chunks
 from engine.model.quant.layouts import _awq_unpack
-from engine.model.quant.linear import QuantLinear, unpack
+from engine.model.quant.linear import QuantLinear, word_values
 from tests import quantized_checkpoints as qc
 from tests.exactness import chi2_pvalue, exact_marginals, make_pair, sample_speculative
 from tests.helpers import greedy, make_eagle3_head, make_model, pool_for
@@ -71,10 +71,10 @@ def test_logits_match_the_reference_under_teacher_forcing(checkpoints, layout):
 def test_the_bit_layouts_word_by_word():
     """Single words as each layout documents them (element i in bits 4i; AWQ's nibble order)."""
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
-    assert unpack(word, 4, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # GPTQ down the inputs, ct along them
+    assert word_values(word, 4, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # GPTQ down the inputs, ct along them
     assert _awq_unpack(word, 8).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]  # nibble i -> column AWQ_ORDER[i]
-    assert unpack(torch.tensor([[0x04030201]], dtype=torch.int32), 8, 4).tolist() == [[1, 2, 3, 4]]
-    assert qc.pack_words(torch.tensor([[0, 4, 1, 5, 2, 6, 3, 7]]), qc.AWQ_ORDER).tolist() == [[0x76543210]]
+    assert word_values(torch.tensor([[0x04030201]], dtype=torch.int32), 8, 4).tolist() == [[1, 2, 3, 4]]
+    assert qc.to_words(torch.tensor([[0, 4, 1, 5, 2, 6, 3, 7]]), qc.AWQ_ORDER).tolist() == [[0x76543210]]
 
 
 def test_a_quantized_linear_runs_its_stored_form_not_a_dense_copy(checkpoints):
@@ -146,7 +146,7 @@ def test_the_weights_bytes_and_format_are_reported(checkpoints, dense):
     quantized = LLM(model=str(checkpoints["ct_w4a16"][0]), dtype="bfloat16", max_seq_len=64)
     plain = LLM(model=str(dense), dtype="bfloat16", max_seq_len=64)
     weights = quantized.engine.stats()["weights"]["target"]
-    computes = "bfloat16" if cpu_packs(torch.bfloat16) else "float32"  # a CPU without bf16 kernels computes in float32
+    computes = "bfloat16" if onednn_reorders(torch.bfloat16) else "float32"  # a CPU without bf16 kernels computes in float32
     assert weights == {"bytes": quantized.engine.model.weight_bytes, "format": f"int4 group 128 + {computes}"}
     assert weights["bytes"] < 0.5 * plain.engine.stats()["weights"]["target"]["bytes"]
 
@@ -157,7 +157,7 @@ def test_the_gpu_kernels_read_the_stored_form(form, rows):
     """The Triton kernels CUDA runs for decode and verify widths (here under Triton's interpreter)
     against the dequantized weight."""
     from engine.model.kernels import quant
-    from engine.model.quant.linear import pack_int4
+    from engine.model.quant.linear import int4_words
 
     g = torch.Generator().manual_seed(rows)
     N, K = 192, 256
@@ -169,7 +169,7 @@ def test_the_gpu_kernels_read_the_stored_form(form, rows):
     else:
         q = torch.randint(0, 16, (N, K), generator=g)
         perm = torch.randperm(K, generator=g) if form == "int4 act-order" else None
-        layer = QuantLinear("int", pack_int4(q), torch.rand(N, 2, generator=g).half(), (N, K), bits=4,
+        layer = QuantLinear("int", int4_words(q), torch.rand(N, 2, generator=g).half(), (N, K), bits=4,
                             zero=torch.randint(0, 16, (N, 2), generator=g, dtype=torch.uint8), group=128, perm=perm)
     x = torch.randn(rows, K, generator=g)
     kernel = quant.fp8_linear if form.startswith("fp8") else quant.int4_linear

@@ -11,12 +11,12 @@ import torch
 from engine.config import EngineConfig, ModelPlan
 from engine.model.invariance import check_passes, choose_invariance, linear_rows_rule
 from engine.model.kernels import one_sequence
-from engine.model.linears import at_least_rows, cpu_packs
+from engine.model.linears import at_least_rows, onednn_reorders
 from engine.model.loader import load_model
 from engine.model.passes import pool_for
 from tests.helpers import REPO
 
-needs_bf16 = pytest.mark.skipif(not cpu_packs(torch.bfloat16), reason="this CPU has no bf16 matmul kernels")
+needs_bf16 = pytest.mark.skipif(not onednn_reorders(torch.bfloat16), reason="this CPU has no bf16 matmul kernels")
 needs_kernels = pytest.mark.skipif(one_sequence.load() is None, reason="the CPU kernels do not build here")
 DTYPES = [pytest.param("bfloat16", marks=needs_bf16), pytest.param("float32", marks=needs_kernels)]
 

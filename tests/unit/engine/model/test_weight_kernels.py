@@ -15,7 +15,7 @@ from engine import LLM
 from engine.model import weight_kernels
 from engine.model.experts import Experts
 from engine.model.kernels import quant
-from engine.model.quant.linear import QuantLinear, pack_int4
+from engine.model.quant.linear import QuantLinear, int4_words
 from tests import quantized_checkpoints as qc
 from tests.helpers import greedy, make_model
 
@@ -66,9 +66,9 @@ def _layers(g: torch.Generator) -> dict[str, QuantLinear]:
     N, K = 192, 256
     fp8 = QuantLinear("fp8", (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn),
                       torch.rand(-(-N // 128), K // 128, generator=g) / 100, (N, K), block=(128, 128))
-    int4 = QuantLinear("int", pack_int4(torch.randint(0, 16, (N, K), generator=g)), torch.rand(N, 2, generator=g).half(),
+    int4 = QuantLinear("int", int4_words(torch.randint(0, 16, (N, K), generator=g)), torch.rand(N, 2, generator=g).half(),
                        (N, K), bits=4, zero=torch.randint(0, 16, (N, 2), generator=g, dtype=torch.uint8), group=128)
-    small = QuantLinear("int", pack_int4(torch.randint(0, 16, (N, K), generator=g)), torch.rand(N, 8, generator=g),
+    small = QuantLinear("int", int4_words(torch.randint(0, 16, (N, K), generator=g)), torch.rand(N, 8, generator=g),
                         (N, K), bits=4, zero=torch.randint(0, 16, (N, 8), generator=g, dtype=torch.uint8), group=32)
     return {"fp8": fp8, "int4": int4, "int4 group 32": small}
 
