@@ -21,12 +21,12 @@ from engine.model.cuda_graphs import Capture
 from engine.request import Request, RequestOutput, RequestStatus, StepOutput, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import IncrementalText
+from engine.tokenizer import ChatPrompt, IncrementalText
 from engine.uniforms import RandomStream
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | ChatPrompt  # text, token ids, or a conversation
 
 class LLMEngine:
     """The engine loop: requests in, StepOutputs out. Not thread-safe; see AsyncLLMEngine."""
@@ -88,7 +88,11 @@ class LLMEngine:
         return self.config.speculative
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else list(prompt)
+        """The prompt's ids, checked: every prompt (text, ids or a chat) is tokenized here."""
+        if isinstance(prompt, ChatPrompt):
+            ids = self.tokenizer.apply_chat_template(prompt.messages, prompt.tools)
+        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model.shape.vocab_size

@@ -5,11 +5,21 @@ detokenization with stop strings for streaming.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 
 def _as_id_set(value) -> set[int]:
     return set() if value is None else {value} if isinstance(value, int) else {int(v) for v in value}
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A prompt given as a conversation: its messages (and tools, for templates that render them)
+    through the checkpoint's chat template, the assistant's turn opened (`Tokenizer.apply_chat_template`)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
 
 
 class Tokenizer:

@@ -119,15 +119,14 @@ class AsyncLLMEngine:
         self._wake.set()
         return await asyncio.wrap_future(fut)
 
-    async def add(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                  chat: list[dict] | None = None, tools: list[dict] | None = None) -> RequestStream:
+    async def add(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queues a request and returns its stream. Raises ValueError for bad input and
-        EngineOverloadedError when the engine's waiting queue is full. With `chat`, the prompt
-        is built from the messages (and `tools`) by the tokenizer's chat template (prompt is ignored)."""
-        return (await self.add_samples(prompt, [params], request_id, chat, tools))[0]
+        EngineOverloadedError when the engine's waiting queue is full. A `ChatPrompt` is built from
+        its messages (and tools) by the tokenizer's chat template, on the engine's side."""
+        return (await self.add_samples(prompt, [params], request_id))[0]
 
-    async def add_samples(self, prompt: Prompt, params: list[SamplingParams], request_id: str | None = None,
-                          chat: list[dict] | None = None, tools: list[dict] | None = None) -> list[RequestStream]:
+    async def add_samples(self, prompt: Prompt, params: list[SamplingParams],
+                          request_id: str | None = None) -> list[RequestStream]:
         """`add` for len(params) samples of one prompt (OpenAI's n), queued together or not at all:
         the first computes the prompt, the others read it from the prefix cache once it is in KV."""
         loop = asyncio.get_running_loop()
@@ -137,7 +136,7 @@ class AsyncLLMEngine:
             if self.max_waiting_requests is not None and engine.num_waiting() + len(params) > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the engine has {engine.num_waiting()} requests waiting (limit {self.max_waiting_requests})")
-            ids = engine.tokenizer.apply_chat_template(chat, tools) if chat is not None else prompt
+            ids = engine.tokenize_prompt(prompt)  # once for every sample
             added: list[str] = []
             try:
                 for i, p in enumerate(params):

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, with_embedded_defaults
 from engine.grammar import GrammarError
 from engine.metrics import StepMetrics
 from engine.request import RequestOutput
+from engine.tokenizer import ChatPrompt
 from serve_app.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, StreamDelta
 from serve_app.errors import APIError
 from serve_app.http_app import DONE, event
@@ -36,9 +37,42 @@ from serve_app.replica import (
     rss_bytes,
     threads_for_replica,
 )
-from serve_app.tool_calls import FORMATS, ToolCallReader, render_messages, tool_format
+from serve_app.tool_parsers import format_of_template, parser_for
+from serve_app.tool_rendering import render_messages
 
 log = logging.getLogger("ray.serve")  # configured by Serve in replicas
+
+
+async def interleaved(streams: list) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(choice index, delta) of every stream as each arrives; a stream's error is raised here.
+    Closing it cancels the rest and closes every stream (aborting its request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except BaseException as exc:  # an engine error reaches the client as an event
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            index, item = await queue.get()
+            if item is None:
+                open_ -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
 
 
 def speculation_stats(outs: list[RequestOutput], method: str | None) -> dict:
@@ -96,8 +130,8 @@ class OpenAIServing:
 
     def __init__(self, engine: dict | None = None, served_model_name: str = "specserve-default",
                  max_waiting_requests: int = 64, max_n: int = 16, tool_call_format: str = "auto"):
-        if tool_call_format not in ("auto", *FORMATS):
-            raise ValueError(f"tool_call_format must be 'auto' or one of {list(FORMATS)}, got {tool_call_format!r}")
+        if tool_call_format != "auto":
+            parser_for(tool_call_format)  # ValueError naming the formats
         bound_kernel_caches()  # before any model runs in this replica process
         config = engine_config(engine)
         self.engine = AsyncLLMEngine(config, max_waiting_requests=max_waiting_requests)
@@ -105,8 +139,8 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.max_n = max_n
         self.token_texts = TokenTexts(self.engine.engine.tokenizer)  # logprobs' token strings
-        found, self.template_renders_tools = tool_format(getattr(self.engine.engine.tokenizer.hf, "chat_template", None))
-        self.tool_format = found if tool_call_format == "auto" else tool_call_format  # how `auto` calls are read
+        found, self.template_renders_tools = format_of_template(getattr(self.engine.engine.tokenizer.hf, "chat_template", None))
+        self.tool_parser = parser_for(found if tool_call_format == "auto" else tool_call_format)  # how `auto` calls are read
         self.created = int(time.time())
         self.metrics_buffer = BufferedRecorder()
         self.engine.step_observers.append(StepMetrics(self.metrics_buffer, served_model_name).on_step)
@@ -163,7 +197,7 @@ class OpenAIServing:
         settings = self.config.speculative
         return settings.speculative_method if settings.use_speculative_decoding else None
 
-    async def _start(self, req, prompt, chat, default_max_tokens, tools=None):
+    async def _start(self, req, prompt, default_max_tokens):
         request_id = None
         if self.test_hooks and req.user in (FAULT_USER, DEVICE_FAULT_USER):
             request_id = f"{FAULT_PREFIX if req.user == FAULT_USER else DEVICE_FAULT_PREFIX}{uuid.uuid4().hex}"
@@ -175,7 +209,7 @@ class OpenAIServing:
             # each choice its own seeded stream: seed + i when a seed is given
             samples = [params if i == 0 else dataclasses.replace(
                 params, seed=None if params.seed is None else (params.seed + i) % 2**63) for i in range(req.n)]
-            return await self.engine.add_samples(prompt, samples, request_id=request_id, chat=chat, tools=tools)
+            return await self.engine.add_samples(prompt, samples, request_id=request_id)
         except GrammarError as exc:
             raise APIError(400, f"{req.grammar_param}: {exc}", param=req.grammar_param, code="invalid_value") from None
         except ValueError as exc:
@@ -191,7 +225,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         """A completion's response body, or (stream) its server-sent events; raises APIError."""
         self.check_model(req)
-        streams = await self._start(req, req.prompt, None, 16)
+        streams = await self._start(req, req.prompt, 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, **_tier(req)}
 
@@ -230,28 +264,18 @@ class OpenAIServing:
         tool_set = req.tool_set
         messages, tools = render_messages([m.for_template() for m in req.messages], tool_set.tools,
                                           self.template_renders_tools)
-        streams = await self._start(req, None, messages, self._default_chat_max_tokens(), tools)
+        streams = await self._start(req, ChatPrompt(messages, tools), self._default_chat_max_tokens())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name, **_tier(req)}
-        readers = [ToolCallReader(tool_set, self.tool_format) for _ in streams]  # text and tool calls
-
-        def finish_reason(index: int, reason: str | None) -> str | None:
-            return "tool_calls" if reason == "stop" and readers[index].calls else reason
+        parsers = [self.tool_parser(tool_set) for _ in streams]  # text and tool calls
 
         if req.stream:
             chunk_base = {**base, "object": "chat.completion.chunk"}
 
             def chunk_choice(index: int, d: StreamDelta) -> dict:
-                delta = readers[index].feed(d.text)
-                if d.finished:
-                    last = readers[index].finish()
-                    if "content" in last:
-                        delta["content"] = delta.get("content", "") + last["content"]
-                    if "tool_calls" in last:
-                        delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
-                return {"index": index, "delta": delta,
+                return {"index": index, "delta": parsers[index].delta(d.text, d.finished),
                         "logprobs": chat_logprobs(self.token_texts, d.logprobs) if req.logprobs else None,
-                        "finish_reason": finish_reason(index, d.finish_reason) if d.finished else None}
+                        "finish_reason": parsers[index].finish_reason(d.finish_reason) if d.finished else None}
 
             first = {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None} for i in range(len(streams))]}
@@ -259,15 +283,9 @@ class OpenAIServing:
         outs = await self._collect_all(streams)
         choices = []
         for i, out in enumerate(outs):
-            reader = readers[i]
-            reader.feed(out.text)
-            reader.finish()
-            message = {"role": "assistant", "content": reader.content}
-            if reader.calls:
-                message = {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}
-            choices.append({"index": i, "message": message,
+            choices.append({"index": i, "message": parsers[i].message(out.text),
                             "logprobs": chat_logprobs(self.token_texts, out.logprobs or []) if req.logprobs else None,
-                            "finish_reason": finish_reason(i, out.finish_reason)})
+                            "finish_reason": parsers[i].finish_reason(out.finish_reason)})
         return {**base, "choices": choices, "usage": usage(outs),
                 "speculation": speculation_stats(outs, self._spec_method)}
 
@@ -300,38 +318,9 @@ class OpenAIServing:
         include_usage = req.include_usage
         emit = functools.partial(chunk_event, obfuscate=req.obfuscate)
 
-        async def merged() -> AsyncIterator[tuple[int, StreamDelta]]:
-            queue_: asyncio.Queue = asyncio.Queue()
-
-            async def pump(index: int, stream) -> None:
-                try:
-                    async for delta in stream:
-                        await queue_.put((index, delta))
-                except BaseException as exc:  # an engine error reaches the client as an event
-                    await queue_.put((index, exc))
-                finally:
-                    await queue_.put((index, None))
-
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-            try:
-                open_ = len(streams)
-                while open_:
-                    index, item = await queue_.get()
-                    if item is None:
-                        open_ -= 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        yield index, item
-            finally:
-                for t in tasks:
-                    t.cancel()
-                for s in streams:
-                    await s.aclose()
-
         async def events() -> AsyncIterator[str]:
             outs: list[RequestOutput | None] = [None] * len(streams)
-            deltas = merged()
+            deltas = interleaved(streams)
             try:
                 if first is not None:
                     yield emit(first)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from serve_app.errors import APIError
-from serve_app.tool_calls import Tool, ToolCall, ToolChoice, ToolSet
+from serve_app.tool_schemas import Tool, ToolCall, ToolChoice, ToolSet
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat allows 20; completions 5, vLLM 20)

@@ -13,7 +13,10 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest
-from serve_app.tool_calls import Tool, ToolCallReader, ToolSet, render_messages, tool_format
+from serve_app.tool_parsers import PARSERS, ToolParser, format_of_template, parser_for, register_parser
+from serve_app.tool_parsers.hermes import HermesParser
+from serve_app.tool_rendering import render_messages
+from serve_app.tool_schemas import Tool, ToolSet
 from tests.helpers import REPO
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
@@ -29,12 +32,12 @@ def target_dir() -> Path:
     return REPO / "models" / "target"
 
 
-def _reader(choice, fmt: str) -> ToolCallReader:
+def _reader(choice, fmt: str) -> ToolParser:
     ids = itertools.count()
-    return ToolCallReader(ToolSet(tools=TOOLS, choice=choice), fmt, new_id=lambda: f"call_{next(ids)}")
+    return parser_for(fmt)(ToolSet(tools=TOOLS, choice=choice), new_id=lambda: f"call_{next(ids)}")
 
 
-def _read(choice, fmt: str, text: str, cuts: list[int]) -> tuple[ToolCallReader, list[dict]]:
+def _read(choice, fmt: str, text: str, cuts: list[int]) -> tuple[ToolParser, list[dict]]:
     reader, deltas, start = _reader(choice, fmt), [], 0
     for cut in [*cuts, len(text)]:
         deltas.append(reader.feed(text[start:cut]))
@@ -163,11 +166,32 @@ def test_tool_choice_defaults_to_auto_with_tools_and_the_grammar_names_its_schem
 
 
 def test_formats_are_read_off_the_chat_template():
-    assert tool_format(None) == ("hermes", False)
-    assert tool_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == ("hermes", False)
-    assert tool_format("{% if tools %}<tool_call>{% endif %}") == ("hermes", True)
-    assert tool_format("{% if tools %}<|python_tag|>{% endif %}") == ("llama3_json", True)
-    assert tool_format("{% if tools %}[TOOL_CALLS]{% endif %}") == ("mistral", True)
+    assert format_of_template(None) == ("hermes", False)
+    assert format_of_template("{% for m in messages %}{{ m['content'] }}{% endfor %}") == ("hermes", False)
+    assert format_of_template("{% if tools %}<tool_call>{% endif %}") == ("hermes", True)
+    assert format_of_template("{% if tools %}<|python_tag|>{% endif %}") == ("llama3_json", True)
+    assert format_of_template("{% if tools %}[TOOL_CALLS]{% endif %}") == ("mistral", True)
+
+
+def test_every_format_has_its_parser_and_an_unknown_one_names_them():
+    assert {name: p.name for name, p in PARSERS.items()} == {"mistral": "mistral", "hermes": "hermes",
+                                                            "llama3_json": "llama3_json"}
+    assert parser_for("hermes") is HermesParser
+    with pytest.raises(ValueError, match=r"one of \['mistral', 'hermes', 'llama3_json'\], got 'xml'"):
+        parser_for("xml")
+    with pytest.raises(ValueError, match="'hermes' is already registered"):
+        register_parser(HermesParser)
+
+
+def test_a_format_registered_from_a_test_is_found_by_name_and_template():
+    class Bracketed(HermesParser):
+        name, template_marks = "bracketed_test", ("<<call>>",)
+    register_parser(Bracketed)
+    try:
+        assert parser_for("bracketed_test") is Bracketed
+        assert format_of_template("{% if tools %}<<call>>{% endif %}") == ("bracketed_test", True)
+    finally:
+        del PARSERS["bracketed_test"]
 
 
 CALLED = {"role": "assistant", "content": "", "tool_calls": [
@@ -195,7 +219,7 @@ QWEN_LIKE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% 
 def test_a_template_that_renders_tools_gets_them_and_the_calls_arguments_as_objects(target_dir):
     tok = Tokenizer(target_dir)
     tok.hf.chat_template = QWEN_LIKE
-    fmt, renders = tool_format(tok.hf.chat_template)
+    fmt, renders = format_of_template(tok.hf.chat_template)
     assert (fmt, renders) == ("hermes", True)
     messages, tools = render_messages([{"role": "user", "content": "weather?"}, CALLED, ANSWERED], TOOLS, renders)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
