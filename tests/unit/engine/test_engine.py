@@ -7,6 +7,7 @@ import pytest
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.config import with_embedded_defaults
 from engine.metrics import StepMetrics
+from engine.tokenizer import ChatPrompt
 from tests.helpers import REPO, InMemoryRecorder, greedy
 
 PROMPTS = [
@@ -251,6 +252,16 @@ def test_bad_requests_and_config_raise_clear_errors(tiny_model):
     while eng.has_unfinished_requests():
         eng.step()
     assert len(eng.get_output(ok).token_ids) == 5
+
+
+def test_a_chat_prompt_is_tokenized_by_the_engine_through_the_chat_template(tiny_model):
+    eng = make_llm(tiny_model[0]).engine
+    chat = ChatPrompt([{"role": "user", "content": "hi"}])
+    eng.tokenizer.hf.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+    ids = eng.tokenize_prompt(chat)
+    assert ids == eng.tokenizer.encode("[user]hi[assistant]") and ids != eng.tokenize_prompt("hi")
+    rid = eng.add_request(chat, greedy(4))
+    assert eng._requests[rid].prompt_token_ids == ids
 
 
 def test_repetition_penalty_changes_greedy_output(tiny_model):
