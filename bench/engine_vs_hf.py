@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from bench import tables
 from bench.common import interleave, summarize, write
 
 
@@ -82,6 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     path = write("engine_vs_hf", {"tokens": args.tokens, "params_m": 27.8, "dtype": "bfloat16",
                                   "results": results}, llm)
     print(f"wrote {path}")
+
+
+def _table(r: dict) -> list[str]:
+    m = r["machine"]
+    lines = [f"**Plain decode, our engine vs transformers `generate`** — random-init {r['params_m']}M Llama, "
+             f"{r['dtype']}, {r['tokens']} new tokens, {tables.host(m)}, {m['threads']} threads, torch {m['torch']} "
+             "(`python -m bench hf`):", "",
+             "| batch | ours tok/s | transformers tok/s | ratio |", "| --- | --- | --- | --- |"]
+    for b, row in r["results"].items():
+        lines.append(f"| {b} | {row['ours']['median']:.0f} | {row['transformers']['median']:.0f} | "
+                     f"{row['ratio']:.2f}x |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("engine_vs_hf")) is None else _table(r)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench import tables
 from bench.common import batch1_llm, interleave, ours_variant, parser, summarize, write
 from bench.peers import OURS_VARIANTS
 from bench.workloads import load_prompts
@@ -148,6 +149,26 @@ def main(argv: list[str] | None = None) -> None:
                                "prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats,
                                "workloads": results})
     print(f"wrote {path}")
+
+
+def _table(r: dict) -> list[str]:
+    if r.get("status") != "measured":
+        return [f"**llama.cpp**: {r.get('status')}", ""]
+    lines = [f"**llama.cpp** (llama-cpp-python {r['llama_cpp_python']}, the shipped target converted to GGUF "
+             f"{r['gguf']}, batch 1, greedy, {r['tokens']} new tokens, {tables.host(r['machine'])}, "
+             f"{r['machine']['threads']} threads; `python -m bench llamacpp`):", "",
+             "| workload | variant | tok/s | vs llama.cpp plain | same tokens as llama.cpp plain |",
+             "| --- | --- | --- | --- | --- |"]
+    for w, table in r["workloads"].items():
+        for name, e in table.items():
+            lines.append(f"| {w} | {name} | {e['tok_s']['median']:.0f} | {e['vs_llama_cpp_plain']:.2f}x | "
+                         f"{e['same_as_llama_cpp_plain']:.0%} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("llama_cpp")) is None else _table(r)
 
 
 if __name__ == "__main__":

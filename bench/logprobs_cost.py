@@ -14,8 +14,8 @@ import statistics
 
 import torch
 
+from bench.batch_run import run_batch
 from bench.common import PLAIN, adaptive, interleave, parser, summarize, write
-from bench.sweep import run_batch
 from bench.workloads import load_prompts
 
 SPECULATION = {"plain": PLAIN, "eagle adaptive": adaptive("eagle")}

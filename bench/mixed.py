@@ -21,8 +21,9 @@ from collections import Counter
 
 import torch
 
+from bench import tables
+from bench.batch_run import PREFILL_BUDGET, run_batch
 from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
-from bench.sweep import PREFILL_BUDGET, run_batch
 from bench.workloads import load_prompts
 
 HIGH_TEMPERATURE = 0.8  # the low-acceptance half samples at this temperature
@@ -127,6 +128,42 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"workload": args.workload, "halves": args.halves, "tokens": args.tokens, "repeats": args.repeats,
                "high_temperature": HIGH_TEMPERATURE, "prefill_budget": PREFILL_BUDGET, "results": results}
     print(f"wrote {write(name, payload, llm)}")
+
+
+def _table(r: dict, halves: dict | None) -> list[str]:
+    """A K per request on the mixed batch (and uniform ones): each variant ÷ plain, and per-request ÷ one K."""
+    workload = {"mix": "edits greedy and code at T = 0.8, half each", "edit": "all edits (greedy)",
+                "code": "all code at T = 0.8"}[r["workload"]]
+    names = list(next(iter(r["results"].values())))
+    lines = [f"**A K per request, {workload}** — `hybrid` (prompt lookup, else the EAGLE-3 head), "
+             f"{r['tokens']} tokens a request, {r['repeats']} interleaved repeats: median tok/s ÷ plain, and "
+             f"per-request K ÷ one K paired per repeat, median [range]; {tables.host(r['machine'])} "
+             f"(`python -m bench mixed --workload {r['workload']}`).", "",
+             "| batch | " + " | ".join(names) + " | per-request ÷ one K |", "| --- " * (len(names) + 2) + "|"]
+    for batch, row in r["results"].items():
+        paired = row["per-request K"]["vs_one_k"]
+        lines.append(f"| {batch} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f} ({row[n]['vs_plain']['median']:.2f}x)"
+                                                for n in names)
+                     + f" | {paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] |")
+    if halves is not None and r["workload"] == "mix":
+        lines += ["", "Each half alone at half the batch (the ceiling a single K reaches for it), best ÷ plain:", "",
+                  "| batch | edits: best | code: best |", "| --- | --- | --- |"]
+        for batch, row in halves["results"].items():
+            cells = []
+            for half in ("edit", "code"):
+                best = max(row[half], key=lambda n: row[half][n]["tok_s"]["median"])
+                cells.append(f"{best} {row[half][best]['vs_plain']['median']:.2f}x")
+            lines.append(f"| {batch} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's tables: each mixed run's, the mix with its halves' ceilings."""
+    out = []
+    for name in ("mixed_mix", "mixed_edit", "mixed_code"):
+        if (r := tables.load(name)) is not None:
+            out += _table(r, tables.load("mixed_ceiling_halves"))
+    return out
 
 
 if __name__ == "__main__":

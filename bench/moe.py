@@ -14,10 +14,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from bench import tables
 from bench.common import host_class, machine, write
 from bench.gpu.context import Context
 from bench.gpu.moe import measure
-from bench.gpu.weights import REDUCED_MOE
+from bench.random_checkpoints import REDUCED_MOE
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,3 +44,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pair: {out['pair']['teacher_forced']}")
     print(f"host: {host_class(machine())}")
     print(f"wrote {write(args.out, {'shape': 'reduced Qwen3-MoE', 'repeats': args.repeats, **out})}")
+
+
+def _table(r: dict) -> list[str]:
+    lines = [f"**A mixture of experts** — {r['shape']} (128 experts, top 8), a pair at greedy alpha "
+             f"{r['pair']['teacher_forced']['greedy']:.2f} with its one-layer prefix draft, float32, greedy, "
+             f"{r['repeats']} interleaved repeats, median tok/s [range]; {tables.host(r['machine'])} (`python -m bench moe`).", "",
+             "| batch | transformers | plain | fixed K = 2 | fixed K = 4 | adaptive | adaptive ÷ best fixed K |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in r["batches"].items():
+        v = row["variants"]
+        cells = [f"{v[n]['tok_s']['median']:.0f} [{v[n]['tok_s']['min']:.0f}, {v[n]['tok_s']['max']:.0f}]"
+                 for n in ("plain", "fixed K=2", "fixed K=4", "adaptive")]
+        lines.append(f"| {batch} | {row['transformers_tok_s']['median']:.0f} | {' | '.join(cells)} | "
+                     f"{row['adaptive_over_best_fixed']:.3f} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("moe_cpu")) is None else _table(r)

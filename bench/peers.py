@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from bench import tables
 from bench.common import PLAIN, adaptive, batch1_llm, interleave, ours_variant, parser, summarize, write
 from bench.workloads import load_prompts
 
@@ -127,6 +128,47 @@ def main(argv: list[str] | None = None) -> None:
                            "dtype": str(dtype).removeprefix("torch."), "batch": 1, "temperature": 0.0,
                            "workloads": results}, llm)
     print(f"wrote {path}")
+
+
+def _table(r: dict) -> list[str]:
+    m = r["machine"]
+    lines = [f"**Peers on the same weights** — the shipped pair in bf16, batch 1, greedy, {r['tokens']} new tokens, "
+             f"{r['prompts']} held-out prompts per workload, medians of {r['repeats']} interleaved runs, "
+             f"{m['threads']} threads, {tables.host(m)}; ours: {tables.plan(r)} (`python -m bench peers`):", "",
+             "| workload | variant | tok/s | vs transformers plain | vs transformers assisted | same tokens as own plain |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for w, block in r["workloads"].items():
+        for name, e in block["results"].items():
+            lines.append(f"| {w} | {name} | {e['tok_s']['median']:.0f} | {e['vs_transformers_plain']:.2f}x | "
+                         f"{e['vs_transformers_assisted']:.2f}x | {e['same_as_plain']:.0%} |")
+    lines += ["", "Our plain greedy tokens vs transformers' plain greedy tokens (bf16, different kernels): " + ", ".join(
+        f"{w} {b['ours_plain_matches_transformers_plain']:.0%} positions equal" for w, b in r["workloads"].items()), ""]
+    return lines + tables.img("peers")
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("peers")) is None else _table(r)
+
+
+def page_targets() -> list[tables.Target]:
+    """The target against transformers' assisted generation."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    if (r := tables.load("peers")) is not None:
+        parts, met = [], True
+        for w, block in r["workloads"].items():
+            res = block["results"]
+            same_draft = res["ours draft (adaptive)"]["vs_transformers_assisted"]  # the same draft model
+            ours = {n: e for n, e in res.items() if n.startswith("ours") and "plain" not in n}
+            name = max(ours, key=lambda n: ours[n]["vs_transformers_assisted"])
+            parts.append(f"{w}: draft {same_draft:.2f}x, best {ours[name]['vs_transformers_assisted']:.2f}x ({name})")
+            met &= same_draft >= 2.0
+        row("our speculative decoding (same draft) >= 2x transformers assisted generation", "; ".join(parts), met)
+    return rows
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench import tables
 from bench.common import (
     PLAIN,
     adaptive,
@@ -114,6 +115,46 @@ def summarize_runs(runs: dict, batches: list[int], auto: str, plans: dict[str, d
                   f"{entry['tok_s'][best]['median']:7.1f} ({best}); auto/best other {statistics.median(ratios):.3f} "
                   f"({min(ratios):.3f}-{max(ratios):.3f})")
     return results
+
+
+def _table(r: dict) -> list[str]:
+    m, res, auto = r["machine"], r["results"], r["auto"]
+    lines = [f"**Forward plan: measured (auto) vs the others** — workload `{r['workload']}`, greedy, {r['tokens']} new "
+             f"tokens, batch 1 ({r['prompts']} prompts one at a time) and 16, medians of {r['repeats']} interleaved "
+             f"runs, {tables.host(m)}, {m['threads']} threads (`python -m bench plan`); auto: {auto}. One engine per plan: "
+             "auto's, and each change of one model's plan from it; auto is compared with the best engine whose plan "
+             "changes the setting's passes (plain decoding: only the target's):", "",
+             "| setting | auto tok/s | best other plan | its tok/s | auto ÷ best other (median of per-run ratios, range) |",
+             "| --- | --- | --- | --- | --- |"]
+    for setting, e in res.items():
+        best, ratio = e["best_other"], e["auto_over_best_other"]
+        lines.append(f"| {setting} | {e['tok_s'][auto]['median']:.0f} | {best} | {e['tok_s'][best]['median']:.0f} | "
+                     f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) |")
+    names = list(next(iter(res.values()))["tok_s"])
+    lines += ["", "Every engine, tok/s:", "", "| plan | " + " | ".join(res) + " |", "| --- |" + " --- |" * len(res)]
+    lines += [f"| {n}{' (auto)' if n == auto else ''} | " + " | ".join(f"{e['tok_s'][n]['median']:.0f}" for e in res.values())
+              + " |" for n in names]
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("plans")) is None else _table(r)
+
+
+def page_targets() -> list[tables.Target]:
+    """The forward plan's target: auto within 5% of the best other."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    if (r := tables.load("plans")) is not None:
+        ratios = {k: e["auto_over_best_other"]["median"] for k, e in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        row("forward plan: auto within 5% of the best other plan (plain, draft K=5, hybrid adaptive; batch 1 and 16)",
+            f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
+    return rows
 
 
 if __name__ == "__main__":

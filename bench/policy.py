@@ -27,9 +27,11 @@ import statistics
 
 import torch
 
+from bench import tables
+from bench.batch_run import PREFILL_BUDGET, run_batch
 from bench.common import PLAIN, adaptive, fixed, host_class, interleave, parser, summarize, write
 from bench.mixed import HIGH_TEMPERATURE, batch_of
-from bench.sweep import PREFILL_BUDGET, held_out_ratios, run_batch
+from bench.sweep import held_out_ratios
 from bench.workloads import agent_prompts, load_prompts
 
 WORKLOADS = ("code0", "code08", "edit", "agent", "mix")
@@ -199,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
                               for m, llm in engines.items()}}
     print("\n".join(table(payload)))
     print(f"wrote {write(args.out, payload, next(iter(engines.values())))}")
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("policy")) is None else table(r)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from bench import tables
 from bench.common import host_class, machine, write
 from bench.gpu.context import Context
 from bench.gpu.quantized import compare
@@ -44,3 +45,23 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     print(f"host: {host}")
     print(f"wrote {write('quantized_cpu', {'shape': 'Qwen3-0.6B', 'repeats': args.repeats, 'formats': rows})}")
+
+
+def _table(r: dict) -> list[str]:
+    rows = r["formats"]
+    lines = [f"**Weight-only quantization** — a {r['shape']}-shaped random model, plain batch-1 decoding, "
+             f"{r['repeats']} interleaved repeats (the first dropped), median step [range]; {tables.host(r['machine'])} "
+             "(`python -m bench quantized`). Bytes: the layers' linears with scales and zero points ÷ bf16's, "
+             "then the whole model (the embedding stays bf16).", "",
+             "| format | step, ms | bf16 ÷ this | linears' bytes ÷ bf16 | whole model |", "| --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        step = row["step_ms"]
+        ratio = f"{row['bf16_step_over_this']:.2f}x" if name != "bf16" else "1"
+        lines.append(f"| {row['format']} | {step['median']:.1f} [{step['min']:.1f}, {step['max']:.1f}] | {ratio} | "
+                     f"{row.get('linear_bytes_over_bf16', 1.0):.3f} | {row.get('bytes_over_bf16', 1.0):.3f} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("quantized_cpu")) is None else _table(r)

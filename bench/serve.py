@@ -35,6 +35,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
+from bench import tables
 from bench.common import RESULTS, host_class, machine, parser, write
 from bench.workloads import load_prompts
 
@@ -244,6 +245,54 @@ def main(argv: list[str] | None = None) -> None:
                            "forward_plan": stats.get("forward_plan"), "engine_threads": threads,
                            "guidellm_command": shareable(command, url, data), "results": rows, "raw": results})
     print(f"wrote {path}")
+
+
+def _table(r: dict) -> list[str]:
+    slo = r["slo"]
+    lines = [f"**Serving sweep with guidellm** — `serve run serve_config.yaml` (one replica, {r['engine_threads']} "
+             f"engine thread), {tables.host(r['machine'])}; per level, each mode applied live (`serve deploy` of its user_config) "
+             f"then `guidellm run` with that many concurrent streams, {r['tokens']} output tokens a request over the "
+             f"code prompts, greedy; medians of {r['repeats']} interleaved repeats (`python -m bench serve`). "
+             f"Goodput: requests/s with TTFT ≤ {slo['ttft_ms']:.0f} ms and mean inter-token latency ≤ "
+             f"{slo['itl_ms']:.0f} ms. One run's command, against `serve run serve_config.yaml` on port 8000 "
+             "(`prompts.jsonl`: the code prompts, a `{\"prompt\", \"output_tokens_count\"}` object a line):", "", f"`{r['guidellm_command']}`", "",
+             "| streams | mode | output tok/s (range) | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | goodput (req/s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for level, row in r["results"].items():
+        for name, m in row["modes"].items():
+            goodput = "" if m["goodput_rps"] is None else f"{m['goodput_rps']:.2f}"
+            lines.append(f"| {level} | {name} | {m['tok_s']:.0f} ({m['tok_s_range'][0]:.0f}–{m['tok_s_range'][1]:.0f}) | "
+                         f"{m['ttft_ms']['p50']:.0f} / {m['ttft_ms']['p95']:.0f} | {m['itl_ms']['p50']:.1f} / "
+                         f"{m['itl_ms']['p95']:.1f} | {goodput} |")
+    lines += ["", "Adaptive ÷ max(plain, best fixed K), output tokens/s: " + ", ".join(
+        f"{lv} streams {row['adaptive_over_best']:.3f} ({row['best_fixed']})" for lv, row in r["results"].items()),
+        "", "HTTP ÷ in-process (the serving layer's share): " + ", ".join(
+        f"{lv} streams " + " / ".join(f"{m} {v:.2f}" for m, v in row["http_over_in_process"].items())
+        for lv, row in r["results"].items()), ""]
+    return lines + tables.img("serve")
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("serve")) is None else _table(r)
+
+
+def page_targets() -> list[tables.Target]:
+    """The serving targets: adaptive against the best fixed K, and at one stream against plain."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    if (r := tables.load("serve")) is not None:
+        ratios = {lv: row_["adaptive_over_best"] for lv, row_ in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        row("serving (guidellm): adaptive >= 0.97 x max(plain, best fixed K) at every concurrency",
+            f"{min(ratios.values()):.3f} ({worst} streams) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.97)
+        if "1" in r["results"]:
+            one = r["results"]["1"]["adaptive_over_plain"]
+            row("serving (guidellm): adaptive >= 1.8x plain at concurrency 1", f"{one:.2f}x", one >= 1.8)
+    return rows
 
 
 if __name__ == "__main__":

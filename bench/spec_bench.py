@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from bench import tables
 from bench.common import (
     PLAIN,
     adaptive,
@@ -259,6 +260,130 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats, "seeds": "repeat * prompts + prompt index", "costs": costs,
         "costs_interleaved": in_run, "costs_interleaved_eagle": in_run_eagle, "results": table}, llm)
     print(f"wrote {path}")
+
+
+def _seeds(r: dict) -> str:
+    """How a sampled spec run chose its seeds (runs before the per-repeat seeds used one seed)."""
+    if r["temperature"] == 0:
+        return ""
+    if "seeds" in r:
+        return (f", each repeat on its own seeds ({r['prompts'] * r['repeats']} sampled texts per configuration, "
+                "the same seeds for every configuration of a repeat)")
+    return ", one seed for every run (each configuration judged on its own sampled text per prompt)"
+
+
+def _spec_table(r: dict) -> list[str]:
+    m = r["machine"]
+    costs = r["costs_interleaved"]  # batch 1, measured between the configurations of every repeat
+    c = (f"c = {costs['c']['median']:.3f}, range {costs['c']['min']:.3f} to {costs['c']['max']:.3f} over "
+         f"the repeats ({costs['draft_T1']:.2f} ms draft step / {costs['target_T1']:.2f} ms target step, "
+         "forward passes alone, measured between the configurations)")
+    lines = [f"**Speculative decoding on the shipped pair** — workload `{r['workload']}`, {r['prompts']} held-out "
+             f"prompts, {r['tokens']} new tokens, temperature {r['temperature']}, batch 1, medians of {r['repeats']} "
+             f"interleaved runs{_seeds(r)}; {c}; {tables.plan(r)}; {tables.host(m)}, {m['threads']} threads "
+             f"(`python -m bench spec --workload {r['workload']}"
+             f"{'' if r['temperature'] == 0 else ' --temperature ' + format(r['temperature'], 'g')}`):", "",
+             "| config | tok/s | speedup | acceptance | accepted/round | outputs identical to plain | theory (Thm 3.8) "
+             "| measured ÷ theory | ÷ theory with measured verify cost | ms per token: draft / target / rest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, e in r["results"].items():
+        acc = f"{e['acceptance']:.3f}" if e["acceptance"] is not None else "-"
+        mal = f"{e['mean_accepted_length']:.2f}" if e["mean_accepted_length"] is not None else "-"
+        theo = f"{e['theoretical_speedup']:.2f}x" if "theoretical_speedup" in e else "-"
+        ratio = f"{e['measured_over_theoretical']:.0%}" if "measured_over_theoretical" in e else "-"
+        ratio_v = f"{e['measured_over_theoretical_verify_cost']:.0%}" \
+            if "measured_over_theoretical_verify_cost" in e else "-"
+        same = "-" if e["identical_to_plain"] is None else f"{e['identical_to_plain']:.0%}"
+        ms = e.get("ms_per_token")
+        split = "-" if ms is None else \
+            f"{ms['draft']:.2f} / {ms['target']:.2f} / {ms['prefill'] + ms['other']:.2f}"
+        lines.append(f"| {name} | {e['tok_s']['median']:.0f} | {e['speedup']:.2f}x | {acc} | {mal} | {same} | "
+                     f"{theo} | {ratio} | {ratio_v} | {split} |")
+    return lines + ["", "Rest = prefill + the engine's own work per step (scheduling, KV bookkeeping, "
+                    "detokenizing); the three add up to the time per generated token.", ""]
+
+
+def _costs_table(r: dict) -> list[str]:
+    lines = [f"**Forward-pass costs** (ms, median; T = tokens per sequence in one target pass), from the "
+             f"`{r['workload']}` spec run above, {tables.host(r['machine'])}:", "",
+             "| batch | " + " | ".join(f"T={t}" for t in range(1, 10)) + " | draft step | c |",
+             "| --- |" + " --- |" * 11]
+    for b, row in r["costs"].items():
+        lines.append(f"| {b} | " + " | ".join(f"{row[f'target_T{t}']:.2f}" for t in range(1, 10))
+                     + f" | {row['draft_T1']:.2f} | {row['c']:.3f} |")
+    return lines + [""]
+
+
+def _best(results: dict, prefix: str) -> tuple[str, float]:
+    """The fastest variant whose name starts with prefix: (name, speedup over plain)."""
+    name = max((n for n in results if n.startswith(prefix)), key=lambda n: results[n]["speedup"])
+    return name, results[name]["speedup"]
+
+
+def _eagle_bound(r: dict) -> str:
+    """The best speedup Thm 3.8 allows the head on the run's host: its measured per-token α (best
+    fixed K), its c and the target's measured verify costs, at the best K."""
+    costs = r.get("costs_interleaved_eagle")
+    fixed_k = [e for n, e in r["results"].items() if n.startswith("eagle/K=")]
+    if costs is None or not fixed_k:
+        return ""
+    alpha, c, verify = max(e["alpha_per_token"] for e in fixed_k), costs["c"]["median"], costs["verify_ratio"]
+    bound, k = max((theoretical(alpha, k, c, verify[str(k + 1)]), k) for k in range(1, len(verify)))
+    return (f" (bound on this host {bound:.2f}x at K = {k}: Thm 3.8 with α {alpha:.3f}, c {c:.3f} and the measured "
+            "verify costs)")
+
+
+def page_table() -> list[str]:
+    """The results page's tables: each spec run's, with its plot, then the first run's pass costs."""
+    out, first = [], None
+    for name in ("spec_code_t0", "spec_edit_t0", "spec_code_t0.8"):
+        if (r := tables.load(name)) is not None:
+            out += _spec_table(r) + tables.img(name)
+            first = first or r
+    return out + ([] if first is None else _costs_table(first))
+
+
+def page_targets() -> list[tables.Target]:
+    """The batch-1 speedup, theory and EAGLE-3 targets, from the spec runs."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    code, edit = tables.load("spec_code_t0"), tables.load("spec_edit_t0")
+    if code is not None:
+        res = code["results"]
+        for method, goal in (("draft", 2.0), ("hybrid", 2.5)):
+            name, best = _best(res, method + "/")
+            adaptive = res[f"{method}/adaptive"]["speedup"]
+            row(f"batch 1, greedy, code: {method} >= {goal}x plain", f"{adaptive:.2f}x adaptive, best {best:.2f}x ({name})",
+                best >= goal)
+        ratios = [e["measured_over_theoretical"] for e in res.values() if "measured_over_theoretical" in e]
+        with_verify = [e["measured_over_theoretical_verify_cost"] for e in res.values()
+                       if "measured_over_theoretical_verify_cost" in e]
+        if ratios:
+            extra = f" (bound with the measured verify cost: {min(with_verify):.0%} to {max(with_verify):.0%})" \
+                if with_verify else ""
+            row("measured >= 90% of the theoretical speedup (Thm 3.8, draft and eagle, fixed K)",
+                f"{min(ratios):.0%} to {max(ratios):.0%}{extra}", min(ratios) >= 0.9)
+        if "eagle/adaptive" in res:
+            alpha = max(e["alpha_per_token"] for n, e in res.items() if n.startswith("eagle/K="))
+            row("EAGLE-3 head: per-token α >= 0.88 (batch 1, greedy, code)", f"{alpha:.3f}", alpha >= 0.88)
+            for name, goal in (("eagle", 2.5), ("hybrid-eagle", 2.8)):
+                adaptive = res[f"{name}/adaptive"]["speedup"]
+                bound = _eagle_bound(code) if name == "eagle" else ""
+                row(f"batch 1, greedy, code: {name} adaptive >= {goal}x plain", f"{adaptive:.2f}x{bound}",
+                    adaptive >= goal)
+    if (warm := tables.load("spec_code_t0.8")) is not None and "eagle/adaptive" in warm["results"]:
+        adaptive = warm["results"]["eagle/adaptive"]["speedup"]
+        row("batch 1, temperature 0.8, code: eagle adaptive >= 1.8x plain", f"{adaptive:.2f}x{_eagle_bound(warm)}",
+            adaptive >= 1.8)
+    if edit is not None:
+        name, best = _best(edit["results"], "ngram/")
+        adaptive = edit["results"]["ngram/adaptive"]["speedup"]
+        row("batch 1, greedy, edit: ngram >= 2.0x plain", f"{adaptive:.2f}x adaptive, best {best:.2f}x ({name})",
+            best >= 2.0)
+    return rows
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import tables  # noqa: E402  (after the path: this file also runs as a script)
+
 LLM_SNIPPET = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -140,6 +142,24 @@ def main(argv: list[str] | None = None) -> None:
               f"{results[what]['warm']['summary']['median']:.1f} s", flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
+
+
+def _table(r: dict) -> list[str]:
+    lines = [f"**Start-up** — {r['config']}; each start in a fresh process, cold (empty caches) and warm (the "
+             f"caches the cold start wrote), medians of {r['after']['llm']['cold']['summary']['n']}; "
+             f"{tables.host(r['machine'])} (`python -m bench startup`):", "",
+             "| what | cold (s) | warm (s) |", "| --- | --- | --- |"]
+    names = {"llm": "`LLM(...)` constructed", "serve": "`serve run` to the first answered request"}
+    for what, name in names.items():
+        if what in r["after"]:
+            e = r["after"][what]
+            lines.append(f"| {name} | {e['cold']['summary']['median']:.1f} | {e['warm']['summary']['median']:.1f} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("startup")) is None else _table(r)
 
 
 if __name__ == "__main__":

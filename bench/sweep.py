@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import time
 from collections import Counter
 
 import torch
 
+from bench import tables
+from bench.batch_run import PREFILL_BUDGET, run_batch
 from bench.common import PLAIN, adaptive, fixed, interleave, parser, summarize, write
 from bench.workloads import load_prompts
 from engine.request import PHASES
-
-PREFILL_BUDGET = 8192  # tokens a step may take: every batch's prompts in one step (4,744 at batch 64)
 
 
 def method_variants(method: str) -> dict[str, dict]:
@@ -69,74 +68,59 @@ def held_out_ratios(runs: dict[str, list[dict]], adaptive: str) -> list[float]:
     return ratios
 
 
-def run_batch(llm, prompts: list[str], params) -> dict:
-    """Submits every prompt (`params`: one SamplingParams for all, or one per prompt), steps to
-    completion; returns throughputs and the K chosen per step."""
-    engine = llm.engine
-    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, q) for p, q in zip(prompts, per_prompt, strict=True)]
-    ks: Counter[int] = Counter()  # decode steps by the K they used (0 = plain decode)
-    window_ks: Counter[int] = Counter()  # ... of those, the steps inside the window
-    started: set[str] = set()  # requests with their first token
-    window_tokens, window_seconds, window_steps = 0, 0.0, 0
-    window_phases = dict.fromkeys(PHASES, 0.0)  # where the window's step time went
-    # "before" the last first token; "catch_up": the step after it, where a model proposer reads
-    # the prompts; "open" while all are in flight; "closed" from the step that finishes a request
-    window = "before"
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t_step = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - t_step
-        in_window = window == "open"
-        if in_window:
-            window_tokens += len(outputs)
-            window_seconds += seconds
-            window_steps += 1
-            for phase, sec in engine.last_step.phases.items():
-                window_phases[phase] += sec
-        if any(o.finished for o in outputs):
-            window = "closed"
-        elif window == "catch_up":
-            window = "open"
-        elif window == "before":
-            started.update(o.request_id for o in outputs)
-            if len(started) == len(ids):
-                window = "catch_up"
-        stats = engine.last_step.decode
-        if stats is not None:  # None: the step decoded nothing (prefill only)
-            ks[stats.k] += 1
-            if in_window:
-                window_ks[stats.k] += 1
-    dt = time.perf_counter() - t0
-    outs = [engine.get_output(rid) for rid in ids]
-    for rid in ids:
-        engine.release(rid)
-    drafted = sum(o.num_draft_tokens for o in outs)
-    total = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": window_tokens / window_seconds if window_seconds else total / dt,
-            "tok_s_end_to_end": total / dt, "window_steps": window_steps, "k_steps": dict(ks),
-            "window_k_steps": dict(window_ks),
-            "window_ms_per_token": {ph: sec * 1e3 / window_tokens for ph, sec in window_phases.items()}
-            if window_tokens else None,
-            "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
-            "tokens": [o.token_ids for o in outs]}
+def _variant_row(rs: list[dict], plain_runs: list[dict], plain: float) -> dict:
+    """One variant's figures at one batch size, over its repeats."""
+    s = summarize(rs, "tok_s")
+    ks: Counter[int] = Counter()
+    window_ks: Counter[int] = Counter()
+    for r in rs:
+        ks.update(r["k_steps"])
+        window_ks.update(r["window_k_steps"])
+    return {"tok_s": s, "vs_plain": s["median"] / plain, "tok_s_end_to_end": summarize(rs, "tok_s_end_to_end"),
+            "window_steps": statistics.median(r["window_steps"] for r in rs),
+            "acceptance": rs[0]["acceptance"],
+            "window_ms_per_token": {ph: statistics.median(r["window_ms_per_token"][ph] for r in rs)
+                                    for ph in PHASES} if all(r["window_ms_per_token"] for r in rs) else None,
+            "k_steps": {str(k): n for k, n in sorted(ks.items())},
+            "window_k_steps": {str(k): n for k, n in sorted(window_ks.items())},
+            "identical_to_plain": statistics.fmean(
+                a == b for r, p in zip(rs, plain_runs) for a, b in zip(r["tokens"], p["tokens"]))}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = parser("sweep", __doc__, tokens=128)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
-                    help="the model proposer (eagle: --draft defaults to the embedded EAGLE-3 head)")
-    args = ap.parse_args(argv)
-    if args.method == "eagle" and args.draft == "embedded:draft":
-        args.draft = "embedded:eagle3"
-    VARIANTS = method_variants(args.method)
-    ADAPTIVE = f"{args.method} adaptive"
-    torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams
+def _batch_row(runs: dict[str, list[dict]], variants: dict, adaptive_name: str, repeats: int) -> dict:
+    """Every variant's row at one batch size, and the adaptive policy against the best fixed one."""
+    plain = summarize(runs["plain"], "tok_s")["median"]
+    row = {name: _variant_row(rs, runs["plain"], plain) for name, rs in runs.items()}
+    best_fixed = max((n for n in row if n != adaptive_name), key=lambda n: row[n]["tok_s"]["median"])
+    row["adaptive_vs_best"] = row[adaptive_name]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
+    # paired: each repeat's adaptive run over the same repeat's run of that best variant (the
+    # two ran minutes apart, not a whole sweep apart), so slow drifts of the host cancel
+    row["adaptive_vs_best_paired"] = summarize(
+        [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs[adaptive_name], runs[best_fixed])], "r")
+    row["best_fixed"] = best_fixed
+    if repeats >= 2:
+        row["adaptive_vs_best_held_out"] = summarize([{"r": x} for x in held_out_ratios(runs, adaptive_name)], "r")
+    best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in variants if n != adaptive_name)
+    row["adaptive_vs_best_end_to_end"] = row[adaptive_name]["tok_s_end_to_end"]["median"] / best_e2e
+    return row
 
-    pool = load_prompts("code") + load_prompts("edit")
+
+def _print_row(b: int, row: dict, variants: dict, adaptive_name: str) -> None:
+    held_out = f", held out {row['adaptive_vs_best_held_out']['median']:.3f}" \
+        if "adaptive_vs_best_held_out" in row else ""
+    print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in variants)
+          + f"  tok/s; adaptive / best ({row['best_fixed']}) = {row['adaptive_vs_best']:.3f} "
+          f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}"
+          + held_out + "); "
+          f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
+          f"adaptive K steps in the window {row[adaptive_name]['window_k_steps']} "
+          f"(whole run {row[adaptive_name]['k_steps']})")
+
+
+def _engine(args, pool: list[str]):
+    """The engine every variant runs on, checked to prefill the largest batch in one step."""
+    from engine import LLM
+
     if max(args.batches) > len(pool):
         raise SystemExit(f"at most {len(pool)} distinct prompts; got batch {max(args.batches)}")
     llm = LLM(model=args.target, draft_model=args.draft, forward_plan=args.forward_plan,
@@ -148,67 +132,139 @@ def main(argv: list[str] | None = None) -> None:
     if prompt_tokens > PREFILL_BUDGET:
         raise SystemExit(f"batch {max(args.batches)}'s prompts (up to {prompt_tokens} tokens) may not prefill in one "
                          f"step of {PREFILL_BUDGET} tokens")
+    return llm
+
+
+def _runs(llm, pool: list[str], b: int, params, variants: dict, repeats: int) -> dict[str, list[dict]]:
+    """Every variant's runs at batch b, interleaved, after a warm-up."""
+    def variant(cfg):
+        counter = itertools.count()  # interleave calls each variant once a repeat
+
+        def go():
+            llm.engine.reconfigure_speculation(**cfg)
+            return run_batch(llm, repeat_prompts(pool, b, next(counter)), params)
+        return go
+
+    llm.engine.reconfigure_speculation(**PLAIN)
+    run_batch(llm, pool[:b], params)  # warm-up
+    runs = interleave({name: variant(cfg) for name, cfg in variants.items()}, repeats, f"batch {b}")
+    if any(r["window_steps"] == 0 for rs in runs.values() for r in rs):
+        print(f"batch {b}: a request finished before the window opened, so some runs report the whole run's "
+              "tok/s (raise --tokens)")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("sweep", __doc__, tokens=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--method", choices=["draft", "eagle"], default="draft",
+                    help="the model proposer (eagle: --draft defaults to the embedded EAGLE-3 head)")
+    args = ap.parse_args(argv)
+    if args.method == "eagle" and args.draft == "embedded:draft":
+        args.draft = "embedded:eagle3"
+    variants = method_variants(args.method)
+    adaptive_name = f"{args.method} adaptive"
+    torch.set_num_threads(args.threads)
+    from engine import SamplingParams
+
+    pool = load_prompts("code") + load_prompts("edit")
+    llm = _engine(args, pool)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
     for b in args.batches:
-        def variant(cfg, b=b):
-            repeats = itertools.count()  # interleave calls each variant once a repeat
-
-            def go():
-                llm.engine.reconfigure_speculation(**cfg)
-                return run_batch(llm, repeat_prompts(pool, b, next(repeats)), params)
-            return go
-
-        llm.engine.reconfigure_speculation(**PLAIN)
-        run_batch(llm, pool[:b], params)  # warm-up
-        runs = interleave({name: variant(cfg) for name, cfg in VARIANTS.items()}, args.repeats, f"batch {b}")
-        if any(r["window_steps"] == 0 for rs in runs.values() for r in rs):
-            print(f"batch {b}: a request finished before the window opened, so some runs report the whole run's "
-                  "tok/s (raise --tokens)")
-        plain = summarize(runs["plain"], "tok_s")["median"]
-        row = {}
-        for name, rs in runs.items():
-            s = summarize(rs, "tok_s")
-            end_to_end = summarize(rs, "tok_s_end_to_end")
-            ks: Counter[int] = Counter()
-            window_ks: Counter[int] = Counter()
-            for r in rs:
-                ks.update(r["k_steps"])
-                window_ks.update(r["window_k_steps"])
-            row[name] = {"tok_s": s, "vs_plain": s["median"] / plain, "tok_s_end_to_end": end_to_end,
-                         "window_steps": statistics.median(r["window_steps"] for r in rs),
-                         "acceptance": rs[0]["acceptance"],
-                         "window_ms_per_token": {ph: statistics.median(r["window_ms_per_token"][ph] for r in rs)
-                                                 for ph in PHASES} if all(r["window_ms_per_token"] for r in rs)
-                         else None,
-                         "k_steps": {str(k): n for k, n in sorted(ks.items())},
-                         "window_k_steps": {str(k): n for k, n in sorted(window_ks.items())},
-                         "identical_to_plain": statistics.fmean(
-                             a == b for r, p in zip(rs, runs["plain"]) for a, b in zip(r["tokens"], p["tokens"]))}
-        best_fixed = max((n for n in row if n != ADAPTIVE), key=lambda n: row[n]["tok_s"]["median"])
-        row["adaptive_vs_best"] = row[ADAPTIVE]["tok_s"]["median"] / row[best_fixed]["tok_s"]["median"]
-        # paired: each repeat's adaptive run over the same repeat's run of that best variant (the
-        # two ran minutes apart, not a whole sweep apart), so slow drifts of the host cancel
-        row["adaptive_vs_best_paired"] = summarize(
-            [{"r": a["tok_s"] / f["tok_s"]} for a, f in zip(runs[ADAPTIVE], runs[best_fixed])], "r")
-        row["best_fixed"] = best_fixed
-        held_out = ""
-        if args.repeats >= 2:
-            row["adaptive_vs_best_held_out"] = summarize([{"r": x} for x in held_out_ratios(runs, ADAPTIVE)], "r")
-            held_out = f", held out {row['adaptive_vs_best_held_out']['median']:.3f}"
-        best_e2e = max(row[n]["tok_s_end_to_end"]["median"] for n in VARIANTS if n != ADAPTIVE)
-        row["adaptive_vs_best_end_to_end"] = row[ADAPTIVE]["tok_s_end_to_end"]["median"] / best_e2e
-        results[str(b)] = row
-        print(f"batch {b:3d}: " + "  ".join(f"{n} {row[n]['tok_s']['median']:.0f}" for n in VARIANTS)
-              + f"  tok/s; adaptive / best ({best_fixed}) = {row['adaptive_vs_best']:.3f} "
-              f"(paired median {row['adaptive_vs_best_paired']['median']:.3f}"
-              + held_out + "); "
-              f"(end to end {row['adaptive_vs_best_end_to_end']:.3f}); "
-              f"adaptive K steps in the window {row[ADAPTIVE]['window_k_steps']} (whole run {row[ADAPTIVE]['k_steps']})")
+        runs = _runs(llm, pool, b, params, variants, args.repeats)
+        results[str(b)] = row = _batch_row(runs, variants, adaptive_name, args.repeats)
+        _print_row(b, row, variants, adaptive_name)
     payload = {"tokens": args.tokens, "repeats": args.repeats, "temperature": 0.0, "prefill_budget": PREFILL_BUDGET,
-               "prompts_per_repeat": "next", "window": "after_catch_up", "variants": VARIANTS, "results": results}
+               "prompts_per_repeat": "next", "window": "after_catch_up", "variants": variants, "results": results}
     path = write("sweep" if args.method == "draft" else f"sweep_{args.method}", payload, llm)
     print(f"wrote {path}")
+
+
+def _paired(row: dict, key: str = "adaptive_vs_best_paired") -> str:
+    p = row[key]
+    return f"{p['median']:.3f} ({p['min']:.2f}-{p['max']:.2f})"
+
+
+def _table(r: dict, image: str = "sweep") -> list[str]:
+    names = list(r["variants"])
+    adaptive_name = next(n for n in names if n.endswith("adaptive"))
+    windowed = "tok_s_end_to_end" in next(iter(r["results"].values()))[names[0]]
+    paired = "adaptive_vs_best_paired" in next(iter(r["results"].values()))
+    k_in_window = "window_k_steps" in next(iter(r["results"].values()))[adaptive_name]
+    held_out = all("adaptive_vs_best_held_out" in row for row in r["results"].values())
+    measure = ("decode tokens/s while all requests are in flight (prefill and drain left out; "
+               "the last column is the whole run, both included)" if windowed else "tokens/s of the whole run")
+    if r.get("window") == "after_catch_up":  # the first decode step (the proposer reading the prompts) left out
+        measure += ("; every batch's prompts prefill in one step, and the first decode step, where the proposer "
+                    "catches up on them, is left out for every variant (it is in the whole run)")
+    elif "prefill_budget" in r:  # prefilled in one step: the proposer's catch-up on the prompts is in the window
+        measure += ("; every batch's prompts prefill in one step, so the proposer's catch-up on them counts for "
+                    "every variant")
+    lines = [f"**Batch sweep** — concurrent requests submitted together, {r['tokens']} new tokens each, greedy, "
+             f"medians of {r['repeats']} interleaved runs (`python -m bench sweep`); {tables.plan(r)}; {tables.host(r['machine'])}"
+             f"; {measure}:", "",
+             "| batch | " + " | ".join(names) + " | adaptive ÷ best other | K the adaptive policy used ("
+             + ("steps in the window" if k_in_window else "steps") + ") |"
+             + (" adaptive ÷ best, whole run |" if windowed else "") + (" adaptive ÷ best, paired |" if paired else "")
+             + (" adaptive ÷ best, held out |" if held_out else ""),
+             "| --- |" + " --- |" * (len(names) + 2 + windowed + paired + held_out)]
+    for b, row in r["results"].items():
+        counted = row[adaptive_name].get("window_k_steps", row[adaptive_name]["k_steps"])  # older runs: whole run
+        ks = ", ".join(f"K={k}: {n}" for k, n in counted.items())
+        lines.append(f"| {b} | " + " | ".join(f"{row[n]['tok_s']['median']:.0f}" for n in names)
+                     + f" | {row['adaptive_vs_best']:.3f} ({row['best_fixed']}) | {ks} |"
+                     + (f" {row['adaptive_vs_best_end_to_end']:.3f} |" if windowed else "")
+                     + (f" {_paired(row)} |" if paired else "")
+                     + (f" {_paired(row, 'adaptive_vs_best_held_out')} |" if held_out else ""))
+    if paired:
+        lines += ["", "The paired column is the median, over repeats, of each repeat's adaptive run ÷ the same "
+                  "repeat's run of the best other variant (min-max in brackets): the two ran minutes apart, so "
+                  "the host's slow drifts cancel, where the ratio of medians compares runs up to a sweep apart."]
+    if r.get("prompts_per_repeat") == "next":
+        lines += ["", "Each repeat of a batch size decodes the next prompts of the pool (wrapping), the same for "
+                  "every variant of that repeat: the paired ratio compares runs on the same text, the ratio of "
+                  "medians runs on different texts."]
+    if held_out:
+        lines += ["", "The held-out column pairs the same way, but picks the best other variant for each repeat "
+                  "by its median over the other repeats: the best of several near-tied medians is the luckiest, "
+                  "so picking and judging it on the same runs favours the fixed side."]
+    return lines + [""] + tables.img(image)
+
+
+def page_table() -> list[str]:
+    """The results page's tables: the draft model's sweep, then the EAGLE-3 head's."""
+    out = []
+    for name in ("sweep", "sweep_eagle"):
+        if (r := tables.load(name)) is not None:
+            out += _table(r, image=name)
+    return out
+
+
+def page_targets() -> list[tables.Target]:
+    """The adaptive policy's target at every batch size, for each sweep run."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    for name, what in (("sweep", "adaptive"), ("sweep_eagle", "adaptive with the EAGLE-3 head")):
+        if (r := tables.load(name)) is None:
+            continue
+        ratios = {b: row_["adaptive_vs_best"] for b, row_ in r["results"].items()}
+        worst = min(ratios, key=ratios.get)
+        measured = f"{min(ratios.values()):.3f} (batch {worst}) to {max(ratios.values()):.3f}"
+        if all("adaptive_vs_best_paired" in row_ for row_ in r["results"].values()):
+            paired = {b: row_["adaptive_vs_best_paired"]["median"] for b, row_ in r["results"].items()}
+            worst_paired = min(paired, key=paired.get)
+            measured += (f" as ratios of medians; paired medians {min(paired.values()):.3f} (batch {worst_paired})"
+                         f" to {max(paired.values()):.3f}")
+        if all("adaptive_vs_best_held_out" in row_ for row_ in r["results"].values()):
+            held = {b: row_["adaptive_vs_best_held_out"]["median"] for b, row_ in r["results"].items()}
+            worst_held = min(held, key=held.get)
+            measured += f"; held out {min(held.values()):.3f} (batch {worst_held}) to {max(held.values()):.3f}"
+        row(f"{what} >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
+    return rows
 
 
 if __name__ == "__main__":

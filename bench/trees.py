@@ -27,6 +27,8 @@ import statistics
 
 import torch
 
+from bench import tables
+from bench.batch_run import run_batch
 from bench.common import (
     PLAIN,
     SeparateLearning,
@@ -38,7 +40,6 @@ from bench.common import (
     pooled,
     write,
 )
-from bench.sweep import run_batch
 from bench.workloads import load_prompts
 
 AGAIN = "adaptive chain, again"  # the chain-only variant's second run in each repeat (A/A)
@@ -231,6 +232,114 @@ def theoretical_speedup(llm, shape: dict, plain: dict, k: int) -> dict:
     theory = (shape["accepted_per_round"] + 1) * times[0] / (verify + draft)
     measured = shape["tok_s"] / plain["tok_s"]
     return {"theoretical": theory, "measured": measured, "measured_over_theoretical": measured / theory}
+
+
+TREE_RESULTS = ("trees", "trees_eagle", "trees_eagle_8nodes", "trees_draft")  # bench trees runs, by method and size
+
+
+def _tree_runs() -> list[dict]:
+    """The bench trees runs; a later `--skip-batch-1` run (<name>_batches.json) replaces its
+    run's batches."""
+    runs = []
+    for name in TREE_RESULTS:
+        if (r := tables.load(name)) is None:
+            continue
+        if (later := tables.load(f"{name}_batches")) is not None and later["results"].get("batches"):
+            r = {**r, "results": {**r["results"], "batches": later["results"]["batches"]},
+                 "batches_machine": later["machine"]}
+        runs.append(r)
+    return runs
+
+
+def _table(runs: list[dict]) -> list[str]:
+    """Token trees vs chains at batch 1, one row per run and temperature; then the batch runs."""
+    first = runs[0]
+    lines = [f"**Token trees vs chains** — the shipped target, {first['workload']} prompts one at a time (batch 1), "
+             f"K = {first['k']}, medians over repeats (each its own seeds) with their range; {tables.host(first['machine'])} "
+             "(`python -m bench trees --method M --width W --nodes N`). *Accepted/round*: tokens accepted per "
+             "verify round at fixed K, chain and tree of the same depth. *Adaptive*: tok/s with trees allowed ÷ "
+             "chains only, both under the adaptive policy (goal: at least 1.0; against the mean of the chain-only "
+             "variant's two runs where it ran twice). *A/A*: the chain-only variant's second run ÷ its first, how far "
+             "two identical variants differ here. *Fixed K, tok/s*: the tree ÷ the chain of its depth, then the same "
+             "were the tree's drafting and host bookkeeping to cost the chain's (its verify pass and acceptance its "
+             "own): below 1.0, no cheaper drafting lets that tree beat the chain here. *÷ theory*: measured speedup over "
+             "plain ÷ Leviathan et al.'s with the measured costs.", "",
+             "| method | nodes, width | prompts x tokens | T | accepted/round chain → tree | tree ÷ chain | "
+             "adaptive trees ÷ chains, tok/s | A/A chains ÷ chains | fixed K, tok/s: tree ÷ chain; drafting free | "
+             "÷ theory chain / tree |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        for temp, row in r["results"].get("batch_1", {}).items():
+            k = r["k"]
+            chain, tree = row[f"chain K={k}"], row[f"tree K={k}"]
+            theory = row["theoretical"]
+            lines.append(f"| {r['method']} | {r['nodes']}, {r['width']} | {r['prompts']} x {r['tokens']} | "
+                         f"{temp.removeprefix('T=')} | {chain['accepted_per_round']:.2f} → {tree['accepted_per_round']:.2f} | "
+                         f"{tables.spread(row['tree_over_chain_accepted_per_round'])} | "
+                         f"{tables.spread(row['adaptive_tree_over_chain_tok_s'])} | "
+                         f"{tables.spread(row['a_a_chain_over_chain_tok_s']) if 'a_a_chain_over_chain_tok_s' in row else '—'} | "
+                         f"{_fixed_and_ceiling(row)} | "
+                         f"{theory[f'chain K={k}']['measured_over_theoretical']:.2f} / "
+                         f"{theory[f'tree K={k}']['measured_over_theoretical']:.2f} |")
+    batches = [r for r in runs if r["results"].get("batches")]
+    for r in batches:
+        lines += ["", f"Batches of the same prompts (repeated to fill), greedy, {r['method']} trees of up to {r['nodes']} "
+                  f"nodes, width {r['width']}; adaptive with trees ÷ adaptive chains only, tok/s (goal: at least 0.97), "
+                  f"{tables.host(r.get('batches_machine', r['machine']))}: " + ", ".join(
+                      f"batch {b} {tables.spread(row['adaptive_tree_over_chain_tok_s'])}" for b, row in r["results"]["batches"].items())]
+        a_a = {b: row["a_a_chain_over_chain_tok_s"] for b, row in r["results"]["batches"].items() if "a_a_chain_over_chain_tok_s" in row}
+        if a_a:  # the chain-only variant run twice a repeat: how far two identical variants differ here
+            lines[-1] += ("; two runs of the chain-only variant against each other (A/A): "
+                          + ", ".join(f"batch {b} {tables.spread(x)}" for b, x in a_a.items()))
+    return lines + [""]
+
+
+def _fixed_and_ceiling(row: dict) -> str:
+    """A batch-1 row's fixed-K tree ÷ chain tok/s and its drafting-free ceiling ("—" for runs without)."""
+    if "drafting_free_ceiling" not in row:
+        return "—"
+    return f"{tables.spread(row['fixed_tree_over_chain_tok_s'])}; {tables.spread(row['drafting_free_ceiling'])}"
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py): every trees run's."""
+    return _table(runs) if (runs := _tree_runs()) else []
+
+
+def page_targets() -> list[tables.Target]:
+    """The token-tree targets: accepted tokens per round, and tok/s at batch 1 and in batches."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    tree_runs = _tree_runs()
+    labels = [f"{r['method']} {r['nodes']} nodes" for r in tree_runs]
+    gains = {label: row_["tree_over_chain_accepted_per_round"]["median"] for label, r in zip(labels, tree_runs)
+             if (row_ := r["results"].get("batch_1", {}).get("T=0.0"))}
+    speed = {f"{label} {t}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
+             for t, row_ in r["results"].get("batch_1", {}).items()}
+    batches = {f"{label} batch {b}": row_["adaptive_tree_over_chain_tok_s"]["median"] for label, r in zip(labels, tree_runs)
+               for b, row_ in r["results"].get("batches", {}).items()}
+
+    def beside(rows: list[dict]) -> str:  # the A/A medians and the ceilings beside a ratio's span, where the runs have them
+        a_a = [x["a_a_chain_over_chain_tok_s"]["median"] for x in rows if "a_a_chain_over_chain_tok_s" in x]
+        ceilings = [x["drafting_free_ceiling"]["median"] for x in rows if "drafting_free_ceiling" in x]
+        return (f"; A/A {min(a_a):.3f} to {max(a_a):.3f}" if a_a else "") + (
+            f"; fixed-K trees with chain-cost drafting {min(ceilings):.3f} to {max(ceilings):.3f}" if ceilings else "")
+
+    batch_1_rows = [x for r in tree_runs for x in r["results"].get("batch_1", {}).values()]
+    batch_rows = [x for r in tree_runs for x in r["results"].get("batches", {}).values()]
+    for values, target, met, rows_ in (
+            (gains, "token trees: accepted tokens per round >= 1.15x the chain's of the same depth (batch 1, greedy, "
+             "code)", lambda v: max(v) >= 1.15, []),
+            (speed, "token trees: adaptive with trees >= 1.0x adaptive chains only, tok/s (batch 1)",
+             lambda v: min(v) >= 1.0, batch_1_rows),
+            (batches, "token trees: adaptive with trees >= 0.97x adaptive chains only, tok/s (batches 8-64)",
+             lambda v: min(v) >= 0.97, batch_rows)):
+        if values:
+            row(target, tables.span(values) + beside(rows_), met(values.values()))
+    return rows
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bench import tables
 from bench.common import adaptive, fixed, interleave_prompts, parser, pooled, write
 from bench.workloads import load_prompts
 
@@ -159,6 +160,47 @@ def main(argv: list[str] | None = None) -> None:
     path = write("verification", {"temperature": args.temperature, "k": args.k, "prompts": args.prompts,
                                   "tokens": args.tokens, "repeats": args.repeats, "results": results})
     print(f"wrote {path}")
+
+
+def _table(r: dict) -> list[str]:
+    lines = [f"**Block vs token verification** — the shipped pair at T = {r['temperature']}, {r['prompts']} code "
+             f"prompts x {r['tokens']} tokens one at a time (batch 1), {r['repeats']} repeats with their own seeds, "
+             f"each prompt decoded by both rules back to back; {tables.host(r['machine'])} (`python -m bench verification`). "
+             "*Expected on the same rounds*: both rules' expected accepted tokens computed from each verified round's "
+             "p, q and proposal, free of the draws' noise (goals: block ÷ token at least 1.0).", "",
+             "| proposer | K | accepted/round token → block | block ÷ token, accepted | expected on the same rounds | "
+             "block ÷ token, tok/s |", "| --- | --- | --- | --- | --- | --- |"]
+    for method, row in r["results"].items():
+        for shape in (n for n in row if n != "variants"):
+            e = row[shape]
+            accepted = dict(e["block_over_token_accepted"])
+            if "block_over_token_accepted_pooled" in e:
+                accepted["pooled"] = e["block_over_token_accepted_pooled"]
+            lines.append(f"| {method} | {shape.removeprefix('K=')} | {e['accepted_per_round']['token']:.2f} → "
+                         f"{e['accepted_per_round']['block']:.2f} | {tables.spread(accepted)} | "
+                         f"{tables.spread(e['expected_block_over_token_same_rounds'])} | {tables.spread(e['block_over_token_tok_s'])} |")
+    return lines + [""]
+
+
+def page_table() -> list[str]:
+    """The results page's table (bench/tables.py)."""
+    return [] if (r := tables.load("verification")) is None else _table(r)
+
+
+def page_targets() -> list[tables.Target]:
+    """The block-verification targets: accepted tokens and tok/s against token verification."""
+    rows: list[tables.Target] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append((target, measured, met))
+
+    if (r := tables.load("verification")) is not None:
+        for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
+            ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()
+                      for shape, e in row_.items() if shape != "variants"}
+            row(f"block ÷ token verification >= 1.0, {what} (batch 1, T = {r['temperature']})", tables.span(ratios),
+                min(ratios.values()) >= 1.0)
+    return rows
 
 
 if __name__ == "__main__":

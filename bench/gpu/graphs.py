@@ -11,7 +11,14 @@ import torch
 
 from bench.gpu.context import Context, check
 from bench.gpu.decode import median_of, random_prompts, timed_generate
-from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
+from bench.random_checkpoints import (
+    LLAMA_3_2_1B,
+    SMOKE_1B,
+    hf_model,
+    hf_tensors,
+    target_and_prefix_draft,
+    weights_in_memory,
+)
 from engine import LLM, SamplingParams
 
 K = 4

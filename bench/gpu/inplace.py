@@ -10,7 +10,7 @@ import torch
 
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
-from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
+from bench.random_checkpoints import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
 from engine import LLM, SamplingParams
 
 GOAL = 1.3  # in place ÷ gather at batch 32 that would make in place the default

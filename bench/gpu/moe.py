@@ -18,7 +18,14 @@ from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate, transformers_generate
 from bench.gpu.pair import PrefixPair, calibrate
 from bench.gpu.quantized import engine_paths
-from bench.gpu.weights import QWEN3_30B_A3B, SMOKE_MOE, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
+from bench.random_checkpoints import (
+    QWEN3_30B_A3B,
+    SMOKE_MOE,
+    hf_model,
+    hf_tensors,
+    target_and_prefix_draft,
+    weights_in_memory,
+)
 from engine import LLM, SamplingParams
 
 ALPHA = 0.8  # the pair's greedy per-token acceptance

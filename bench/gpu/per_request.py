@@ -11,7 +11,7 @@ from __future__ import annotations
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
 from bench.gpu.realistic import build_pair
-from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, weights_in_memory
+from bench.random_checkpoints import LLAMA_3_2_1B, SMOKE_1B, weights_in_memory
 from engine import LLM, SamplingParams
 
 GOAL = 1.15  # per-request ÷ one K on the mix

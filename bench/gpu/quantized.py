@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
-from bench.gpu.weights import LLAMA_3_1_8B, SMOKE_8B, RandomTensors, checkpoint_dir, weights_in_memory
+from bench.random_checkpoints import LLAMA_3_1_8B, SMOKE_8B, RandomTensors, checkpoint_dir, weights_in_memory
 from engine import LLM, SamplingParams
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

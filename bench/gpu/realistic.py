@@ -18,7 +18,7 @@ from bench.common import theoretical
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
 from bench.gpu.pair import PrefixPair, calibrate
-from bench.gpu.weights import (
+from bench.random_checkpoints import (
     LLAMA_3_1_8B,
     LLAMA_3_2_1B,
     SMOKE_1B,

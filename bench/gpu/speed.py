@@ -16,7 +16,7 @@ import torch
 from bench.common import theoretical
 from bench.gpu.context import Context, check
 from bench.gpu.decode import busy_share, median_of, random_prompts, timed_generate, transformers_generate
-from bench.gpu.weights import (
+from bench.random_checkpoints import (
     LLAMA_3_2_1B,
     SMOKE_1B,
     checkpoint_dir,

@@ -15,7 +15,7 @@ import torch
 
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import busy_share, median_of, random_prompts, timed_generate
-from bench.gpu.weights import (
+from bench.random_checkpoints import (
     LLAMA_3_1_8B,
     LLAMA_3_2_1B,
     SMOKE_1B,

@@ -17,7 +17,7 @@ import torch
 from bench.common import PLAIN, adaptive
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts
-from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
+from bench.random_checkpoints import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
 from bench.workloads import agent_prompts
 from engine import LLM, SamplingParams
 

@@ -14,7 +14,7 @@ import torch
 from bench.gpu.context import Context, check, goal
 from bench.gpu.decode import median_of, random_prompts, timed_generate
 from bench.gpu.realistic import K_MAX, build_pair
-from bench.gpu.weights import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
+from bench.random_checkpoints import LLAMA_3_2_1B, SMOKE_1B, checkpoint_dir, hf_model, hf_tensors, weights_in_memory
 from engine import LLM, SamplingParams
 from engine.model.cuda_graphs import CapturedPasses, PassKind, default_capture, target_pass
 from engine.model.passes import fill_slots, forward_chunks, padded_length, pool_for

@@ -161,7 +161,7 @@ def test_the_quantized_sections_reference_is_the_layers_own_dequantized_weight(t
     (taken as they are prepared), and the check sees a layer off by 5%."""
     from bench.gpu import quantized as q
     from bench.gpu.context import Context
-    from bench.gpu.weights import SMOKE_8B, checkpoint_dir, weights_in_memory
+    from bench.random_checkpoints import SMOKE_8B, checkpoint_dir, weights_in_memory
     from engine.config import ModelPlan
     from engine.model.loader import load_model
     from engine.model.quant.linear import QuantLinear
@@ -227,7 +227,7 @@ def test_the_pair_reaches_a_chosen_acceptance_through_the_engine(tmp_path):
     0.8: speculation by that prefix through the engine's acceptance rule sees alpha within 0.05."""
     from bench.gpu.decode import random_prompts
     from bench.gpu.pair import PrefixPair, calibrate
-    from bench.gpu.weights import SMOKE_1B, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
+    from bench.random_checkpoints import SMOKE_1B, hf_model, hf_tensors, target_and_prefix_draft, weights_in_memory
     from engine import LLM, SamplingParams
 
     config = {**SMOKE_1B, "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128,

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 import bench.report as report
+from bench import tables
 from bench.common import RESULTS
 
 
@@ -19,7 +20,7 @@ def pages(tmp_path, monkeypatch):
     readme, page = tmp_path / "README.md", tmp_path / "results.md"
     readme.write_text("# x\n\n<!-- headline:start -->\nSTALE-ROWS\n<!-- headline:end -->\n\nrest\n")
     page.write_text("# Results\n\n<!-- bench:start -->\nSTALE-TABLES\n<!-- bench:end -->\n")
-    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(tables, "RESULTS", results)
     monkeypatch.setattr(report, "README", readme)
     monkeypatch.setattr(report, "RESULTS_PAGE", page)
     return readme, page
@@ -35,7 +36,7 @@ def test_report_fills_the_results_page_and_the_readme_headline(pages):
     for caption in captions:  # every table names its host and day
         assert re.search(r"measured 20\d\d-\d\d-\d\d", caption), caption
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):  # plots linked from docs/benchmarks/
-        assert image.startswith("../../bench/results/") and (report.RESULTS / image.rsplit("/", 1)[1]).exists()
+        assert image.startswith("../../bench/results/") and (tables.RESULTS / image.rsplit("/", 1)[1]).exists()
     head = readme.read_text()
     assert head.endswith("rest\n") and "STALE-ROWS" not in head
     rows = [line for line in head.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -49,3 +50,12 @@ def test_report_refuses_a_page_without_markers(pages):
     page.write_text("# Results\n")
     with pytest.raises(SystemExit, match="markers"):
         report.main([])
+
+
+def test_every_registered_part_is_a_benchs_function_and_draws_nothing_without_results(tmp_path, monkeypatch):
+    for part in (*tables.TABLES, *tables.TARGETS):
+        assert callable(tables.resolve(part)) and part.target.split(":")[0] != "report", part
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)  # no results at all
+    assert report.build() == "" and report.summary() == ""
+    with pytest.raises(AttributeError):
+        tables.resolve(tables.Part("sweep", "sweep:no_such_table"))

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.sweep import held_out_ratios, repeat_prompts, run_batch
+from bench.batch_run import run_batch
+from bench.sweep import held_out_ratios, repeat_prompts
 
 
 def test_the_best_fixed_variant_is_picked_on_the_other_repeats():
