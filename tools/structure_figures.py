@@ -63,7 +63,7 @@ def table(data: dict) -> str:
     for directory, d in data["directories"].items():
         rows.append(f"| {directory}/ | {d['files']} | {len(d['files_over_400'])} | {len(d['functions_over_60'])} |")
     lines = ["\n".join(rows), "", "layering: " + ", ".join(f"{k} {v}" for k, v in data["layering"].items())]
-    for directory, d in data["directories"].items():
+    for d in data["directories"].values():
         for name, n in d["files_over_400"] + d["functions_over_60"]:
             lines.append(f"  {name}: {n}")
     return "\n".join(lines)
