@@ -1,7 +1,5 @@
-"""A chat's messages and tools as its chat template takes them: a template that renders tools
-(Llama 3.1+, Qwen2.5/3, Mistral) gets them as `tools=` and earlier calls as `tool_calls`; one that
-does not (the embedded pair's) gets them in a system message asking for the Hermes format, and
-earlier calls written in it."""
+"""A chat's messages and tools rendered as its chat template takes them (`render_messages`), for
+templates that render tools and for those that do not."""
 
 from __future__ import annotations
 
@@ -42,8 +40,10 @@ def _message(m: dict, renders_tools: bool) -> dict:
 
 
 def render_messages(messages: list[dict], tools: list[Tool], renders_tools: bool) -> tuple[list[dict], list[dict] | None]:
-    """Messages for the chat template, and the `tools=` it takes (None where it renders none: they
-    go into a system message instead)."""
+    """Messages for the chat template, and the `tools=` it takes. A template that renders tools
+    (Llama 3.1+, Qwen2.5/3, Mistral) gets them as `tools=` and earlier calls as `tool_calls`; one
+    that does not (the embedded pair's) gets None, the tools in a system message asking for the
+    Hermes format, and earlier calls written in it."""
     out = [_message(m, renders_tools) for m in messages]
     if not tools:
         return out, None

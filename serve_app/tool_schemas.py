@@ -1,15 +1,5 @@
-"""Tool calls on chat, as a request asks for them: its `tools`, `tool_choice` and
-`parallel_tool_calls` (validated together), and the grammar that enforces `required` and named
-choices.
-
-- `none`: the tools are rendered (the conversation may refer to them), the output is plain text.
-- a named function: the output is that function's arguments, enforced by its JSON schema.
-- `required`: the output is a JSON array of calls `[{"name", "arguments"}]` (one call unless
-  `parallel_tool_calls`), each call's arguments enforced by its function's schema.
-- `auto`: the model writes text or calls in its family's format (tool_parsers/), read as they come.
-
-Enforced choices use the structured-output grammar, so they stay exact under speculation.
-"""
+"""A chat request's tools as the API takes them (`tools`, `tool_choice`, `parallel_tool_calls`,
+validated together as a ToolSet), and the grammar that enforces `required` and named choices."""
 
 from __future__ import annotations
 
@@ -77,7 +67,15 @@ class ToolCall(BaseModel):
 
 
 class ToolSet(BaseModel):
-    """A request's tools and how it asks them to be used (validated together)."""
+    """A request's tools and how it asks them to be used (validated together):
+
+    - `none`: the tools are rendered (the conversation may refer to them), the output is plain text.
+    - a named function: the output is that function's arguments, enforced by its JSON schema.
+    - `required`: the output is a JSON array of calls `[{"name", "arguments"}]` (one call unless
+      `parallel`), each call's arguments enforced by its function's schema.
+    - `auto`: the model writes text or calls in its family's format (tool_parsers/), read as they come.
+
+    Enforced choices use the structured-output grammar, so they stay exact under speculation."""
     tools: list[Tool] = Field(default_factory=list, max_length=MAX_TOOLS)
     choice: ToolChoice = "none"
     parallel: bool = True

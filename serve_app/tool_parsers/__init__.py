@@ -23,7 +23,7 @@ def register_parser(parser: type[ToolParser]) -> type[ToolParser]:
 def parser_for(name: str) -> type[ToolParser]:
     """The parser of the format `name` (ValueError naming the known ones)."""
     if name not in PARSERS:
-        raise ValueError(f"tool_call_format must be 'auto' or one of {list(PARSERS)}, got {name!r}")
+        raise ValueError(f"tool_call_format must be 'auto' or one of {sorted(PARSERS)}, got {name!r}")
     return PARSERS[name]
 
 
@@ -34,5 +34,6 @@ def format_of_template(chat_template: str | None) -> tuple[str, bool]:
     return found, "tools" in template
 
 
-for _parser in (MistralParser, HermesParser, Llama3JsonParser):  # matched in this order
-    register_parser(_parser)
+register_parser(MistralParser)  # templates are matched in this order
+register_parser(HermesParser)
+register_parser(Llama3JsonParser)

@@ -1,7 +1,5 @@
-"""The tool-call parser every format shares: one choice's output text, fed as it arrives, as
-OpenAI message deltas, whole and streamed. It holds the modes (`none`, a named function,
-`required`: the same in every format) and, for `auto`, the split of the text from the calls; a
-format's module says only where its calls begin and how one is read."""
+"""ToolParser, the base of every tool-call format's parser: the modes every format shares and,
+for `auto`, the split of text from calls; a format's module says where its calls begin and how."""
 
 from __future__ import annotations
 
@@ -48,9 +46,10 @@ def as_call(item, argument_keys: tuple[str, ...]) -> tuple[str, object] | None:
 
 
 class ToolParser(ABC):
-    """`{"content": ...}` and/or `{"tool_calls": [...]}` deltas of one choice's text (a call's first
-    entry carries its id, type and name). Streamed deltas concatenate to the whole-text result
-    (`content`, `calls`); a call that does not parse stays text, so nothing the model wrote is lost."""
+    """One choice's output text, fed as it arrives, as OpenAI message deltas: `{"content": ...}`
+    and/or `{"tool_calls": [...]}` (a call's first entry carries its id, type and name). Streamed
+    deltas concatenate to the whole-text result (`content`, `calls`); a call that does not parse
+    stays text, so nothing the model wrote is lost."""
 
     name: ClassVar[str]  # the format's name, as tool_call_format takes it
     template_marks: ClassVar[tuple[str, ...]]  # any of them in a chat template: its family writes this format

@@ -15,6 +15,8 @@ from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.tool_parsers import PARSERS, ToolParser, format_of_template, parser_for, register_parser
 from serve_app.tool_parsers.hermes import HermesParser
+from serve_app.tool_parsers.llama3_json import Llama3JsonParser
+from serve_app.tool_parsers.mistral import MistralParser
 from serve_app.tool_rendering import render_messages
 from serve_app.tool_schemas import Tool, ToolSet
 from tests.helpers import REPO
@@ -174,10 +176,9 @@ def test_formats_are_read_off_the_chat_template():
 
 
 def test_every_format_has_its_parser_and_an_unknown_one_names_them():
-    assert {name: p.name for name, p in PARSERS.items()} == {"mistral": "mistral", "hermes": "hermes",
-                                                            "llama3_json": "llama3_json"}
-    assert parser_for("hermes") is HermesParser
-    with pytest.raises(ValueError, match=r"one of \['mistral', 'hermes', 'llama3_json'\], got 'xml'"):
+    expected = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+    assert PARSERS == expected and all(parser_for(name) is p and p.name == name for name, p in expected.items())
+    with pytest.raises(ValueError, match=r"one of \['hermes', 'llama3_json', 'mistral'\], got 'xml'"):
         parser_for("xml")
     with pytest.raises(ValueError, match="'hermes' is already registered"):
         register_parser(HermesParser)

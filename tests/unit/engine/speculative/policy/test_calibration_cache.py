@@ -196,9 +196,18 @@ def test_a_failed_middle_size_is_never_priced_past(tiny_model, tiny_draft, cache
     assert set(calibration.costs.target.batches(1)) == {1, 16, 20}  # measured, never priced past the failure
 
 
-def test_a_cold_start_prices_a_long_catch_up_before_any_step_reads_a_prompt(tiny_model, tiny_draft, cache):
+def test_a_cold_start_prices_a_long_catch_up_before_any_step_reads_a_prompt(tiny_model, tiny_draft, cache,
+                                                                          monkeypatch):
     """Unpriced (0 s), the first step weighed reading every prompt as free, chose to speculate, paid
-    the catch-up and went plain at once; calibration times two lengths, so the line has a slope."""
+    the catch-up and went plain at once; calibration times two lengths, so the line has a slope.
+    The passes run, but each reads as 1 ms + 10 us a token: a loaded host's timings cannot invert
+    the two lengths' order (as they did once in CI)."""
+    real = measure_module._median_pass
+
+    def linear(model, pool, slots, tokens, *args, **kwargs):
+        real(model, pool, slots, tokens, *args, **kwargs)
+        return 1e-3 + 1e-5 * tokens
+    monkeypatch.setattr(measure_module, "_median_pass", linear)
     engine = adaptive(tiny_model, tiny_draft)
     costs = engine.speculation.costs
     a, b = costs.catch_up.coefficients()
