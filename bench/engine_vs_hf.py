@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Plain decode, our engine vs transformers `generate`** — random-init {r['params_m']}M Llama, "
              f"{r['dtype']}, {r['tokens']} new tokens, {tables.host(m)}, {m['threads']} threads, torch {m['torch']} "
@@ -96,10 +96,6 @@ def _table(r: dict) -> list[str]:
                      f"{row['ratio']:.2f}x |")
     return lines + [""]
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("engine_vs_hf")) is None else _table(r)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     if r.get("status") != "measured":
         return [f"**llama.cpp**: {r.get('status')}", ""]
     lines = [f"**llama.cpp** (llama-cpp-python {r['llama_cpp_python']}, the shipped target converted to GGUF "
@@ -165,10 +165,6 @@ def _table(r: dict) -> list[str]:
                          f"{e['same_as_llama_cpp_plain']:.0%} |")
     return lines + [""]
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("llama_cpp")) is None else _table(r)
 
 
 if __name__ == "__main__":

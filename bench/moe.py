@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {write(args.out, {'shape': 'reduced Qwen3-MoE', 'repeats': args.repeats, **out})}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     lines = [f"**A mixture of experts** — {r['shape']} (128 experts, top 8), a pair at greedy alpha "
              f"{r['pair']['teacher_forced']['greedy']:.2f} with its one-layer prefix draft, float32, greedy, "
              f"{r['repeats']} interleaved repeats, median tok/s [range]; {tables.host(r['machine'])} (`python -m bench moe`).", "",
@@ -60,7 +60,3 @@ def _table(r: dict) -> list[str]:
                      f"{row['adaptive_over_best_fixed']:.3f} |")
     return lines + [""]
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("moe_cpu")) is None else _table(r)

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     m = r["machine"]
     lines = [f"**Peers on the same weights** — the shipped pair in bf16, batch 1, greedy, {r['tokens']} new tokens, "
              f"{r['prompts']} held-out prompts per workload, medians of {r['repeats']} interleaved runs, "
@@ -146,18 +146,9 @@ def _table(r: dict) -> list[str]:
     return lines + tables.img("peers")
 
 
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("peers")) is None else _table(r)
 
-
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The target against transformers' assisted generation."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     if (r := tables.load("peers")) is not None:
         parts, met = [], True
         for w, block in r["workloads"].items():
@@ -168,7 +159,6 @@ def page_targets() -> list[tables.Target]:
             parts.append(f"{w}: draft {same_draft:.2f}x, best {ours[name]['vs_transformers_assisted']:.2f}x ({name})")
             met &= same_draft >= 2.0
         row("our speculative decoding (same draft) >= 2x transformers assisted generation", "; ".join(parts), met)
-    return rows
 
 
 if __name__ == "__main__":

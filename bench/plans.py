@@ -117,7 +117,7 @@ def summarize_runs(runs: dict, batches: list[int], auto: str, plans: dict[str, d
     return results
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     m, res, auto = r["machine"], r["results"], r["auto"]
     lines = [f"**Forward plan: measured (auto) vs the others** — workload `{r['workload']}`, greedy, {r['tokens']} new "
              f"tokens, batch 1 ({r['prompts']} prompts one at a time) and 16, medians of {r['repeats']} interleaved "
@@ -137,24 +137,14 @@ def _table(r: dict) -> list[str]:
     return lines + [""]
 
 
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("plans")) is None else _table(r)
 
-
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The forward plan's target: auto within 5% of the best other."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     if (r := tables.load("plans")) is not None:
         ratios = {k: e["auto_over_best_other"]["median"] for k, e in r["results"].items()}
         worst = min(ratios, key=ratios.get)
         row("forward plan: auto within 5% of the best other plan (plain, draft K=5, hybrid adaptive; batch 1 and 16)",
             f"{min(ratios.values()):.3f} ({worst}) to {max(ratios.values()):.3f}", min(ratios.values()) >= 0.95)
-    return rows
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import statistics
 
 import torch
 
-from bench import tables
 from bench.batch_run import PREFILL_BUDGET, run_batch
 from bench.common import PLAIN, adaptive, fixed, host_class, interleave, parser, summarize, write
 from bench.mixed import HIGH_TEMPERATURE, batch_of
@@ -202,10 +201,6 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table(payload)))
     print(f"wrote {write(args.out, payload, next(iter(engines.values())))}")
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("policy")) is None else table(r)
 
 
 if __name__ == "__main__":

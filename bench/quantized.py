@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {write('quantized_cpu', {'shape': 'Qwen3-0.6B', 'repeats': args.repeats, 'formats': rows})}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     rows = r["formats"]
     lines = [f"**Weight-only quantization** — a {r['shape']}-shaped random model, plain batch-1 decoding, "
              f"{r['repeats']} interleaved repeats (the first dropped), median step [range]; {tables.host(r['machine'])} "
@@ -61,7 +61,3 @@ def _table(r: dict) -> list[str]:
                      f"{row.get('linear_bytes_over_bf16', 1.0):.3f} | {row.get('bytes_over_bf16', 1.0):.3f} |")
     return lines + [""]
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("quantized_cpu")) is None else _table(r)

@@ -31,8 +31,13 @@ def _replace_block(text: str, start: str, end: str, body: str, name: str = "the 
 
 def summary() -> str:
     """The project's targets next to what the committed results show (each bench's rows)."""
-    rows = [f"| {target} | {measured} | {'yes' if met else '**no**'} |"
-            for part in TARGETS for target, measured, met in resolve(part)()]
+    rows: list[str] = []
+
+    def row(target: str, measured: str, met: bool) -> None:
+        rows.append(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
+
+    for part in TARGETS:
+        resolve(part)(row)
     if not rows:
         return ""
     return "\n".join(["**Targets** (the project's goals, from the results below):", "", "| target | measured | met |",

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     slo = r["slo"]
     lines = [f"**Serving sweep with guidellm** — `serve run serve_config.yaml` (one replica, {r['engine_threads']} "
              f"engine thread), {tables.host(r['machine'])}; per level, each mode applied live (`serve deploy` of its user_config) "
@@ -272,18 +272,9 @@ def _table(r: dict) -> list[str]:
     return lines + tables.img("serve")
 
 
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("serve")) is None else _table(r)
 
-
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The serving targets: adaptive against the best fixed K, and at one stream against plain."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     if (r := tables.load("serve")) is not None:
         ratios = {lv: row_["adaptive_over_best"] for lv, row_ in r["results"].items()}
         worst = min(ratios, key=ratios.get)
@@ -292,7 +283,6 @@ def page_targets() -> list[tables.Target]:
         if "1" in r["results"]:
             one = r["results"]["1"]["adaptive_over_plain"]
             row("serving (guidellm): adaptive >= 1.8x plain at concurrency 1", f"{one:.2f}x", one >= 1.8)
-    return rows
 
 
 if __name__ == "__main__":

@@ -343,13 +343,8 @@ def page_table() -> list[str]:
     return out + ([] if first is None else _costs_table(first))
 
 
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The batch-1 speedup, theory and EAGLE-3 targets, from the spec runs."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     code, edit = tables.load("spec_code_t0"), tables.load("spec_edit_t0")
     if code is not None:
         res = code["results"]
@@ -383,7 +378,6 @@ def page_targets() -> list[tables.Target]:
         adaptive = edit["results"]["ngram/adaptive"]["speedup"]
         row("batch 1, greedy, edit: ngram >= 2.0x plain", f"{adaptive:.2f}x adaptive, best {best:.2f}x ({name})",
             best >= 2.0)
-    return rows
 
 
 if __name__ == "__main__":

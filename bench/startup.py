@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.out}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     lines = [f"**Start-up** — {r['config']}; each start in a fresh process, cold (empty caches) and warm (the "
              f"caches the cold start wrote), medians of {r['after']['llm']['cold']['summary']['n']}; "
              f"{tables.host(r['machine'])} (`python -m bench startup`):", "",
@@ -156,10 +156,6 @@ def _table(r: dict) -> list[str]:
             lines.append(f"| {name} | {e['cold']['summary']['median']:.1f} | {e['warm']['summary']['median']:.1f} |")
     return lines + [""]
 
-
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("startup")) is None else _table(r)
 
 
 if __name__ == "__main__":

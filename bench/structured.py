@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     lines = [f"**Structured outputs** — the code prompts decoded freely or under a JSON schema (six objects of "
              f"names, argument lists and return types), {r['tokens']} tokens a request, greedy, {tables.host(r['machine'])}, "
              f"{tables.plan(r)}; tokens/s end to end, medians of {r['repeats']} interleaved repeats with their range "
@@ -142,25 +142,15 @@ def _table(r: dict) -> list[str]:
     return lines + [""]
 
 
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("structured")) is None else _table(r)
 
-
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The structured-output target: the share of the free speedup kept."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     if (r := tables.load("structured")) is not None:
         kept = {f"batch {b} {n.removesuffix(' speedup')}": v["kept"] for b, row_ in r["results"].items()
                 for n, v in row_.items() if n.endswith(" speedup")}
         worst = min(kept, key=kept.get)
         row("structured outputs: constrained speculation keeps >= 90% of the free speedup",
             f"{min(kept.values()):.3f} ({worst}) to {max(kept.values()):.3f}", min(kept.values()) >= 0.9)
-    return rows
 
 
 if __name__ == "__main__":

@@ -241,13 +241,8 @@ def page_table() -> list[str]:
     return out
 
 
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The adaptive policy's target at every batch size, for each sweep run."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     for name, what in (("sweep", "adaptive"), ("sweep_eagle", "adaptive with the EAGLE-3 head")):
         if (r := tables.load(name)) is None:
             continue
@@ -264,7 +259,6 @@ def page_targets() -> list[tables.Target]:
             worst_held = min(held, key=held.get)
             measured += f"; held out {min(held.values()):.3f} (batch {worst_held}) to {max(held.values()):.3f}"
         row(f"{what} >= 0.97 x max(plain, best fixed K) at every batch size", measured, min(ratios.values()) >= 0.97)
-    return rows
 
 
 if __name__ == "__main__":

@@ -13,33 +13,34 @@ from bench.common import RESULTS, host_class
 from engine.model.plan import label
 
 IMAGES = "../../bench/results"  # from docs/benchmarks/results.md (the site build copies the plots)
-Target = tuple[str, str, bool]  # (the project's goal, what the results show, met)
+Row = Callable[[str, str, bool], None]  # row(the project's goal, what the results show, met)
 
 
 @dataclass(frozen=True)
 class Part:
     name: str
-    target: str  # "module:function" under bench: the lines it draws, none without its results
+    target: str  # "module:function" under bench
+    results: str | None = None  # the results file it draws (bench/results/<results>.json): function(r)
 
 
-TABLES = (  # the tables, in page order: each page_table() -> list[str]
-    Part("engine_vs_hf", "engine_vs_hf:page_table"),
+TABLES = (  # the tables, in page order: function(r) -> list[str] of its results, else page_table()
+    Part("engine_vs_hf", "engine_vs_hf:draw", "engine_vs_hf"),
     Part("spec", "spec_bench:page_table"),
-    Part("plans", "plans:page_table"),
-    Part("peers", "peers:page_table"),
-    Part("llama_cpp", "llama_cpp:page_table"),
+    Part("plans", "plans:draw", "plans"),
+    Part("peers", "peers:draw", "peers"),
+    Part("llama_cpp", "llama_cpp:draw", "llama_cpp"),
     Part("sweep", "sweep:page_table"),
-    Part("serve", "serve:page_table"),
-    Part("structured", "structured:page_table"),
-    Part("startup", "startup:page_table"),
+    Part("serve", "serve:draw", "serve"),
+    Part("structured", "structured:draw", "structured"),
+    Part("startup", "startup:draw", "startup"),
     Part("trees", "trees:page_table"),
-    Part("verification", "verification:page_table"),
-    Part("quantized", "quantized:page_table"),
-    Part("moe", "moe:page_table"),
+    Part("verification", "verification:draw", "verification"),
+    Part("quantized", "quantized:draw", "quantized_cpu"),
+    Part("moe", "moe:draw", "moe_cpu"),
     Part("mixed", "mixed:page_table"),
-    Part("policy", "policy:page_table"),
+    Part("policy", "policy:table", "policy"),
 )
-TARGETS = (  # the targets table's rows, in its order: each page_targets() -> list[Target]
+TARGETS = (  # the targets table's rows, in its order: each page_targets(row) calls row() per target
     Part("spec", "spec_bench:page_targets"),
     Part("peers", "peers:page_targets"),
     Part("sweep", "sweep:page_targets"),
@@ -52,8 +53,12 @@ TARGETS = (  # the targets table's rows, in its order: each page_targets() -> li
 
 
 def resolve(part: Part) -> Callable:
+    """The part's function; one that draws a results file, bound to it (nothing without the file)."""
     module, function = part.target.split(":")
-    return getattr(importlib.import_module(f"bench.{module}"), function)
+    fn = getattr(importlib.import_module(f"bench.{module}"), function)
+    if part.results is None:
+        return fn
+    return lambda: [] if (r := load(part.results)) is None else fn(r)
 
 
 def load(name: str) -> dict | None:

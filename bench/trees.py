@@ -306,13 +306,8 @@ def page_table() -> list[str]:
     return _table(runs) if (runs := _tree_runs()) else []
 
 
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The token-tree targets: accepted tokens per round, and tok/s at batch 1 and in batches."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     tree_runs = _tree_runs()
     labels = [f"{r['method']} {r['nodes']} nodes" for r in tree_runs]
     gains = {label: row_["tree_over_chain_accepted_per_round"]["median"] for label, r in zip(labels, tree_runs)
@@ -339,7 +334,6 @@ def page_targets() -> list[tables.Target]:
              lambda v: min(v) >= 0.97, batch_rows)):
         if values:
             row(target, tables.span(values) + beside(rows_), met(values.values()))
-    return rows
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _table(r: dict) -> list[str]:
+def draw(r: dict) -> list[str]:
     lines = [f"**Block vs token verification** — the shipped pair at T = {r['temperature']}, {r['prompts']} code "
              f"prompts x {r['tokens']} tokens one at a time (batch 1), {r['repeats']} repeats with their own seeds, "
              f"each prompt decoded by both rules back to back; {tables.host(r['machine'])} (`python -m bench verification`). "
@@ -182,25 +182,15 @@ def _table(r: dict) -> list[str]:
     return lines + [""]
 
 
-def page_table() -> list[str]:
-    """The results page's table (bench/tables.py)."""
-    return [] if (r := tables.load("verification")) is None else _table(r)
 
-
-def page_targets() -> list[tables.Target]:
+def page_targets(row: tables.Row) -> None:
     """The block-verification targets: accepted tokens and tok/s against token verification."""
-    rows: list[tables.Target] = []
-
-    def row(target: str, measured: str, met: bool) -> None:
-        rows.append((target, measured, met))
-
     if (r := tables.load("verification")) is not None:
         for key, what in (("block_over_token_accepted", "accepted tokens per round"), ("block_over_token_tok_s", "tok/s")):
             ratios = {f"{m} {shape}": e[key]["median"] for m, row_ in r["results"].items()
                       for shape, e in row_.items() if shape != "variants"}
             row(f"block ÷ token verification >= 1.0, {what} (batch 1, T = {r['temperature']})", tables.span(ratios),
                 min(ratios.values()) >= 1.0)
-    return rows
 
 
 if __name__ == "__main__":
