@@ -34,6 +34,17 @@ def greedy(max_tokens: int = 24):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def fixed_step_prices(monkeypatch) -> None:
+    """The per-request policy at fixed prices, not this host's timings: a row's plain step 1 ms, a
+    verify token 0.4 of that, drafting free, a draft's catch-up 0.1 ms a token (the prompt's is a
+    long one: timed on a loaded host it outweighed these and the policy decoded plainly)."""
+    from engine.speculative.policy.costs import MeasuredCosts
+    from engine.speculative.policy.per_request import StepCost
+
+    monkeypatch.setattr(StepCost, "seconds", lambda self, total, *rest: 1e-3 * (self.batch + 0.4 * (total - self.batch)))
+    monkeypatch.setattr(MeasuredCosts, "catch_up_time", lambda self, tokens: 1e-4 * tokens)
+
+
 def make_tokenizer(path: Path, vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast

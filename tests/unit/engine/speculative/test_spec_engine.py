@@ -177,12 +177,9 @@ def test_engine_time_is_split_by_phase(tiny_model, tiny_draft, speculative):
 @pytest.mark.parametrize("policy", [{}, {"spec_policy": "adaptive", "k_per_request": True}], ids=["fixed", "per_request"])
 def test_step_metrics_agree_with_request_stats(tiny_model, tiny_draft, policy, monkeypatch):
     from engine.metrics import METRIC_BY_NAME, StepMetrics
-    from engine.speculative.policy.per_request import StepCost
-    from tests.helpers import InMemoryRecorder
+    from tests.helpers import InMemoryRecorder, fixed_step_prices
 
-    # the per-request policy at fixed prices (a verify token 0.4 of a row's plain step), not this
-    # host's timings: the counts are what is checked, and they need rounds that speculate
-    monkeypatch.setattr(StepCost, "seconds", lambda self, total, *rest: 1e-3 * (self.batch + 0.4 * (total - self.batch)))
+    fixed_step_prices(monkeypatch)  # the counts are what is checked, and they need rounds that speculate
     llm = spec_llm(tiny_model[0], tiny_draft[0], **policy)
     eng = llm.engine
     rec = InMemoryRecorder()

@@ -225,11 +225,11 @@ def test_a_k_per_request_keeps_sampling_exact(pair, monkeypatch, allocation):
     timings: a verify token costs 0.4 of a row's plain step, so a position is worth proposing
     where it survives more often than that), and with every step forced to give the rows of one
     packed verify pass K = 0, 1 and 2 in turn."""
-    from engine.speculative.policy.per_request import Allocation, PerRequestPolicy, StepCost
+    from engine.speculative.policy.per_request import Allocation, PerRequestPolicy
+    from tests.helpers import fixed_step_prices
 
     if allocation == "policy":
-        monkeypatch.setattr(StepCost, "seconds", lambda self, total, *rest: 1e-3 * (
-            self.batch + 0.4 * (total - self.batch)))
+        fixed_step_prices(monkeypatch)
     else:
         def mixed(self, view, prices):
             return Allocation([min(c, i % 3) for i, c in enumerate(view.allowed())], "policy", 1.0, 1.0)
