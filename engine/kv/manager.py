@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import host_sync
-from engine.kv.features import FeatureCache
+from engine.kv.features import FeatureCache, PendingFeatures
 from engine.kv.protocol import CachePool, OutOfKVCache
 from engine.request import Request
 
@@ -111,6 +111,11 @@ class KVManager:
         for i, (r, s, n) in enumerate(zip(requests, starts, lengths)):
             if r.params.spec_length != 0:
                 self.features.append(r.request_id, s, features[i, :n])
+
+    def take_features(self, request: Request) -> PendingFeatures | None:
+        """The request's features kept since the head last read them, handed over: they leave the
+        store; None where there are none."""
+        return self.features.take(request.request_id)
 
     def drop_features(self) -> None:
         """Every request's pending features go (the target stopped capturing them)."""

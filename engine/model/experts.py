@@ -66,17 +66,18 @@ class Experts:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def __call__(self, x: torch.Tensor, lw, linear: Linear, silu_mul: SiluMul = silu_mul) -> torch.Tensor:
-        """The normed input x [B, T, hidden] -> [B, T, hidden] (lw: the layer, whose gate_up and down are None)."""
+    def __call__(self, x: torch.Tensor, lw, linear: Linear, pass_silu_mul: SiluMul = silu_mul) -> torch.Tensor:
+        """The normed input x [B, T, hidden] -> [B, T, hidden] (lw: the layer, whose gate_up and down are None).
+        The experts take torch's SiLU-and-multiply, not the pass's (the fused kernel rounds once: other bits)."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.route(flat, linear)
         if self.static:
             out = moe_kernels.experts(flat, ids, self.gate_up, self.down)  # [n, k, hidden]
         else:
-            out = self._grouped(flat, ids, linear, silu_mul)
+            out = self._grouped(flat, ids, linear)
         return (out * weights[..., None]).sum(dim=1).view_as(x)
 
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, linear: Linear, silu_mul: SiluMul) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, linear: Linear) -> torch.Tensor:
         """CPU: x [n, hidden], ids [n, k] -> each slot's expert output [n, k, hidden]."""
         n, k = ids.shape
         order = ids.flatten().argsort(stable=True)  # [n k]: slots grouped by expert

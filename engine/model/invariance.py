@@ -161,8 +161,9 @@ def _apply_rule(model) -> str | None:
     each output in one order whatever the row count, and fixed-order attention; bf16: oneDNN with
     the probed one-row widths padded, grouped attention); why it cannot, or None."""
     if model.dtype == torch.float32:
-        if model.quantized or not all(lw.mlp.dense for lw in model.layers):
-            return "float32 takes the column-block kernel, which runs dense weights only (not quantized or experts)"
+        if model.quantized or any(lw.mlp.weights() for lw in model.layers):
+            return ("float32 takes the column-block kernel, which runs the layers' own dense weights only (not "
+                    "quantized, nor an MLP holding weights of its own such as experts)")
         if model.shape.head_dim % 8:
             return f"float32's fixed-order attention takes head_dim a multiple of 8, not {model.shape.head_dim}"
         try:

@@ -79,8 +79,8 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized:
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or onednn_reorders(getattr(torch, d))]
     if quantized or shape.moe is not None:
         return [ModelPlan(d) for d in dtypes]
-    runs = {"target": one_sequence.load() is not None,  # the C token step computes SwiGLU itself
-            "draft": TokenStep.runs(shape) and family_of(shape.model_type).mlp.dense}[role]
+    runs = {"target": one_sequence.load() is not None,
+            "draft": TokenStep.runs(shape) and family_of(shape.model_type).mlp.dense}[role]  # the token step computes SwiGLU itself
     kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if runs else None
     out = []
     for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16

@@ -9,7 +9,7 @@ A probe's rows (`probe_rows`): every row that can propose without a long catch-u
 rows; a model's rows it lags at most long_catch_up behind), else the one it lags least behind.
 Where that is every row, the probe's verify pass is the (B, K + 1) pass the plans price, and it is
 recorded as one (the padded table, and the step's time outside its passes at (B, K)); where rows sit
-out, the pass packs and feeds the tokens-and-slots fit (costs.PassCostFit) only.
+out, the pass packs and feeds the tokens-and-slots fit (fits.PassCostFit) only.
 """
 
 from __future__ import annotations

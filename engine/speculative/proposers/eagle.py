@@ -136,7 +136,7 @@ class EagleProposer(Proposer):
         """Feeds each request's pending features; its last logits [N, V] and outputs [N, H] (Eagle3Head.step's)."""
         chunks, features, starts = [], [], []
         for r, n in zip(reqs, lengths):
-            pending = self.features.take(r.request_id)  # propose() checked there are some
+            pending = self.kv.take_features(r)  # propose() checked there are some
             if pending.start - pending.origin != n:  # a new run (capture was off for a while): the head restarts
                 self.kv.restart_head(r, pending.start)
                 n = 0

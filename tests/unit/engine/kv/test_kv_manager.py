@@ -87,8 +87,8 @@ def test_the_prefix_cache_serves_a_second_request_through_the_manager():
     assert kv.computed(second) == 8
 
 
-OWNER_MUTATIONS = re.compile(r"\bkv\.(target|draft|features)\.(truncate_to|move_rows|append|restart|clear|free"
-                             r"|free_slot|allocate_slot|ensure_capacity|take_rows)\b")
+OWNER_MUTATIONS = re.compile(r"\b(?:kv\.(?:target|draft|features)|self\.features)\.(truncate_to|move_rows|append"
+                             r"|restart|clear|free|free_slot|allocate_slot|ensure_capacity|take_rows|take)\b")
 
 
 def pool_mutations(text: str) -> list[str]:
@@ -102,5 +102,6 @@ def test_only_the_manager_changes_its_pools():
     offenders = {str(p.relative_to(REPO)): found for p in sorted((REPO / "engine").rglob("*.py"))
                  if "kv" not in p.relative_to(REPO).parts[1:2] and (found := pool_mutations(p.read_text()))}
     assert not offenders, offenders
-    assert pool_mutations("self.kv.draft.truncate_to(slot, n)\nkv.features.append(rid, s, f)") == \
-        ["kv.draft.truncate_to", "kv.features.append"]
+    assert pool_mutations("self.kv.draft.truncate_to(slot, n)\nkv.features.append(rid, s, f)\n"
+                          "self.features.take(rid)  # a proposer's alias for kv.features") == \
+        ["kv.draft.truncate_to", "kv.features.append", "self.features.take"]

@@ -83,6 +83,20 @@ def test_the_c_token_step_refuses_a_familys_own_mlp(tmp_path, tiny_model, toy_fa
         load_model(toy, ModelPlan("float32", token_step=True), "cpu", 64)
 
 
+def test_a_familys_own_mlp_takes_the_float32_row_invariant_rule(tmp_path, tiny_model, toy_family):
+    """An MLP holding no weights of its own runs on its layer's gate_up and down, so the column-block
+    kernel takes it: a multi-token pass then computes bitwise what one-token steps compute."""
+    from engine.config import ModelPlan
+    from engine.model.invariance import choose_invariance
+    from engine.model.kernels import one_sequence
+    from engine.model.loader import load_model
+
+    if one_sequence.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    model = load_model(_as_toy(tiny_model[0], tmp_path / "toy"), ModelPlan("float32"), "cpu", 64)
+    assert choose_invariance(model, "on") == "on" and model.row_invariant
+
+
 def test_a_familys_own_config_key_is_refused_by_its_table(tmp_path, tiny_model, toy_family):
     toy = _as_toy(tiny_model[0], tmp_path / "toy", toy_scale=3)
     with pytest.raises(ValueError, match=r"config.json toy_scale=3 is refused: only 1 is implemented"):

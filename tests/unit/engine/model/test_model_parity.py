@@ -64,7 +64,7 @@ def test_a_cpu_without_bf16_kernels_plans_float32_for_a_bf16_model(tmp_path, tok
     assert torch.equal(logits[0], logits[1])
 
 
-def test_packed_float32_rows_do_not_depend_on_the_batch():
+def test_reordered_float32_rows_do_not_depend_on_the_batch():
     """The property exact greedy speculation rests on: a row's result is bit-identical whether
     it is computed alone, in a verify pass of a few rows, or in a large batch."""
 
