@@ -7,8 +7,10 @@ In bf16 on CPU two things break it, both measured (docs/speculative/exactness.md
   (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
   row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
   row (linears.at_least_rows), the widths probed at load.
-- SDPA's CPU kernel blocks keys by the query count. The grouped matmuls (bf16 in, float32
-  scores) do not, so the invariant rule sends every pass there (attention.py "cpu_invariant").
+- SDPA's CPU kernel blocks keys by the query count. The invariant rule sends every pass to
+  fixed-order attention (kernels/fixed_order_attention.c, bf16 K/V read as they are; faster than
+  SDPA at one sequence, about level at 16), or where the kernels cannot build to the grouped
+  matmuls, whose bf16 rows do not depend on the pass either (attention.py "cpu_invariant").
 
 In float32 oneDNN's rows differ too, and the batched matmuls block the attention's key sums by the
 key count; so every pass takes the column-block kernel (each output one chain of multiply-adds
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.kernels import one_sequence
 from engine.model.passes import fill_slots, forward_chunks, pool_for, time_pass
 from engine.model.plan import write_cached
 
@@ -98,13 +101,14 @@ def _rule_checked(model) -> str | None:
 def plain_only_rule(model, cache: Path | None = None) -> str:
     """batch_invariant auto in a plain-only engine: the rule where the harness passes and the
     engine's decode passes (PLAIN_SHAPES) run faster on it than on the plan's paths, timed here
-    interleaved; its bits then equal a speculative engine's as a bonus. Considered in float32
-    where the plan took the one-sequence kernel, whose column-block weights the rule reuses (no
-    second copy of the weights); elsewhere the plan's paths, measured faster (bf16: 0.74x at batch
-    1, docs/speculative/exactness.md). The ratio is read from `cache` where an earlier start left
-    it (the plan's key: host, torch, kernels, model), so a restart keeps its verdict and its bits.
-    "on" or "off: why"."""
-    if model.device.type != "cpu" or model.dtype != torch.float32 or not model.plan.one_sequence_kernel:
+    interleaved; its bits then equal a speculative engine's as a bonus. Considered where the rule
+    adds no copy of the weights: bf16 with the kernels built (fixed-order attention, oneDNN's own
+    weights), float32 where the plan took the one-sequence kernel, whose column-block weights the
+    rule reuses; elsewhere the plan's paths. The ratio is read from `cache` where an earlier start
+    left it (the plan's key: host, torch, kernels, model), so a restart keeps its verdict and its
+    bits. "on" or "off: why"."""
+    kernels = model.device.type == "cpu" and one_sequence.load() is not None
+    if not (kernels and (model.dtype == torch.bfloat16 or model.dtype == torch.float32 and model.plan.one_sequence_kernel)):
         return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
     problem = _rule_checked(model)
     if problem is not None:
@@ -132,8 +136,11 @@ def _cached_ratio(cache: Path | None) -> float | None:
 
 def decode_cost_ratio(model, repeats: int = 5) -> float:
     """Geometric mean over PLAIN_SHAPES of the median decode pass's seconds on the rule ÷ on the
-    plan's paths (a model already on the rule), interleaved over a pool of its own; the model is
-    left on the rule."""
+    plan's paths (the rule applied first where it is not on), interleaved over a pool of its own;
+    the model is left on the rule."""
+    if model.invariant_rule is None and (problem := _apply_rule(model)) is not None:
+        raise ValueError(f"no rule to time: {problem}")
+    rule = model.invariant_rule
     context = min(PLAIN_CONTEXT, model.cos.shape[0] - 2)
     rows = max(b for b, _ in PLAIN_SHAPES)
     pool = pool_for(model, rows, context + 2)
@@ -144,13 +151,13 @@ def decode_cost_ratio(model, repeats: int = 5) -> float:
             times: dict[bool, list[float]] = {True: [], False: []}
             for r in range(repeats + 1):
                 for on in (True, False) if r % 2 else (False, True):
-                    model.make_row_invariant(frozenset() if on else None, columns=on)
+                    model.make_row_invariant(*rule) if on else model.make_row_invariant(None)
                     seconds = time_pass(model, pool, slots[:batch], tokens, context, False)
                     if r:  # the first of each: untimed
                         times[on].append(seconds)
             ratios.append(statistics.median(times[True]) / statistics.median(times[False]))
     finally:
-        model.make_row_invariant(frozenset(), columns=True)
+        model.make_row_invariant(*rule)
         for s in slots:
             pool.free_slot(s)
     return statistics.geometric_mean(ratios)
@@ -159,7 +166,7 @@ def decode_cost_ratio(model, repeats: int = 5) -> float:
 def _apply_rule(model) -> str | None:
     """Puts `model` on its dtype's rule (float32: every pass on the column-block kernel, which sums
     each output in one order whatever the row count, and fixed-order attention; bf16: oneDNN with
-    the probed one-row widths padded, grouped attention); why it cannot, or None."""
+    the probed one-row widths padded, fixed-order or grouped attention); why it cannot, or None."""
     if model.dtype == torch.float32:
         if model.quantized or any(lw.mlp.weights() for lw in model.layers):
             return ("float32 takes the column-block kernel, which runs the layers' own dense weights only (not "

@@ -63,6 +63,7 @@ class Transformer:
     fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused_check.py), set at load
     row_invariant: bool = False  # each row's bits independent of its pass (engine/model/invariance.py), set at load
     columns_always: bool = False  # every pass on the one-sequence path (its column-block kernel), under invariance
+    invariant_rule: tuple[frozenset[int], bool] | None = None  # make_row_invariant's arguments while on
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -102,7 +103,8 @@ class Transformer:
 
     def make_row_invariant(self, pad_widths: frozenset[int] | None, columns: bool = False) -> None:
         """Every pass on a rule that keeps a row's bits independent of its pass (invariance.py):
-        grouped attention and one-row linears of `pad_widths` input features run as two rows (bf16);
+        fixed-order attention (grouped matmuls where the kernels cannot load) and one-row linears
+        of `pad_widths` input features run as two rows (bf16);
         or, `columns`, every pass on the one-sequence path's column-block kernel with fixed-order
         attention (float32, the kernels built: a ValueError where they cannot run). None: back to
         the plan's paths."""
@@ -110,9 +112,11 @@ class Transformer:
         if columns and on and self._one_sequence is None:
             self._one_sequence = self._one_sequence_path()  # the plan did not take it: blocked now
         self.columns_always = columns and on
-        self.attention_rule = ("cpu_fixed_order" if columns else "cpu_invariant") if on else self._plan_rule
+        fixed_order = columns or self.device.type == "cpu" and one_sequence.load() is not None
+        self.attention_rule = ("cpu_fixed_order" if fixed_order else "cpu_invariant") if on else self._plan_rule
         self._linear = at_least_rows(self._plan_linear, pad_widths) if on and not columns else self._plan_linear
         self.row_invariant = on
+        self.invariant_rule = (pad_widths, columns) if on else None
 
     def linear_probe(self, columns: bool = False) -> tuple[Callable, list, list[int]]:
         """(this model's linear, a weight of each matmul and the output layer, their input widths),

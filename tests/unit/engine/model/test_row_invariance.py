@@ -43,6 +43,13 @@ def test_a_pass_equals_its_steps_bitwise(invariant, backend, batch):
             assert check_passes(invariant, pool, context, tokens, batch) is None, (context, tokens)
 
 
+@needs_kernels
+def test_the_rule_attends_in_fixed_order_where_the_kernels_build(invariant):
+    """Both dtypes' rules take fixed-order attention (bf16: faster than the grouped matmuls, which
+    stay the rule's attention only where the kernels cannot build)."""
+    assert invariant.attention_rule == "cpu_fixed_order"
+
+
 def test_todays_rule_differs(target):
     """The teeth: the plan's own paths (bf16: SDPA at batch 1, oneDNN's one-row kernel; float32:
     oneDNN's rows and the batched matmuls' key blocking) give other bits."""
@@ -74,6 +81,17 @@ def test_fixed_order_attention():
                        kernels.attention(q, k.bfloat16().float(), v.bfloat16().float(), seen, 0.125))
     seen[0, 0, 0] = False
     assert torch.equal(kernels.attention(q, k, v, seen, 0.125)[0, :, 0], torch.zeros(H, D))
+    # a tree node's or a packed row's keys need not be a prefix: a row over scattered keys, garbage
+    # (NaN) in the rest, = the same keys gathered in order, unmasked (sums run by a key's rank, never
+    # its index); its ranks cross a lane block of 8 at several offsets
+    for keys in (torch.arange(0, L, 3), torch.arange(37, 59), torch.tensor([5, 6, 90, 91, 92, 250, 299])):
+        row = torch.zeros(1, 1, 1, L, dtype=torch.bool)
+        row[..., keys] = True
+        dirty_k, dirty_v = k[:, :1].clone(), v[:, :1].clone()
+        dirty_k[:, :, ~row[0, 0, 0]] = float("nan")
+        dirty_v[:, :, ~row[0, 0, 0]] = float("nan")
+        scattered = kernels.attention(q[:1, :, :1], dirty_k, dirty_v, row, 0.125)
+        assert torch.equal(scattered, kernels.attention(q[:1, :, :1], k[:, :1, keys], v[:, :1, keys], None, 0.125))
     with pytest.raises(ValueError, match="head_dim"):
         kernels.attention(q[..., :60], k[..., :60], v[..., :60], None, 0.125)
 
@@ -116,7 +134,8 @@ def test_auto_backs_off_where_the_harness_fails(target, monkeypatch):
     assert choose_invariance(target, "on") == "on" and target.row_invariant
     target.make_row_invariant(None)
     assert choose_invariance(target, "off").startswith("off")
-    assert choose_invariance(target, "auto", speculative=False).startswith("off: a plain-only engine")
+    assert choose_invariance(target, "auto", speculative=False).startswith("off: ")  # harness or plan
+    assert not target.row_invariant
 
 
 def test_the_setting_is_checked():
@@ -136,7 +155,6 @@ def test_greedy_speculation_equals_plain(dtype: str):
 
     def run(llm, batch):
         return [o.token_ids for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]
-    assert LLM(use_speculative_decoding=False, **common).engine.stats()["batch_invariant"].startswith("off")
     plain = LLM(use_speculative_decoding=False, batch_invariant="on", **common)  # the speculative engines' rule
     assert plain.engine.stats()["batch_invariant"] == "on"
     want = {b: run(plain, b) for b in (1, 3)}
@@ -145,6 +163,28 @@ def test_greedy_speculation_equals_plain(dtype: str):
         llm = LLM(speculative_method=method, **common)
         for b in (1, 3):
             assert run(llm, b) == want[b], (method, b)
+
+
+@needs_bf16
+@needs_kernels
+def test_a_plain_only_bf16_engine_weighs_the_rule_too(monkeypatch):
+    """bf16's rule adds no weights, so a plain-only bf16 engine measures it like float32's: the real
+    measurement leaves the bf16 rule on (oneDNN's weights, padded widths, fixed-order attention);
+    a scripted ratio below 1 keeps it, above 1 turns it off."""
+    import engine.model.invariance as invariance
+
+    model = load_model(REPO / "models" / "target", ModelPlan("bfloat16"), "cpu", 256)
+    assert choose_invariance(model, "on") == "on"
+    ratio = invariance.decode_cost_ratio(model, repeats=1)
+    assert ratio > 0 and model.row_invariant and not model.columns_always
+    assert model.attention_rule == "cpu_fixed_order"
+    model.make_row_invariant(None)
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 0.9)
+    assert choose_invariance(model, "auto", speculative=False) == "on" and model.row_invariant
+    model.make_row_invariant(None)
+    monkeypatch.setattr(invariance, "decode_cost_ratio", lambda m: 1.1)
+    assert choose_invariance(model, "auto", speculative=False).startswith("off: a plain-only engine's decode passes")
+    assert not model.row_invariant
 
 
 @needs_kernels
