@@ -4,8 +4,8 @@ and speculation never changes a greedy token (docs/speculative/exactness.md).
 
 In bf16 on CPU two things break it, both measured (docs/speculative/exactness.md):
 - oneDNN's reordered-weight matmul takes another kernel for one row than for two or more at some widths
-  (a gemv whose k-sums run in another order, by the row's alignment too); from two rows on, a
-  row's bits never depend on M. So a one-row linear of such a width runs as two copies of the
+  (a gemv whose k-sums run in another order, at some of the row's alignments only, so the probe
+  tries the row at many); from two rows on, a row's bits never depend on M (nor on alignment). So a one-row linear of such a width runs as two copies of the
   row (linears.at_least_rows), the widths probed at load.
 - SDPA's CPU kernel blocks keys by the query count. The invariant rule sends every pass to
   fixed-order attention (kernels/fixed_order_attention.c, bf16 K/V read as they are; faster than
@@ -37,6 +37,9 @@ from engine.model.plan import write_cached
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192)  # row counts a linear is probed at
+# a one-row pass is probed at every ONE_ROW_STRIDE-th element offset over ONE_ROW_SPAN elements (a page
+# in bf16): oneDNN's one-row kernel at the shipped target's 1408 differed at 160 of 2048 offsets, clustered
+ONE_ROW_SPAN, ONE_ROW_STRIDE = 2048, 7
 PLAIN_SHAPES = ((1, 1), (16, 1))  # a plain-only engine's decode passes (sequences, tokens each), as plan.py's
 PLAIN_CONTEXT = 128  # keys each timed decode pass attends to
 
@@ -55,8 +58,12 @@ def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dt
             for r in (0, 1, 3):  # rows that start off the allocation's alignment too
                 if not torch.equal(linear(x[r:r + m], weight), wide[r:r + m]):
                     return None, f"a {k}-wide linear's rows differ between {m} and {len(x)} rows"
-        if not all(torch.equal(linear(x[r:r + 1], weight), wide[r:r + 1]) for r in range(8)):
-            seen.add(k)
+        flat = torch.randn(k + ONE_ROW_SPAN, generator=generator).to(dtype=dtype, device=device)
+        for at in range(0, ONE_ROW_SPAN, ONE_ROW_STRIDE):  # one row at many alignments: the kernel moves with it
+            row = flat[at:at + k].view(1, k)
+            if not torch.equal(linear(row, weight), linear(row.expand(2, k).contiguous(), weight)[:1]):
+                seen.add(k)
+                break
     return frozenset(seen), (f"one row takes another kernel at width {', '.join(map(str, sorted(seen)))}" if seen
                   else "every row count agrees")
 
