@@ -32,6 +32,8 @@
     serve-mixed  the same mix through `serve run`: two guidellm clients (edits greedy, code at T = 0.8)
     invariance  what row-count invariance costs: batch_invariant on vs off (and an A/A twin), plain,
              EAGLE-3 and hybrid, batch 1 and 16, end to end
+    exactness  greedy speculation = plain in the same engine? every proposer x chains / adaptive / trees / block,
+             batch 1, 8 and 32, both pools, batch_invariant on (and off beside); a request alone = in a batch
     moe      a reduced Qwen3-MoE: plain, fixed K, adaptive, batch 1-32, beside transformers generate (CPU)
     plots    PNGs from bench/results/*.json
     report   rewrite docs/benchmarks/results.md and the README's headline table from bench/results/*.json
@@ -48,7 +50,7 @@ COMMANDS = {"spec": "bench.spec_bench", "peers": "bench.peers", "llamacpp": "ben
             "sweep": "bench.sweep", "plan": "bench.plans", "structured": "bench.structured", "prefill": "bench.prefill",
             "serve": "bench.serve", "hf": "bench.engine_vs_hf", "gpu": "bench.gpu", "startup": "bench.startup",
             "compare": "bench.compare", "alpha": "bench.alpha", "host-reads": "bench.host_reads", "clients": "bench.clients", "logprobs": "bench.logprobs_cost", "verification": "bench.verification", "trees": "bench.trees", "suffix": "bench.suffix", "scale-out": "bench.scale_out",
-            "quantized": "bench.quantized", "moe": "bench.moe", "invariance": "bench.invariance", "mixed": "bench.mixed", "policy": "bench.policy", "packing": "bench.packing", "serve-mixed": "bench.serve_mixed",
+            "quantized": "bench.quantized", "moe": "bench.moe", "invariance": "bench.invariance", "exactness": "bench.exactness", "mixed": "bench.mixed", "policy": "bench.policy", "packing": "bench.packing", "serve-mixed": "bench.serve_mixed",
             "plots": "bench.plots", "report": "bench.report"}
 ALL = [("hf", []), ("spec", ["--workload", "code"]), ("spec", ["--workload", "edit"]),
        ("spec", ["--workload", "code", "--temperature", "0.8", "--ks", "2", "4", "6"]), ("peers", []),

@@ -11,9 +11,11 @@ the median over repeats of the per-repeat ratio of tokens/s, with its range.
 
 --plain-only: engines with speculation off at start-up (`use_speculative_decoding: false`),
 `batch_invariant` auto (the rule where its decode passes measured faster on it) and off twice,
-beside a speculative engine's K = 0 steps (auto); plain decoding at batch 1, 16 and 64. Figures: auto
-÷ off, the A/A pair, and the speculative engine's K = 0 ÷ the plain-only engine's auto (what a
-plain user gets against the reference speculation is judged by).
+beside a speculative engine's K = 0 steps (auto) and plain-only engines with the target's plan
+forced (bf16, float32, float32 + the one-sequence kernel); plain decoding at batch 1, 16 and 64.
+Figures: auto ÷ off, the A/A pair, the speculative engine's K = 0 ÷ the plain-only engine's auto
+(what a plain user gets against the reference speculation is judged by), and auto ÷ the fastest
+forced plan (does the plain-only engine's own plan pick plain's best?).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def engine(method: str, setting: str, max_batch_size: int = 16):
 PLAIN_ONLY_ENGINES = {"auto": "auto", "off": "off", "off (A/A)": "off"}  # plain-only variant -> batch_invariant
 PLAIN_ONLY_BATCHES = (1, 16, 64)
 SPECULATIVE_K0 = "speculative engine, K = 0"
+FORCED = {"forced bfloat16": {"dtype": "bfloat16"}, "forced float32": {"dtype": "float32"},
+          "forced float32 + one-sequence kernel": {"dtype": "float32", "one_sequence_kernel": True}}  # target plans
 
 
 def ratios(runs: dict, a: str, b: str) -> dict:
@@ -95,6 +99,12 @@ def plain_only(args) -> None:
     llms = {v: LLM(use_speculative_decoding=False, batch_invariant=s, max_batch_size=widest, max_seq_len=1024,
                    enable_prefix_caching=False) for v, s in PLAIN_ONLY_ENGINES.items()}
     llms[SPECULATIVE_K0] = engine("eagle", "auto", widest)
+    for name, plan in FORCED.items():  # what a plain user could force instead (batch_invariant auto in each)
+        try:
+            llms[name] = LLM(use_speculative_decoding=False, forward_plan={"target": plan}, max_batch_size=widest,
+                             max_seq_len=1024, enable_prefix_caching=False)
+        except ValueError as e:  # a plan this host cannot run (bf16 without its kernels)
+            print(f"{name}: not run here ({e})")
     states = {v: llm.engine.stats()["batch_invariant"] for v, llm in llms.items()}
     results = {}
     for batch in PLAIN_ONLY_BATCHES:
@@ -105,13 +115,18 @@ def plain_only(args) -> None:
         results[f"plain, batch {batch}"] = {"auto / off": ratios(runs, "auto", "off"),
                                             "A/A": ratios(runs, "off", "off (A/A)"),
                                             "K = 0 / auto": ratios(runs, SPECULATIVE_K0, "auto"), "runs": runs}
+        forced = [n for n in FORCED if n in runs]
+        best = max(forced, key=lambda n: statistics.median(r["tok_s"] for r in runs[n]))
+        results[f"plain, batch {batch}"].update({"best forced": best, "auto / best forced": ratios(runs, "auto", best)})
     host, plan = host_class(), label(llms["auto"].engine.forward_plan["target"])
     lines = [f"Host: {host}, {args.threads} threads; a plain-only engine's plan {plan}, batch_invariant auto: "
              f"{states['auto']}; {args.tokens} tokens, {args.repeats} repeats", "",
-             "| case | auto ÷ off | A/A | speculative engine's K = 0 ÷ plain-only auto |", "| --- | --- | --- | --- |"]
+             "| case | auto ÷ off | A/A | speculative engine's K = 0 ÷ plain-only auto | auto ÷ the best forced plan |",
+             "| --- | --- | --- | --- | --- |"]
     for case, r in results.items():
-        cells = [r[k] for k in ("auto / off", "A/A", "K = 0 / auto")]
-        lines.append(f"| {case} | " + " | ".join(f"{c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})" for c in cells) + " |")
+        cells = [r[k] for k in ("auto / off", "A/A", "K = 0 / auto", "auto / best forced")]
+        lines.append(f"| {case} | " + " | ".join(f"{c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})" for c in cells)
+                     + f" ({r['best forced']}) |")
     print("\n".join(lines))
     path = write("invariance_plain_only", {"host": host, "batch_invariant": states, "tokens": args.tokens,
                                            "repeats": args.repeats, "results": results}, llms["auto"])

@@ -70,7 +70,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Hkv, L = k.shape[0], k.shape[2]
     if branch == "grouped":
         return grouped_matmuls(q, k, v, mask, scale)
-    if branch == "fixed_order":  # row-count invariance in float32 (kernels/fixed_order_attention.c)
+    if branch == "fixed_order":  # row-count invariance (kernels/fixed_order_attention.c)
         return one_sequence.load().attention(q, k, v, mask, scale).to(q.dtype)
     keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
     gqa = H != Hkv

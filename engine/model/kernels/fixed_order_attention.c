@@ -2,7 +2,8 @@
  * a row's bits depend only on its query and the keys it sees.
  *
  * q: [B, H, T, D] float32; k, v: [Hkv, B, L, D] float32 or bfloat16 (kv_bf16), the gathered
- * view's layout; visible: NULL (every key) or [B, T, L] bytes, 1 where the query sees the key;
+ * view's layout, each (KV head, sequence)'s [L, D] contiguous from element hk * head_stride +
+ * b * batch_stride (a pool's slice read in place: no copy); visible: NULL (every key) or [B, T, L] bytes, 1 where the query sees the key;
  * out: [B, H, T, D] float32. Query head h reads KV head h / (H / Hkv); D a multiple of 8.
  *
  * Why: torch's batched matmuls block the key sum by the key count and take a gemv for one row,
@@ -127,8 +128,8 @@ static void attend_row(const float *q, const void *k, const void *v, int bf16, i
 /* Every (sequence, KV head) pair's G * T query rows; threads take near-equal runs of pairs, each
  * pair's bf16 keys and values widened once into scratch. 0, or -1 where scratch cannot be had. */
 int fixed_order_attention(const float *q, const void *k, const void *v, int kv_bf16, const uint8_t *visible,
-                          float *out, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D, float scale,
-                          int threads) {
+                          float *out, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t L, int64_t D,
+                          int64_t head_stride, int64_t batch_stride, float scale, int threads) {
     const int64_t G = H / Hkv, pairs = B * Hkv;
     const int widen = kv_bf16 && G * T >= WIDEN_ROWS;
     int failed = 0;
@@ -144,7 +145,7 @@ int fixed_order_attention(const float *q, const void *k, const void *v, int kv_b
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < pairs; pair++) {
             if (!scores || !keys || (widen && !wide)) continue;
-            const int64_t hk = pair / B, b = pair % B, base = (hk * B + b) * L * D;  /* k, v's [hk, b] order */
+            const int64_t hk = pair / B, b = pair % B, base = hk * head_stride + b * batch_stride;
             const void *kd = k, *vd = v;
             int64_t at = base;
             int bf16 = kv_bf16;

@@ -87,10 +87,11 @@ class OneSequenceKernels:
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.draft_rows.restype = ctypes.c_int
-        # fixed_order_attention(q*, k*, v*, kv_bf16, visible*, out*, B, H, Hkv, T, L, D, scale, threads)
+        # fixed_order_attention(q*, k*, v*, kv_bf16, visible*, out*, B, H, Hkv, T, L, D, head_stride, batch_stride,
+        #                       scale, threads)
         self._attention = lib.fixed_order_attention
         self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+            [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
         self._attention.restype = ctypes.c_int
         self.token_step_scratch_floats = lib.token_step_scratch_floats
         self.token_step_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -118,12 +119,14 @@ class OneSequenceKernels:
         if D % 8 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype or H % Hkv:
             raise ValueError(f"fixed-order attention takes head_dim a multiple of 8 and float32 or bfloat16 K/V, "
                              f"got head_dim {D}, {k.dtype}/{v.dtype}, {H} heads over {Hkv}")
-        q, k, v = q.float().contiguous(), k.contiguous(), v.contiguous()
+        if k.stride()[2:] != (D, 1) or v.stride() != k.stride():  # each (KV head, sequence)'s [L, D] read in place
+            k, v = k.contiguous(), v.contiguous()
+        q = q.float().contiguous()
         seen = None if visible is None else visible.expand(B, 1, T, L).contiguous().view(torch.uint8)  # [B, 1, T, L]
         out = torch.empty(B, H, T, D, dtype=torch.float32)
         if self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-                           None if seen is None else seen.data_ptr(), out.data_ptr(), B, H, Hkv, T, L, D, scale,
-                           torch.get_num_threads()):
+                           None if seen is None else seen.data_ptr(), out.data_ptr(), B, H, Hkv, T, L, D, k.stride(0),
+                           k.stride(1), scale, torch.get_num_threads()):
             raise MemoryError("fixed-order attention: no scratch for the scores")
         return out
 
