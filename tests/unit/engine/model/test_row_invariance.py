@@ -239,3 +239,22 @@ def test_a_plain_only_engine_takes_the_rule_where_its_decode_passes_run_faster_o
     monkeypatch.setattr(invariance, "decode_cost_ratio", unmeasured)
     plain_plan = load_model(REPO / "models" / "target", ModelPlan("float32"), "cpu", 256)
     assert choose_invariance(plain_plan, "auto", speculative=False).startswith("off: a plain-only engine keeps")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_family_passes_the_harness(tmp_path, tok_dir, family, dtype):
+    """Every family the engine serves (Qwen2's biases, Qwen3's q/k norms and wide heads included),
+    random-init, in each dtype and both pools: on the rule a pass of 2-33 tokens equals its
+    one-token steps bitwise, logits and K/V, at batch 1 (contexts 40 and 300) and 8 (40)."""
+    from tests.helpers import FAMILIES, make_model
+
+    make_model(tmp_path, tok_dir, seed=3, hidden=128, heads=4, kv_heads=2, intermediate=1408, max_pos=512,
+               dtype=torch.bfloat16, **FAMILIES[family])  # 1408: a width oneDNN's one-row kernel differs at
+    model = load_model(tmp_path, ModelPlan(dtype), "cpu", 512)
+    assert choose_invariance(model, "on") == "on"
+    for backend in ("paged", "slotted"):
+        pool = pool_for(model, 16, 512, backend)
+        for batch, context in ((1, 40), (1, 300), (8, 40)):
+            for tokens in (2, 5, 9, 17, 33):
+                assert check_passes(model, pool, context, tokens, batch) is None, (backend, batch, context, tokens)
