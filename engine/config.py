@@ -197,7 +197,7 @@ class ModelPlan:
     """How one model's passes compute; engine/model/plan.py chooses it, or a user gives it."""
 
     dtype: DType = "bfloat16"  # weights, activations and KV cache
-    one_sequence_kernel: bool = False  # target only: passes over one sequence on the hand-written matmul
+    one_sequence_kernel: bool = False  # target only: passes over one sequence on the hand-written matmul (float32 math)
     token_step: bool = False  # draft only: passes of at most token_step_rows tokens as whole-model C calls
     token_step_rows: int = 8  # draft only: the widest pass the token step takes (measured: 8 or 16)
 
@@ -206,8 +206,8 @@ class ModelPlan:
         check_bool("forward_plan one_sequence_kernel", self.one_sequence_kernel)
         check_bool("forward_plan token_step", self.token_step)
         check_int("forward_plan token_step_rows", self.token_step_rows, 1, 64)
-        if self.one_sequence_kernel and self.dtype != "float32":
-            raise ValueError("forward_plan: one_sequence_kernel needs dtype 'float32'")
+        if self.one_sequence_kernel and self.dtype == "float16":
+            raise ValueError("forward_plan: one_sequence_kernel needs dtype 'float32' or 'bfloat16'")
         if self.token_step and self.dtype == "float16":
             raise ValueError("forward_plan: token_step needs dtype 'float32' or 'bfloat16'")
 

@@ -96,8 +96,8 @@ class KVView:
         """k, v: [B, T, kv_heads, head_dim] new entries, stored at write_rows."""
         kv = self.storage[layer]  # [2, kv_heads, rows, head_dim]
         B, T = k.shape[:2]
-        kv[0].index_copy_(1, self.write_rows, k.reshape(B * T, *k.shape[2:]).transpose(0, 1))
-        kv[1].index_copy_(1, self.write_rows, v.reshape(B * T, *v.shape[2:]).transpose(0, 1))
+        kv[0].index_copy_(1, self.write_rows, k.reshape(B * T, *k.shape[2:]).transpose(0, 1).to(kv.dtype))
+        kv[1].index_copy_(1, self.write_rows, v.reshape(B * T, *v.shape[2:]).transpose(0, 1).to(kv.dtype))
 
     def read(self, layer: int, read_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys, values [kv_heads, b, L, head_dim] at read_rows [b, L] (None: the read_slice),

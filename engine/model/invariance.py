@@ -121,7 +121,8 @@ def plain_only_rule(model, cache: Path | None = None) -> str:
     left it (the plan's key: host, torch, kernels, model), so a restart keeps its verdict and its
     bits. "on" or "off: why"."""
     kernels = model.device.type == "cpu" and one_sequence.load() is not None
-    if not (kernels and (model.dtype == torch.bfloat16 or model.dtype == torch.float32 and model.plan.one_sequence_kernel)):
+    adds_none = model.dtype == torch.bfloat16 or model.dtype == torch.float32 and model.plan.one_sequence_kernel
+    if not (kernels and adds_none):
         return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
     problem = _rule_checked(model)
     if problem is not None:

@@ -36,7 +36,7 @@ from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 2  # part of the cache key: bump when candidates or measurements change
+PLAN_VERSION = 3  # part of the cache key: bump when candidates or measurements change
 REPEATS = 5  # timed passes per candidate and shape, each after an untimed one (docs/performance-notes.md#forward-plan)
 # per role, the work each candidate is timed on: {scenario: [((sequences, tokens each), passes)]}; a
 # target decodes (1 token) and verifies (6: K = 5), a draft catches up on 2 tokens and steps 4 times
@@ -71,9 +71,12 @@ def label(plan: ModelPlan | dict) -> str:
     return "+".join([p["dtype"], *names])
 
 
-def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized: bool = False) -> list[ModelPlan]:
+def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized: bool = False,
+               plain: bool = False) -> list[ModelPlan]:
     """The plans worth measuring for a model of `shape` and `role` asked to run in `dtype` on `device`
-    (quantized, or with experts: torch's own passes only; the hand-written kernels read dense layers)."""
+    (quantized, or with experts: torch's own passes only; the hand-written kernels read dense layers);
+    plain: a plain-only engine's target, which may also take bf16 with the one-sequence kernel (a
+    speculative engine's bf16 rule never takes that path: engine/model/invariance.py)."""
     if not device.startswith("cpu"):
         return [ModelPlan(dtype)]
     dtypes = [d for d in dict.fromkeys([dtype, "float32"]) if d == "float32" or onednn_reorders(getattr(torch, d))]
@@ -83,8 +86,9 @@ def candidates(role: str, dtype: str, device: str, shape: ModelShape, quantized:
             "draft": TokenStep.runs(shape) and family_of(shape.model_type).mlp.dense}[role]  # the token step computes SwiGLU itself
     kernel = {"target": "one_sequence_kernel", "draft": "token_step"}[role] if runs else None
     out = []
-    for d in dtypes:  # the one-sequence kernel computes in float32; the token step also in bf16
-        with_kernel = kernel and (d == "float32" or (kernel == "token_step" and d == "bfloat16"))
+    # the one-sequence kernel computes in float32 (a plain-only target's bf16 rows in and out); the token step in bf16 too
+    for d in dtypes:
+        with_kernel = kernel and (d == "float32" or d == "bfloat16" and (kernel == "token_step" or plain))
         widths = [{"token_step_rows": r} for r in TOKEN_STEP_ROWS] if kernel == "token_step" else [{}]  # measured too
         out += [ModelPlan(d)] + ([ModelPlan(d, **{kernel: True}, **w) for w in widths] if with_kernel else [])
     return out
@@ -101,7 +105,8 @@ def load_planned(path: Path, role: str, dtype: str, device: str, max_positions: 
             explicit = dataclasses.replace(explicit, dtype="float32")
         return load_model(path, explicit, device, max_positions), PlanChoice(explicit, "explicit")
     cfg = read_config(path)
-    options = candidates(role, dtype, device, shape_of(cfg), scheme_of(cfg) is not None)  # the first: the asked-for dtype
+    options = candidates(role, dtype, device, shape_of(cfg), scheme_of(cfg) is not None,
+                         plain and role == "target")  # the first: the asked-for dtype
     load = functools.partial(load_model, path, device=device, max_positions=max_positions)
     return _choose(path, role, dtype, device, options, load, max_positions,
                    scenarios=PLAIN_SCENARIOS if plain and role == "target" else None)

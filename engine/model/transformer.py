@@ -161,12 +161,14 @@ class Transformer:
 
     def _one_sequence_path(self) -> OneSequencePath:
         """Passes over one sequence of up to ONE_SEQUENCE_MAX_TOKENS tokens on the column-block
-        kernel (weights laid out in column blocks for it); a weight whose values are all bf16 values is kept in bf16
-        (half the bytes)."""
-        kernels = one_sequence.load() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        kernel (weights laid out in column blocks for it); a weight whose values are all bf16 values is
+        kept in bf16 (half the bytes). A bf16 model's one-sequence passes run in float32 throughout
+        (`_run`), their K/V stored in the pool's bf16."""
+        kernels = one_sequence.load() if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) \
+            else None
         if kernels is None:
-            raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 on an "
-                             "x86-64 CPU with AVX2 and FMA, and the kernels built)")
+            raise ValueError("forward_plan one_sequence_kernel: the kernel cannot run here (it needs float32 or bf16 "
+                             "on an x86-64 CPU with AVX2 and FMA, and the kernels built)")
         def columns(w):  # reordered for oneDNN already where the plan did not take this path (make_row_invariant)
             return one_sequence.to_column_blocks(one_sequence.bf16_if_exact(w.to_dense() if w.is_mkldnn else w))
         blocked = [{n: columns(getattr(lw, n)) for n in MATMULS} for lw in self.layers]
@@ -219,6 +221,8 @@ class Transformer:
         rule; causal_tail: the view says its mask is lower-right causal."""
         B, H, T, _ = q.shape
         Hkv, L = k.shape[0], k.shape[2]
+        if q.dtype != k.dtype:  # a bf16 model's float32 one-sequence pass: the kernel reads the bf16 K/V as they are
+            return "fixed_order"
         kind = "none" if mask is None else "causal_tail" if causal_tail else "general"
         rule = self.attention_rule or self.device.type
         flash = rule == "cuda" and kind == "causal_tail" and H != Hkv and self._flash_takes_gqa(q, k)
@@ -303,10 +307,13 @@ class Transformer:
         kernels (kernels/fused.py: the add and norm, q/k norm + RoPE + the K/V write,
         SiLU-and-multiply) where they are on and the pass is not the one-sequence kernel's."""
         B, T = input_ids.shape
-        few = self._one_sequence if self.columns_always or B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS else None
+        # the column-block kernel: the plan's one-sequence passes (not on the bf16 rule: oneDNN only), or the float32 rule's
+        one_sequence = B == 1 and T <= ONE_SEQUENCE_MAX_TOKENS and not self.row_invariant
+        few = self._one_sequence if self.columns_always or one_sequence else None
         layers, linear, head = (self.layers, self._linear, self.lm_head) if few is None else \
             (few.layers, few.kernel, few.lm_head)
         groups = self._attention_inputs(kv, position_ids)  # who reads which keys, each with its mask
+        wide = few is not None and self.dtype != torch.float32  # a bf16 model's one-sequence pass: float32 throughout
         if self.fused and few is None:
             add_norm = functools.partial(fused.add_rms_norm, eps=self.shape.rms_norm_eps)
             final_norm = self.final_norm  # normed with the last add, every row
@@ -318,12 +325,16 @@ class Transformer:
         else:
             add_norm, final_norm = self._add_norm, None  # the final norm after the logits' rows are picked
             rope = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # [B, T, 1, head_dim] each
+            if wide:
+                rope = rope[0].float(), rope[1].float()
 
             def attention(y, lw, i):
                 return self._attention_block(y, lw, linear, rope, kv, i, groups, packing)
 
             act = silu_mul
         h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
+        if wide:
+            h = h.float()
         if packing is not None:
             h = packing.take(h)  # [N, hidden]
         h, y = add_norm(h, None, layers[0].attn_norm)  # the residual stream, and its normed input to the next block
@@ -331,7 +342,7 @@ class Transformer:
         with self._attention_backends():
             for i, lw in enumerate(layers):
                 if i in capture:
-                    captured[i] = h
+                    captured[i] = h.to(self.dtype)
                 h, y = add_norm(attention(y, lw, i), h, lw.mlp_norm)
                 h, y = add_norm(lw.mlp(y, lw, linear, act), h, layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm)
         if final_norm is None:

@@ -26,6 +26,11 @@ def test_candidates_are_the_paths_that_can_run_here(tiny_model):
                    for other in {"one_sequence_kernel", "token_step"} - {kernel})  # never the other role's path
         assert plan.candidates(role, "float32", "cpu", shape) == [p for p in options if p.dtype == "float32"]
     assert plan.candidates("target", "bfloat16", "cuda", shape) == [ModelPlan("bfloat16")]  # unmeasured on GPUs
+    # bf16 with the one-sequence kernel: a plain-only target's candidate only (the bf16 rule never takes it)
+    bf16_kernel = ModelPlan("bfloat16", one_sequence_kernel=True)
+    assert bf16_kernel not in plan.candidates("target", "bfloat16", "cpu", shape)
+    assert (bf16_kernel in plan.candidates("target", "bfloat16", "cpu", shape, plain=True)) == \
+        (plan.onednn_reorders(torch.bfloat16) and one_sequence.load() is not None)
     # how wide a pass the token step takes is measured with it: each width is a candidate of its own
     stepping = [p for p in plan.candidates("draft", "float32", "cpu", shape) if p.token_step]
     assert [p.token_step_rows for p in stepping] == ([] if one_sequence.load() is None else list(TOKEN_STEP_ROWS))

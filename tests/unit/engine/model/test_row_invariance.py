@@ -258,3 +258,25 @@ def test_every_family_passes_the_harness(tmp_path, tok_dir, family, dtype):
         for batch, context in ((1, 40), (1, 300), (8, 40)):
             for tokens in (2, 5, 9, 17, 33):
                 assert check_passes(model, pool, context, tokens, batch) is None, (backend, batch, context, tokens)
+
+
+@needs_bf16
+@needs_kernels
+def test_a_bf16_model_runs_its_one_sequence_passes_in_float32():
+    """bf16 + the one-sequence kernel (a plain-only target's plan): a pass over one sequence runs in
+    float32 on the column-block kernel, its K/V stored in the pool's bf16, its logits within bf16's
+    rounding of the bf16 plan's; on the bf16 rule it takes oneDNN's passes like every other, so the
+    harness holds."""
+    plain = load_model(REPO / "models" / "target", ModelPlan("bfloat16"), "cpu", 256)
+    kernel = load_model(REPO / "models" / "target", ModelPlan("bfloat16", one_sequence_kernel=True), "cpu", 256)
+    calls = []
+    few = kernel._one_sequence
+    kernel._one_sequence = few._replace(kernel=lambda x, w: calls.append(x.dtype) or few.kernel(x, w))
+    pools = [pool_for(m, 2, 256) for m in (plain, kernel)]
+    ids = torch.randint(3, plain.shape.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    from engine.model.passes import forward_chunks
+    logits = [forward_chunks(m, p, [p.allocate_slot([])[0]], [ids], [0]) for m, p in zip((plain, kernel), pools)]
+    assert calls and set(calls) == {torch.float32} and pools[1].storage[0].dtype == torch.bfloat16
+    torch.testing.assert_close(logits[1], logits[0], atol=0.1, rtol=0.05)
+    calls.clear()
+    assert choose_invariance(kernel, "on") == "on" and not calls  # the rule: oneDNN only

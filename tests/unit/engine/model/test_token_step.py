@@ -128,8 +128,8 @@ def test_token_step_is_refused_where_it_cannot_apply(tmp_path, tok_dir):
         EngineConfig(model=str(tmp_path), forward_plan={"target": {"dtype": "float32", "token_step": True}})
     with pytest.raises(ValueError, match="token_step needs dtype 'float32' or 'bfloat16'"):
         EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "float16", "token_step": True}})
-    with pytest.raises(ValueError, match="one_sequence_kernel needs dtype 'float32'"):
-        EngineConfig(model=str(tmp_path), forward_plan={"target": {"dtype": "bfloat16", "one_sequence_kernel": True}})
+    with pytest.raises(ValueError, match="one_sequence_kernel needs dtype 'float32' or 'bfloat16'"):
+        EngineConfig(model=str(tmp_path), forward_plan={"target": {"dtype": "float16", "one_sequence_kernel": True}})
     with pytest.raises(ValueError, match="forward_plan token_step must be a bool"):
         EngineConfig(model=str(tmp_path), forward_plan={"draft": {"dtype": "float32", "token_step": "yes"}})
     with pytest.raises(ValueError, match=r"unknown forward_plan.draft field\(s\): \['steps'\]"):
