@@ -3,10 +3,11 @@ and tokens share its pass, so a verify pass computes exactly what one-token deco
 and speculation never changes a greedy token (docs/speculative/exactness.md).
 
 In bf16 on CPU two things break it, both measured (docs/speculative/exactness.md):
-- oneDNN's reordered-weight matmul takes another kernel for one row than for two or more at some widths
-  (a gemv whose k-sums run in another order, at some of the row's alignments only, so the probe
-  tries the row at many); from two rows on, a row's bits never depend on M (nor on alignment). So a one-row linear of such a width runs as two copies of the
-  row (linears.at_least_rows), the widths probed at load.
+- oneDNN's reordered-weight matmul takes another kernel for one row than for two or more at some
+  widths (a gemv whose k-sums run in another order, at some of the row's alignments only, so the
+  probe tries the row at many); from two rows on, a row's bits never depend on M (nor on the
+  alignment). So a one-row linear of such a width runs as two copies of the row
+  (linears.at_least_rows), the widths probed at load.
 - SDPA's CPU kernel blocks keys by the query count. The invariant rule sends every pass to
   fixed-order attention (kernels/fixed_order_attention.c, bf16 K/V read as they are; faster than
   SDPA at one sequence, about level at 16), or where the kernels cannot build to the grouped
