@@ -15,8 +15,9 @@
  * Masked keys and the other rows of the pass never enter, whatever B, T, L or the thread.
  *
  * Speed: a pair's bf16 keys and values are widened once for its G * T rows (where it has several);
- * KEYS keys are scored at once and each chunk of the output has its own accumulator, so
- * independent chains overlap without changing any one of them; the exponentials are vectorised.
+ * two query heads of one KV head at one position share each key's and value's loads; KEYS keys
+ * are scored at once and each chunk of the output has its own accumulator, so independent chains
+ * overlap without changing any one of them; the exponentials are vectorised.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -60,69 +61,101 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-/* The weighted sum of values for `chunks` (<= 8, a constant where inlined) chunks of 8 output
- * elements from element i0: each element one chain over the n seen keys in order, in registers. */
+/* The weighted sums of values of R rows (R, chunks constants where inlined; R * chunks <= 8) for
+ * `chunks` chunks of 8 output elements from element i0: each element one chain over the n seen
+ * keys in order, in registers; p[r] the row's weights by rank. */
 static inline __attribute__((always_inline)) void weigh_values(
-        int chunks, const float *p, const int32_t *keys, int64_t n, const void *v, int bf16, int64_t base, int64_t D,
-        int64_t i0, float *out) {
-    __m256 acc[8];
-    for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
+        int R, int chunks, float *const *p, const int32_t *keys, int64_t n, const void *v, int bf16, int64_t base,
+        int64_t D, int64_t i0, float *const *out) {
+    __m256 acc[2][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < chunks; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t m = 0; m < n; m++) {
-        const __m256 w = _mm256_set1_ps(p[m]);
         const int64_t at = base + (int64_t)keys[m] * D + i0;
-        for (int c = 0; c < chunks; c++) acc[c] = _mm256_fmadd_ps(w, load8(v, bf16, at + 8 * c), acc[c]);
+        __m256 w[2];
+        for (int r = 0; r < R; r++) w[r] = _mm256_set1_ps(p[r][m]);
+        for (int c = 0; c < chunks; c++) {
+            const __m256 value = load8(v, bf16, at + 8 * c);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(w[r], value, acc[r][c]);
+        }
     }
-    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + i0 + 8 * c, acc[c]);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out[r] + i0 + 8 * c, acc[r][c]);
 }
 
-/* One query row: q [D] over the keys and values of one (KV head, sequence) [L, D] from element
- * `base`; seen [L] or NULL; keys [L] and scores [L + 8] scratch; out [D]. The m-th key the row
- * sees is the m-th of every pass that holds the row (a verify pass or its decode step), so each
- * quantity below is a function of m, never of j, L or the other rows. */
-static void attend_row(const float *q, const void *k, const void *v, int bf16, int64_t base, const uint8_t *seen,
-                       int64_t L, int64_t D, float scale, int32_t *keys, float *scores, float *out) {
+/* R (1 or 2, a constant where inlined) query rows that see the same keys (query heads of one KV
+ * head at one position): q[r] [D] over the keys and values of one (KV head, sequence) [L, D] from
+ * element `base`; seen [L] or NULL; keys [L] and scores[r] [L + 8] scratch; out[r] [D]. Each key
+ * and value vector is loaded once for the R rows; each row's operations are those it runs alone.
+ * The m-th key a row sees is the m-th of every pass that holds the row (a verify pass or its
+ * decode step), so each quantity below is a function of m, never of j, L or the other rows. */
+static inline __attribute__((always_inline)) void attend_rows(
+        int R, const float *const *q, const void *k, const void *v, int bf16, int64_t base, const uint8_t *seen,
+        int64_t L, int64_t D, float scale, int32_t *keys, float *const *scores, float *const *out) {
     int64_t n = 0;
     for (int64_t j = 0; j < L; j++)
         if (!seen || seen[j]) keys[n++] = (int32_t)j;
-    if (!n) {  /* a row that sees no key (padding): zeros */
-        memset(out, 0, D * sizeof(float));
+    if (!n) {  /* rows that see no key (padding): zeros */
+        for (int r = 0; r < R; r++) memset(out[r], 0, D * sizeof(float));
         return;
     }
-    float top = -INFINITY;
+    float top[2] = {-INFINITY, -INFINITY};
     for (int64_t m = 0; m < n; m += KEYS) {  /* KEYS keys' chains at once, each over d in order */
         const int c_n = (int)(n - m < KEYS ? n - m : KEYS);
-        __m256 acc[KEYS] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 acc[2][KEYS];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < KEYS; c++) acc[r][c] = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) {
-            const __m256 x = _mm256_loadu_ps(q + i);
-            for (int c = 0; c < KEYS; c++)
-                if (c < c_n) acc[c] = _mm256_fmadd_ps(x, load8(k, bf16, base + (int64_t)keys[m + c] * D + i), acc[c]);
+            __m256 x[2];
+            for (int r = 0; r < R; r++) x[r] = _mm256_loadu_ps(q[r] + i);
+            for (int c = 0; c < KEYS; c++) {
+                if (c >= c_n) continue;
+                const __m256 key = load8(k, bf16, base + (int64_t)keys[m + c] * D + i);
+                for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(x[r], key, acc[r][c]);
+            }
         }
-        for (int c = 0; c < c_n; c++) {
-            scores[m + c] = lanes_total(acc[c]) * scale;
-            top = scores[m + c] > top ? scores[m + c] : top;
-        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < c_n; c++) {
+                scores[r][m + c] = lanes_total(acc[r][c]) * scale;
+                top[r] = scores[r][m + c] > top[r] ? scores[r][m + c] : top[r];
+            }
     }
-    for (int64_t m = n; m < ((n + 7) & ~7); m++) scores[m] = -INFINITY;  /* the tail chunk's unused lanes: e^-inf... */
-    __m256 total = _mm256_setzero_ps();  /* lane m % 8 sums the m-th exponentials in order */
-    const __m256 shift = _mm256_set1_ps(top);
-    for (int64_t m = 0; m < n; m += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + m), shift));
-        if (n - m < 8) {  /* ...are zeroed, so they add nothing */
-            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - m)), lane)));
+    for (int r = 0; r < R; r++) {
+        float *s = scores[r];
+        for (int64_t m = n; m < ((n + 7) & ~7); m++) s[m] = -INFINITY;  /* the tail chunk's unused lanes: e^-inf... */
+        __m256 total = _mm256_setzero_ps();  /* lane m % 8 sums the m-th exponentials in order */
+        const __m256 shift = _mm256_set1_ps(top[r]);
+        for (int64_t m = 0; m < n; m += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + m), shift));
+            if (n - m < 8) {  /* ...are zeroed, so they add nothing */
+                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - m)), lane)));
+            }
+            _mm256_storeu_ps(s + m, e);
+            total = _mm256_add_ps(total, e);
         }
-        _mm256_storeu_ps(scores + m, e);
-        total = _mm256_add_ps(total, e);
+        const __m256 sum = _mm256_set1_ps(lanes_total(total));
+        for (int64_t m = 0; m < n; m += 8) _mm256_storeu_ps(s + m, _mm256_div_ps(_mm256_loadu_ps(s + m), sum));
     }
-    const __m256 sum = _mm256_set1_ps(lanes_total(total));
-    for (int64_t m = 0; m < n; m += 8) _mm256_storeu_ps(scores + m, _mm256_div_ps(_mm256_loadu_ps(scores + m), sum));
-    for (int64_t i0 = 0; i0 < D; i0 += 64) {
-        switch ((int)((D - i0) / 8 < 8 ? (D - i0) / 8 : 8)) {
-#define CASE(c) case c: weigh_values(c, scores, keys, n, v, bf16, base, D, i0, out); break;
+    const int step = 8 / R;  /* chunks a pass over the values takes: R * step accumulators */
+    for (int64_t i0 = 0; i0 < D; i0 += 8 * step) {
+        const int chunks = (int)((D - i0) / 8 < step ? (D - i0) / 8 : step);
+        switch (chunks) {
+#define CASE(c) case c: weigh_values(R, c, scores, keys, n, v, bf16, base, D, i0, out); break;
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
         }
     }
+}
+
+/* attend_rows with R a constant in each case. */
+static void attend_group(int R, const float *const *q, const void *k, const void *v, int bf16, int64_t base,
+                         const uint8_t *seen, int64_t L, int64_t D, float scale, int32_t *keys, float *const *scores,
+                         float *const *out) {
+    if (R == 2)
+        attend_rows(2, q, k, v, bf16, base, seen, L, D, scale, keys, scores, out);
+    else
+        attend_rows(1, q, k, v, bf16, base, seen, L, D, scale, keys, scores, out);
 }
 
 /* Every (sequence, KV head) pair's G * T query rows; threads take near-equal runs of pairs, each
@@ -135,7 +168,7 @@ int fixed_order_attention(const float *q, const void *k, const void *v, int kv_b
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc((size_t)(L + 8) * sizeof(float));
+        float *scores = malloc((size_t)2 * (size_t)(L + 8) * sizeof(float));
         int32_t *keys = malloc((size_t)(L > 0 ? L : 1) * sizeof(int32_t));
         float *wide = widen ? malloc((size_t)2 * (size_t)(L > 0 ? L : 1) * (size_t)D * sizeof(float)) : NULL;
         if (!scores || !keys || (widen && !wide)) {
@@ -156,10 +189,18 @@ int fixed_order_attention(const float *q, const void *k, const void *v, int kv_b
                 }
                 kd = wide, vd = wide + L * D, at = 0, bf16 = 0;
             }
-            for (int64_t g = 0; g < G * T; g++) {
-                const int64_t h = hk * G + g / T, t = g % T, r = (b * H + h) * T + t;
-                attend_row(q + r * D, kd, vd, bf16, at, visible ? visible + (b * T + t) * L : NULL, L, D, scale,
-                           keys, scores, out + r * D);
+            for (int64_t t = 0; t < T; t++) {  /* the query heads of this KV head at position t see the same keys */
+                const uint8_t *seen = visible ? visible + (b * T + t) * L : NULL;
+                for (int64_t g = 0; g < G; g += 2) {
+                    const int R = G - g >= 2 ? 2 : 1;
+                    const float *qs[2];
+                    float *outs[2], *ss[2] = {scores, scores + L + 8};
+                    for (int r = 0; r < R; r++) {
+                        const int64_t row = (b * H + hk * G + g + r) * T + t;
+                        qs[r] = q + row * D, outs[r] = out + row * D;
+                    }
+                    attend_group(R, qs, kd, vd, bf16, at, seen, L, D, scale, keys, ss, outs);
+                }
             }
         }
         free(scores);
