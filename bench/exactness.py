@@ -50,7 +50,7 @@ def grid(setting: str, pool: str, batches: list[int], modes: tuple[str, ...], pa
             plain = outputs(llm, PLAIN, prompts, params, batch)
             if batch == 1 and started == "eagle":
                 in_eight = outputs(llm, PLAIN, prompts, params, 8)
-                alone_in_batch = sum(a == b for a, b in zip(plain, in_eight))
+                alone_in_batch = f"{sum(a == b for a, b in zip(plain, in_eight))}/{len(prompts)}"
             for method in methods:
                 for mode in modes:
                     got = outputs(llm, MODES[mode](method), prompts, params, batch)
@@ -58,7 +58,7 @@ def grid(setting: str, pool: str, batches: list[int], modes: tuple[str, ...], pa
                     cells[f"{method}, {mode}, batch {batch}"] = f"{same}/{len(prompts)}"
                     print(f"{setting} {pool} {method:7s} {mode:16s} batch {batch:2d}: {same}/{len(prompts)}", flush=True)
         del llm
-    return {"batch_invariant": state, "cells": cells, "alone = in a batch of 8": f"{alone_in_batch}/12"}
+    return {"batch_invariant": state, "cells": cells, "alone = in a batch of 8": alone_in_batch}
 
 
 def main(argv: list[str] | None = None) -> None:

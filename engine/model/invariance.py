@@ -92,6 +92,9 @@ def choose_invariance(model, setting: str, speculative: bool = True, cache: Path
         return "off: not built for CUDA yet"
     problem = _rule_checked(model)
     if problem is None:
+        if model.dtype != torch.float32 and model.plan.one_sequence_kernel:  # the bf16 rule: oneDNN for every pass
+            log.warning("batch_invariant: the bf16 rule runs every pass on oneDNN, so forward_plan one_sequence_kernel "
+                        "takes no pass (batch_invariant off keeps it)")
         return "on"
     if setting == "on":
         log.warning("batch_invariant on, but rows would differ with their pass (%s): %s", problem,

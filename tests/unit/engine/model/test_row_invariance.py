@@ -262,7 +262,7 @@ def test_every_family_passes_the_harness(tmp_path, tok_dir, family, dtype):
 
 @needs_bf16
 @needs_kernels
-def test_a_bf16_model_runs_its_one_sequence_passes_in_float32():
+def test_a_bf16_model_runs_its_one_sequence_passes_in_float32(caplog):
     """bf16 + the one-sequence kernel (a plain-only target's plan): a pass over one sequence runs in
     float32 on the column-block kernel, its K/V stored in the pool's bf16, its logits within bf16's
     rounding of the bf16 plan's; on the bf16 rule it takes oneDNN's passes like every other, so the
@@ -280,3 +280,4 @@ def test_a_bf16_model_runs_its_one_sequence_passes_in_float32():
     torch.testing.assert_close(logits[1], logits[0], atol=0.1, rtol=0.05)
     calls.clear()
     assert choose_invariance(kernel, "on") == "on" and not calls  # the rule: oneDNN only
+    assert any("one_sequence_kernel takes no pass" in r.getMessage() for r in caplog.records)  # said, not silent
