@@ -265,10 +265,10 @@ class EngineConfig:
     # in fused Triton kernels where the load-time check agrees with eager (engine/model/fused_check.py); "auto": CUDA only
     fused_kernels: FusedKernels = "auto"
     # the target's passes on the rule that keeps each row's bits independent of its pass, so greedy
-    # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": on CPU in a speculative
-    # engine where the load-time harness passes (a plain-only engine only where its decode passes are also
-    # timed faster on it: float32 with the one-sequence kernel); "on": on CPU
-    # whatever it says (a warning); CUDA: not built yet ("on" refused)
+    # speculation equals plain decoding bitwise (engine/model/invariance.py); "auto": in a speculative
+    # engine where the load-time harness passes (on CUDA also where its passes are timed at most 1.05x the
+    # plan's; a plain-only engine only where its decode passes are timed faster on it); "on": whatever
+    # the harness says (a warning); CUDA: Triton fixed-tile kernels, needing fused_kernels
     batch_invariant: FusedKernels = "auto"
     # quantized linears (FP8, INT4) read as stored by Triton kernels, each checked at load against the
     # dequantized weight (engine/model/weight_kernels.py); "auto": CUDA only; else dequantized a layer a call
@@ -300,9 +300,6 @@ class EngineConfig:
         check_choice("paged_attention", self.paged_attention, get_args(PagedAttentionSetting))
         check_choice("fused_kernels", self.fused_kernels, get_args(FusedKernels))
         check_choice("batch_invariant", self.batch_invariant, get_args(FusedKernels))
-        if self.batch_invariant == "on" and self.device.startswith("cuda"):
-            raise ValueError("batch_invariant: 'on' is not built for CUDA yet (fixed-tile kernels: docs/speculative/exactness.md); "
-                             "use 'auto' or 'off'")
         check_choice("quant_kernels", self.quant_kernels, get_args(FusedKernels))
         check_choice("moe_kernels", self.moe_kernels, get_args(FusedKernels))
         if isinstance(self.speculative, dict):

@@ -133,7 +133,7 @@ class _Startup:
         if self.fused_kernels:
             clock.done("fused_kernels", "fused_kernels: %s", self.fused_kernels)
         self.batch_invariant = choose_invariance(self.model, config.batch_invariant, config.use_speculative_decoding,
-                                                 self._plain_rule_cache())
+                                                 self._rule_cost_cache())
         clock.done("batch_invariant", "batch_invariant: %s (the target's rows %s)", self.batch_invariant,
                    "independent of their pass: speculation = plain bitwise" if self.batch_invariant == "on"
                    else "may differ with their pass")
@@ -202,12 +202,12 @@ class _Startup:
                              c.max_seq_len, paged=c.kv_cache_backend == "paged", reserve_bytes=reserve)
         return blocks if c.kv_cache_backend == "paged" else None
 
-    def _plain_rule_cache(self) -> Path | None:
-        """Where a plain-only engine's measurement of the invariant rule is kept (its plan's key)."""
-        if self.config.use_speculative_decoding:
-            return None
+    def _rule_cost_cache(self) -> Path | None:
+        """Where the invariant rule's measured cost is kept (its plan's key): a plain-only engine's
+        decode passes, or on CUDA a speculative engine's decode and verify passes."""
+        role = "speculative_rule" if self.config.use_speculative_decoding else "plain_only_rule"
         try:
-            return cache_file(Path(self.config.model), "plain_only_rule", str(self.model.dtype), self.model.device.type)
+            return cache_file(Path(self.config.model), role, str(self.model.dtype), self.model.device.type)
         except OSError:
             return None
 

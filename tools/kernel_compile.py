@@ -116,12 +116,13 @@ class _Recorder:
 
 def record(shapes=SHAPES, dtypes=DTYPES, rows=ROWS) -> list[Launch]:
     """Every kernel launched through its wrapper at `shapes`, `dtypes` and pass widths, recorded."""
-    from engine.model.kernels import fused, moe, quant
+    from engine.model.kernels import fused, invariant, moe, quant
 
     launches: list[Launch] = []
     fp8, int4, split_sum = quant.kernels()
     add_rms, rope, silu = fused.kernels()
     grouped = moe.kernel()
+    dense, attention = invariant.kernels()
     def recorders(module, names: tuple[str, ...], fns: tuple, pick=None):
         return tuple(_Recorder(f"{module.__name__.rsplit('.', 1)[1]}.{n}", f, module.CAPABILITIES,
                                (lambda kw, n=n: pick(n, kw)) if pick else (lambda kw, n=n: n), launches)
@@ -130,8 +131,10 @@ def record(shapes=SHAPES, dtypes=DTYPES, rows=ROWS) -> list[Launch]:
                                 lambda n, kw: "fp8_from_bits" if n == "fp8" and not kw["NATIVE"] else n)
     fused_recorders = recorders(fused, ("add_rms_norm", "rope_qk_write", "silu_mul"), (add_rms, rope, silu))
     moe_recorder = recorders(moe, ("grouped",), (grouped,))[0]
+    invariant_recorders = recorders(invariant, ("dense", "attention"), (dense, attention))
     patches = [(quant, "kernels", lambda: quant_recorders), (fused, "kernels", lambda: fused_recorders),
-               (moe, "kernel", lambda: moe_recorder), (quant, "sm_count", lambda device: SMS)]
+               (moe, "kernel", lambda: moe_recorder), (invariant, "kernels", lambda: invariant_recorders),
+               (quant, "sm_count", lambda device: SMS)]
     saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
     try:
         for m, n, f in patches:
@@ -147,7 +150,7 @@ def record(shapes=SHAPES, dtypes=DTYPES, rows=ROWS) -> list[Launch]:
 
 
 def _launch_all(s: Shape, dtype: torch.dtype, t: int) -> None:
-    from engine.model.kernels import fused, moe, quant
+    from engine.model.kernels import fused, invariant, moe, quant
     from engine.model.quant.linear import QuantLinear
 
     def empty(*shape, dt=dtype):
@@ -158,6 +161,13 @@ def _launch_all(s: Shape, dtype: torch.dtype, t: int) -> None:
     fused.rope_qk_write(empty(1, t, q_width), empty(1, t, dt=torch.int64), empty(4096, s.head_dim),
                         empty(4096, s.head_dim), empty(s.heads + s.kv_heads, s.head_dim) if s.qk_norm else None,
                         empty(2, s.kv_heads, 4096, s.head_dim), empty(t, dt=torch.int64), s.heads, s.kv_heads, 1e-6)
+    keys = 300  # batch_invariant's CUDA rule (kernels/invariant.py): attention over a pool's slice, the linears
+    pool = empty(2, s.kv_heads, 2, keys, s.head_dim)
+    invariant.fixed_order_attention(empty(2, s.heads, t, s.head_dim), pool[0], pool[1],
+                                    empty(2, 1, t, keys, dt=torch.bool), s.head_dim ** -0.5)
+    for N, K in ((q_width, s.hidden), (s.hidden, s.heads * s.head_dim)) + (
+            () if s.experts else ((2 * s.intermediate, s.hidden), (s.hidden, s.intermediate))):
+        invariant.dense_linear(empty(t, K), empty(N, K))
     if s.experts:
         moe.experts(empty(t, s.hidden), empty(t, s.top_k, dt=torch.int64), empty(s.experts, 2 * s.intermediate, s.hidden),
                     empty(s.experts, s.hidden, s.intermediate))

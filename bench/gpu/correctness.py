@@ -121,21 +121,31 @@ def _speculative_equals_plain(ctx: Context, out: dict, work: Path) -> None:
 
 def _row_invariance_bf16(ctx: Context, out: dict, path: Path) -> None:
     """The row-invariance harness (engine/model/invariance.py) in bf16: a multi-token pass against
-    its one-token steps, bitwise. On CPU under the invariant rule (checked); on CUDA the plan's own
-    paths, whose verdict is recorded (the rule is not built there yet)."""
-    from engine.model.invariance import check_passes, choose_invariance
+    its one-token steps, bitwise, on the plan's paths (the comparison) and on the device's rule
+    (checked: CPU's oneDNN rule; CUDA's Triton kernels, the fused kernels on as the engine's
+    load-time check leaves them); on CUDA also the rule's cost, its decode and verify passes timed
+    against the plan's (the GPU verdict for batch_invariant auto, which keeps it at most 1.05x)."""
+    from engine.model.cuda_graphs import tolerance
+    from engine.model.fused_check import check_fused
+    from engine.model.invariance import SPECULATIVE_SHAPES, check_passes, choose_invariance, decode_cost_ratio
     if ctx.device == "cpu" and not onednn_reorders(torch.bfloat16):
         out["row_invariance_bf16"] = "skipped: no bf16 matmul kernels on this CPU"
         return
     model = load_model(path, ModelPlan("bfloat16"), ctx.device, 512)
     pool = pool_for(model, 16, 512)  # two slot sets of batch 8
-    rule = choose_invariance(model, "on") if ctx.device == "cpu" else "the plan's paths"
-    verdicts = {f"batch {b}, context {n}, {t} tokens": check_passes(model, pool, n, t, b) or "equal"
-                for b in (1, 8) for n in (40, 300) for t in (2, 5, 17)}
-    out["row_invariance_bf16"] = {"rule": rule, "verdicts": verdicts}
-    if ctx.device == "cpu":
-        check(out, "bf16 passes equal their one-token steps bitwise (invariant rule)",
-              all(v == "equal" for v in verdicts.values()), verdicts)
+    fused = check_fused(model, pool, tolerance(model.dtype)) if ctx.device != "cpu" else None
+    shapes = [(b, n, t) for b in (1, 8) for n in (40, 300) for t in (2, 5, 17)]
+    plan = {f"batch {b}, context {n}, {t} tokens": check_passes(model, pool, n, t, b) or "equal" for b, n, t in shapes}
+    rule = choose_invariance(model, "on")
+    verdicts = {f"batch {b}, context {n}, {t} tokens": check_passes(model, pool, n, t, b) or "equal" for b, n, t in shapes}
+    result = out["row_invariance_bf16"] = {"rule": rule, "fused": fused or "on", "verdicts": verdicts,
+                                           "plan's paths": plan}
+    check(out, "bf16 passes equal their one-token steps bitwise (invariant rule)",
+          rule == "on" and all(v == "equal" for v in verdicts.values()), verdicts)
+    if ctx.device != "cpu" and rule == "on":
+        result["cost"] = {"shapes (sequences, tokens)": SPECULATIVE_SHAPES,
+                          "rule / plan, geometric mean": decode_cost_ratio(model, shapes=SPECULATIVE_SHAPES)}
+        ctx.log(f"row invariance bf16 cost: {result['cost']['rule / plan, geometric mean']:.3f}x the plan's passes")
     ctx.log("row invariance bf16: " + ", ".join(f"{k}: {v}" for k, v in verdicts.items()))
 
 

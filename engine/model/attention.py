@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from engine.model.kernels import one_sequence
+from engine.model.kernels import invariant, one_sequence
 
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 FEW_QUERY_ROWS = 16  # attention passes of at most this many query rows (decode, verify) count as few
@@ -25,8 +25,8 @@ GROUPED_QUERY_CHUNK = 128  # queries per call of the grouped attention matmuls (
 def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int, mask: str,
                      flash_gqa: bool = False) -> str:
     """Which attention code a pass of B rows of T queries over L keys (H query heads, Hkv KV
-    heads) takes on `device_type` ("cpu", "cuda", or a CPU rule under row-count invariance,
-    engine/model/invariance.py: "cpu_invariant" in bf16, "cpu_fixed_order" in float32); mask:
+    heads) takes on `device_type` ("cpu", "cuda", or a rule under row-count invariance,
+    engine/model/invariance.py: "cpu_invariant" or "cpu_fixed_order" on CPU, "cuda_fixed_order"); mask:
     "none" (every key visible), "causal_tail" (each row's queries are exactly its last T keys:
     lower-right causal) or "general" (any boolean mask);
     flash_gqa: flash attention takes these inputs with GQA (half precision, head_dim, GPU).
@@ -36,7 +36,8 @@ def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int,
     with is_causal or causal_lower_right, no mask tensor, GQA by enable_gqa); "sdpa_causal_expanded"
     and "sdpa_expanded" (the same, and the boolean mask, with K/V repeated to every query head, so
     the memory-efficient kernel takes them); "fixed_order" (a C kernel summing each query row over
-    the keys it sees in key order). Every branch computes the same attention; on CUDA the
+    the keys it sees in key order); "fixed_order_triton" (its Triton twin, kernels/invariant.py).
+    Every branch computes the same attention; on CUDA the
     rule keeps masked GQA passes off the math kernel, whose scores are [B, heads, T, L] float32.
     """
     few = T <= FEW_QUERY_ROWS
@@ -44,6 +45,8 @@ def attention_branch(device_type: str, B: int, T: int, L: int, H: int, Hkv: int,
         return "grouped"
     if device_type == "cpu_fixed_order":
         return "fixed_order"
+    if device_type == "cuda_fixed_order":
+        return "fixed_order_triton"
     if device_type != "cuda":
         return "sdpa" if B == 1 or not few else "grouped"
     gqa = H != Hkv
@@ -72,6 +75,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return grouped_matmuls(q, k, v, mask, scale)
     if branch == "fixed_order":  # row-count invariance (kernels/fixed_order_attention.c)
         return one_sequence.load().attention(q, k, v, mask, scale).to(q.dtype)
+    if branch == "fixed_order_triton":
+        return invariant.fixed_order_attention(q, k, v, mask, scale)
     keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [B, kv_heads, L, D]
     gqa = H != Hkv
     if gqa and (branch in ("sdpa_expanded", "sdpa_causal_expanded")

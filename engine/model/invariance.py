@@ -17,6 +17,11 @@ In float32 oneDNN's rows differ too, and the batched matmuls block the attention
 key count; so every pass takes the column-block kernel (each output one chain of multiply-adds
 over k in order, whatever the row count) and fixed-order attention (kernels/fixed_order_attention.c).
 
+On CUDA cuBLAS picks its kernel and split-K by the row count and SDPA's kernels split the keys by
+the batch; the CUDA rule (triton_rule) runs dense linears and attention on kernels/invariant.py's
+fixed-tile, fixed-order Triton kernels, beside the fused kernels' per-row norms and RoPE, and auto
+keeps it where its measured cost is at most CUDA_AUTO_COST.
+
 `linear_rows_rule` probes a model's weights at load; `check_passes` is the harness: a multi-token
 pass against the same tokens decoded one at a time, bitwise on logits and the K/V written.
 """
@@ -46,6 +51,8 @@ ONE_ROW_SPAN, ONE_ROW_STRIDE = 2048, 7
 ONE_ROW_SAFE_WIDTH = 1024
 PLAIN_SHAPES = ((1, 1), (16, 1))  # a plain-only engine's decode passes (sequences, tokens each), as plan.py's
 PLAIN_CONTEXT = 128  # keys each timed decode pass attends to
+SPECULATIVE_SHAPES = ((1, 1), (16, 1), (1, 5), (16, 5))  # a speculative engine's decode and verify passes (K = 4)
+CUDA_AUTO_COST = 1.05  # auto keeps the CUDA rule where its passes cost at most this many times the plan's
 
 
 def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dtype: torch.dtype,
@@ -82,19 +89,20 @@ def linear_rows_rule(linear: Callable, weights: list, in_features: list[int], dt
 def choose_invariance(model, setting: str, speculative: bool = True, cache: Path | None = None) -> str:
     """Puts the target `model` on the invariant rule where `setting` asks for it and this device
     can (auto: in a speculative engine, where the harness then passes at batch 1 and 2 over a pool
-    of its own, else back off; in a plain-only engine, only where its decode passes are also
-    measured faster on the rule: plain_only_rule, its measurement kept in `cache`); "on" or "off: why"."""
+    of its own, and on CUDA where its passes also cost at most CUDA_AUTO_COST the plan's, else back
+    off; in a plain-only engine, only where its decode passes are also measured faster on the rule:
+    plain_only_rule); a measured ratio is kept in `cache` (the plan's key). "on" or "off: why"."""
     if setting == "off":
         return "off: batch_invariant is off"
     if setting == "auto" and not speculative:
         return plain_only_rule(model, cache)
-    if model.device.type != "cpu":
-        return "off: not built for CUDA yet"
     problem = _rule_checked(model)
     if problem is None:
         if model.dtype != torch.float32 and model.plan.one_sequence_kernel:  # the bf16 rule: oneDNN for every pass
             log.warning("batch_invariant: the bf16 rule runs every pass on oneDNN, so forward_plan one_sequence_kernel "
                         "takes no pass (batch_invariant off keeps it)")
+        if setting == "auto" and model.device.type != "cpu":
+            return _within_cost(model, cache, SPECULATIVE_SHAPES, CUDA_AUTO_COST)
         return "on"
     if setting == "on":
         log.warning("batch_invariant on, but rows would differ with their pass (%s): %s", problem,
@@ -125,28 +133,38 @@ def plain_only_rule(model, cache: Path | None = None) -> str:
     interleaved; its bits then equal a speculative engine's as a bonus. Considered where the rule
     adds no copy of the weights: bf16 with the kernels built (fixed-order attention, oneDNN's own
     weights), float32 where the plan took the one-sequence kernel, whose column-block weights the
-    rule reuses; elsewhere the plan's paths. The ratio is read from `cache` where an earlier start
-    left it (the plan's key: host, torch, kernels, model), so a restart keeps its verdict and its
-    bits. "on" or "off: why"."""
-    kernels = model.device.type == "cpu" and one_sequence.load() is not None
-    adds_none = model.dtype == torch.bfloat16 or model.dtype == torch.float32 and model.plan.one_sequence_kernel
+    rule reuses, and CUDA (its dense weights as they are); elsewhere the plan's paths. The ratio is
+    read from `cache` where an earlier start left it (the plan's key: host, torch, kernels, model),
+    so a restart keeps its verdict and its bits. "on" or "off: why"."""
+    cuda = model.device.type != "cpu"
+    kernels = cuda or one_sequence.load() is not None
+    adds_none = cuda or model.dtype == torch.bfloat16 or model.dtype == torch.float32 and model.plan.one_sequence_kernel
     if not (kernels and adds_none):
         return "off: a plain-only engine keeps its plan's paths (batch_invariant on matches a speculative engine's bits)"
     problem = _rule_checked(model)
     if problem is not None:
         model.make_row_invariant(None)
         return f"off: {problem}"
+    return _within_cost(model, cache, PLAIN_SHAPES, None)
+
+
+def _within_cost(model, cache: Path | None, shapes: tuple, most: float | None) -> str:
+    """Keeps `model` on its rule where its passes at `shapes` take at most `most` times the plan's
+    time (None: less than the plan's), the ratio read from `cache` or measured (decode_cost_ratio)
+    and written there; "on" or "off: why"."""
     ratio, source = _cached_ratio(cache), "cached"
     if ratio is None:
-        ratio, source = decode_cost_ratio(model), "measured"
+        ratio, source = decode_cost_ratio(model, shapes=shapes), "measured"
         if cache is not None:
-            write_cached(cache, {"ratio": ratio}, "the plain-only rule's measurement")
-    log.info("batch_invariant auto, plain-only engine: its decode passes take %.3fx the time on the rule (%s; %s)",
-             ratio, source, "on" if ratio < 1 else "off")
-    if ratio < 1:
+            write_cached(cache, {"ratio": ratio}, "the invariant rule's measurement")
+    on = ratio < 1 if most is None else ratio <= most
+    log.info("batch_invariant auto: this engine's passes take %.3fx the time on the rule (%s; %s)",
+             ratio, source, "on" if on else "off")
+    if on:
         return "on"
     model.make_row_invariant(None)
-    return f"off: a plain-only engine's decode passes took {ratio:.2f}x the time on the rule"
+    bar = "a plain-only engine's decode passes" if most is None else f"auto allows {most:.2f}x; its passes"
+    return f"off: {bar} took {ratio:.2f}x the time on the rule"
 
 
 def _cached_ratio(cache: Path | None) -> float | None:
@@ -156,25 +174,25 @@ def _cached_ratio(cache: Path | None) -> float | None:
         return None
 
 
-def decode_cost_ratio(model, repeats: int = 5) -> float:
-    """Geometric mean over PLAIN_SHAPES of the median decode pass's seconds on the rule ÷ on the
+def decode_cost_ratio(model, repeats: int = 5, shapes: tuple = PLAIN_SHAPES) -> float:
+    """Geometric mean over `shapes` (sequences, tokens each) of the median pass's seconds on the rule ÷ on the
     plan's paths (the rule applied first where it is not on), interleaved over a pool of its own;
     the model is left on the rule."""
     if model.invariant_rule is None and (problem := _apply_rule(model)) is not None:
         raise ValueError(f"no rule to time: {problem}")
     rule = model.invariant_rule
     context = min(PLAIN_CONTEXT, model.cos.shape[0] - 2)
-    rows = max(b for b, _ in PLAIN_SHAPES)
-    pool = pool_for(model, rows, context + 2)
+    rows = max(b for b, _ in shapes)
+    pool = pool_for(model, rows, context + max(t for _, t in shapes) + 1)
     slots = fill_slots(model, pool, rows, context)
     ratios = []
     try:
-        for batch, tokens in PLAIN_SHAPES:
+        for batch, tokens in shapes:
             times: dict[bool, list[float]] = {True: [], False: []}
             for r in range(repeats + 1):
                 for on in (True, False) if r % 2 else (False, True):
                     model.make_row_invariant(*rule) if on else model.make_row_invariant(None)
-                    seconds = time_pass(model, pool, slots[:batch], tokens, context, False)
+                    seconds = time_pass(model, pool, slots[:batch], tokens, context, tokens > 1)
                     if r:  # the first of each: untimed
                         times[on].append(seconds)
             ratios.append(statistics.median(times[True]) / statistics.median(times[False]))
@@ -186,9 +204,12 @@ def decode_cost_ratio(model, repeats: int = 5) -> float:
 
 
 def _apply_rule(model) -> str | None:
-    """Puts `model` on its dtype's rule (float32: every pass on the column-block kernel, which sums
-    each output in one order whatever the row count, and fixed-order attention; bf16: oneDNN with
-    the probed one-row widths padded, fixed-order or grouped attention); why it cannot, or None."""
+    """Puts `model` on its device's and dtype's rule (CUDA: triton_rule; float32 on CPU: every pass
+    on the column-block kernel, which sums each output in one order whatever the row count, and
+    fixed-order attention; bf16 on CPU: oneDNN with the probed one-row widths padded, fixed-order
+    or grouped attention); why it cannot, or None."""
+    if model.device.type != "cpu":
+        return triton_rule(model)
     if model.dtype == torch.float32:
         if model.quantized or any(lw.mlp.weights() for lw in model.layers):
             return ("float32 takes the column-block kernel, which runs the layers' own dense weights only (not "
@@ -196,7 +217,7 @@ def _apply_rule(model) -> str | None:
         if model.shape.head_dim % 8:
             return f"float32's fixed-order attention takes head_dim a multiple of 8, not {model.shape.head_dim}"
         try:
-            model.make_row_invariant(frozenset(), columns=True)
+            model.make_row_invariant(frozenset(), "columns")
         except ValueError as e:  # the kernels do not build or run here
             return str(e)
         return None
@@ -204,6 +225,24 @@ def _apply_rule(model) -> str | None:
     if rows is None:
         return seen
     model.make_row_invariant(rows)
+    return None
+
+
+def triton_rule(model) -> str | None:
+    """Puts `model` on the CUDA rule: its dense linears and attention on kernels/invariant.py's
+    fixed-tile, fixed-order kernels, its norms, RoPE and K/V write on the fused kernels (one program
+    a row or a head), quantized linears on their own kernels (K splits fixed by the weight, never
+    the rows); why it cannot, or None. Runs on CPU under Triton's interpreter (tests)."""
+    if not model.fused:
+        return ("the CUDA rule's norms, RoPE and K/V write are the fused kernels' (one program a row): "
+                "fused_kernels is off for this model")
+    D = model.shape.head_dim
+    if D & (D - 1) or D < 16:
+        return f"the CUDA rule's attention takes head_dim a power of two from 16, not {D}"
+    try:
+        model.make_row_invariant(frozenset(), "triton")
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -19,7 +19,7 @@ from torch.nn.attention import sdpa_kernel
 from engine.config import ModelPlan
 from engine.kv.protocol import AttentionGroup, KVView
 from engine.model.attention import CUDA_ATTENTION_BACKENDS, attend, attention_branch
-from engine.model.kernels import fused, one_sequence
+from engine.model.kernels import fused, invariant, one_sequence
 from engine.model.linears import any_linear, at_least_rows, onednn_reorders, reordered_linear
 from engine.model.mlp import silu_mul
 from engine.model.packing import Packing
@@ -40,6 +40,7 @@ class CapturedPassesLike(Protocol):
 
 
 MATMULS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer
+INVARIANT_RULES = ("onednn", "columns", "triton")  # make_row_invariant's kinds (invariance.py)
 
 
 class OneSequencePath(NamedTuple):
@@ -63,7 +64,7 @@ class Transformer:
     fused: bool = False  # each layer's pointwise work in fused kernels (engine/model/fused_check.py), set at load
     row_invariant: bool = False  # each row's bits independent of its pass (engine/model/invariance.py), set at load
     columns_always: bool = False  # every pass on the one-sequence path (its column-block kernel), under invariance
-    invariant_rule: tuple[frozenset[int], bool] | None = None  # make_row_invariant's arguments while on
+    invariant_rule: tuple[frozenset[int], str] | None = None  # make_row_invariant's arguments while on
 
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int, plan: ModelPlan):
@@ -101,22 +102,42 @@ class Transformer:
             self._reorder_for_onednn()
         self._plan_linear, self._plan_rule = self._linear, self.attention_rule  # make_row_invariant(None) restores them
 
-    def make_row_invariant(self, pad_widths: frozenset[int] | None, columns: bool = False) -> None:
-        """Every pass on a rule that keeps a row's bits independent of its pass (invariance.py):
-        fixed-order attention (grouped matmuls where the kernels cannot load) and one-row linears
-        of `pad_widths` input features run as two rows (bf16);
-        or, `columns`, every pass on the one-sequence path's column-block kernel with fixed-order
-        attention (float32, the kernels built: a ValueError where they cannot run). None: back to
-        the plan's paths."""
+    def make_row_invariant(self, pad_widths: frozenset[int] | None, kind: str = "onednn") -> None:
+        """Every pass on a rule that keeps a row's bits independent of its pass (invariance.py), by
+        `kind`: "onednn" (bf16 on CPU), fixed-order attention (grouped matmuls where the kernels
+        cannot load) and one-row linears of `pad_widths` input features run as two rows; "columns"
+        (float32 on CPU), every pass on the one-sequence path's column-block kernel with fixed-order
+        attention (a ValueError where the kernels cannot run); "triton" (CUDA), dense linears and
+        attention on kernels/invariant.py's fixed-tile, fixed-order kernels (a ValueError where a
+        weight is not a dense tensor). None: back to the plan's paths."""
+        if kind not in INVARIANT_RULES:
+            raise ValueError(f"make_row_invariant: kind {kind!r} is none of {INVARIANT_RULES}")
         on = pad_widths is not None
+        columns = kind == "columns"
         if columns and on and self._one_sequence is None:
             self._one_sequence = self._one_sequence_path()  # the plan did not take it: blocked now
+        if kind == "triton" and on:
+            linear = any_linear(self._dense_weights_linear(), self.quantized)
+        elif on and not columns:
+            linear = at_least_rows(self._plan_linear, pad_widths)
+        else:
+            linear = self._plan_linear
         self.columns_always = columns and on
         fixed_order = columns or self.device.type == "cpu" and one_sequence.load() is not None
-        self.attention_rule = ("cpu_fixed_order" if fixed_order else "cpu_invariant") if on else self._plan_rule
-        self._linear = at_least_rows(self._plan_linear, pad_widths) if on and not columns else self._plan_linear
+        rule = "cuda_fixed_order" if kind == "triton" else "cpu_fixed_order" if fixed_order else "cpu_invariant"
+        self.attention_rule = rule if on else self._plan_rule
+        self._linear = linear
         self.row_invariant = on
-        self.invariant_rule = (pad_widths, columns) if on else None
+        self.invariant_rule = (pad_widths, kind) if on else None
+
+    def _dense_weights_linear(self) -> Callable:
+        """kernels/invariant.py's dense linear, once every dense matmul weight is a plain tensor
+        (as on CUDA; oneDNN's reordered CPU weights are not): a ValueError naming one that is not."""
+        for name, w in [("lm_head", self.lm_head)] + [(n, getattr(lw, n)) for lw in self.layers for n in MATMULS]:
+            if isinstance(w, torch.Tensor) and (w.is_mkldnn or w.layout != torch.strided):
+                raise ValueError(f"batch_invariant's CUDA rule multiplies plain dense weights; {name} is laid out "
+                                 f"for oneDNN")
+        return invariant.dense_linear
 
     def linear_probe(self, columns: bool = False) -> tuple[Callable, list, list[int]]:
         """(this model's linear, a weight of each matmul and the output layer, their input widths),
@@ -242,8 +263,9 @@ class Transformer:
 
     def _attention_inputs(self, kv: KVView, position_ids: torch.Tensor) -> list[AttentionGroup] | PagedMask:
         """Who reads which keys, once per pass: the block mask where this pass reads the pool in
-        place, else the view's groups (each gathers its keys) with their masks."""
-        if self.paged is not None and self.paged.takes(position_ids.shape[1], kv):
+        place (never under row-count invariance: the in-place kernel is not fixed-order), else the
+        view's groups (each gathers its keys) with their masks."""
+        if self.paged is not None and not self.row_invariant and self.paged.takes(position_ids.shape[1], kv):
             return self.paged.mask(kv, position_ids)
         return kv.attention_groups(position_ids)
 

@@ -164,7 +164,7 @@ def _tile(limit: int, widest: int = 128) -> int:
     return tile
 
 
-def _launch(kernel, x: torch.Tensor, N: int, block_k: int, weights: tuple, ints: tuple, **constexprs) -> torch.Tensor:
+def launch(kernel, x: torch.Tensor, N: int, block_k: int, weights: tuple, ints: tuple, **constexprs) -> torch.Tensor:
     """Runs `kernel` over x [M, K] -> [M, N] (the weight's tensors, then its ints), its splits
     summed in order where K splits."""
     M, K = x.shape
@@ -187,7 +187,7 @@ def fp8_linear(x: torch.Tensor, layer, native: bool = True) -> torch.Tensor:
     bn, bk = layer.block
     widest = TILES[x.dtype][1]
     w = layer.data if native else layer.data.view(torch.uint8)
-    return _launch(kernels()[0], x, layer.shape[0], min(64, widest) if bk >= K else _tile(bk, widest), (w, layer.scale),
+    return launch(kernels()[0], x, layer.shape[0], min(64, widest) if bk >= K else _tile(bk, widest), (w, layer.scale),
                    (layer.scale.shape[1], bn, bk), NATIVE=native)
 
 
@@ -195,5 +195,5 @@ def int4_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """x [M, K] -> [M, N] for a 4-bit QuantLinear."""
     if layer.group % 8:
         raise ValueError(f"a group of {layer.group} inputs is not a multiple of 8: no GPU kernel")
-    return _launch(kernels()[1], x, layer.shape[0], INT4_BLOCK_K, (layer.data, layer.scale, layer.zero),
+    return launch(kernels()[1], x, layer.shape[0], INT4_BLOCK_K, (layer.data, layer.scale, layer.zero),
                    (layer.scale.shape[1], layer.group), ONE_GROUP=layer.group % INT4_BLOCK_K == 0)
