@@ -51,7 +51,9 @@ ONE_ROW_SPAN, ONE_ROW_STRIDE = 2048, 7
 ONE_ROW_SAFE_WIDTH = 1024
 PLAIN_SHAPES = ((1, 1), (16, 1))  # a plain-only engine's decode passes (sequences, tokens each), as plan.py's
 PLAIN_CONTEXT = 128  # keys each timed decode pass attends to
-SPECULATIVE_SHAPES = ((1, 1), (16, 1), (1, 5), (16, 5))  # a speculative engine's decode and verify passes (K = 4)
+# a speculative engine's decode and verify passes (K = 4), and a prefill chunk (the CUDA rule's linears take
+# 16-row tiles at any width, so a wide pass is where it may cost most)
+SPECULATIVE_SHAPES = ((1, 1), (16, 1), (1, 5), (16, 5), (1, 256))
 CUDA_AUTO_COST = 1.05  # auto keeps the CUDA rule where its passes cost at most this many times the plan's
 
 
@@ -181,9 +183,10 @@ def decode_cost_ratio(model, repeats: int = 5, shapes: tuple = PLAIN_SHAPES) -> 
     if model.invariant_rule is None and (problem := _apply_rule(model)) is not None:
         raise ValueError(f"no rule to time: {problem}")
     rule = model.invariant_rule
-    context = min(PLAIN_CONTEXT, model.cos.shape[0] - 2)
+    widest = max(t for _, t in shapes)
+    context = max(1, min(PLAIN_CONTEXT, model.cos.shape[0] - widest - 2))
     rows = max(b for b, _ in shapes)
-    pool = pool_for(model, rows, context + max(t for _, t in shapes) + 1)
+    pool = pool_for(model, rows, context + widest + 1)
     slots = fill_slots(model, pool, rows, context)
     ratios = []
     try:
